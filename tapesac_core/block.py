@@ -1,0 +1,171 @@
+"""One call of a checkpointed block: its tape, the tensors it keeps, and its unpack entry point."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import TapeSACError
+from .replay import Replay, replay_mode
+from .tape import BUFFER, OP, PARAM, Node, Tape, Value, producer_closure
+from .timing import NodeTimer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class BlockTrace:
+    """What one block call recorded and replayed; holds no tensors."""
+
+    tape: Tape
+    saved: frozenset[int] = frozenset()   # op values held for backward (S0 and planned) after forward
+    replayed: list[int] = field(default_factory=list)       # node indices run by replay, in order
+    node_times: dict[int, list[Any]] = field(default_factory=dict)  # node index -> timer samples
+    alive_taken: set[int] = field(default_factory=set)      # demanded values taken alive, not replayed
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes this block keeps for backward beyond its leaves (storages counted once)."""
+        return self.tape.bytes_of(self.saved)
+
+
+class Packed:
+    """What autograd keeps for a saved tensor of a block: the block and a value id."""
+
+    __slots__ = ("block", "vid", "gid")
+
+    def __init__(self, block: Block, vid: int) -> None:
+        self.block, self.vid, self.gid = block, vid, None
+
+
+def unpack(packed: Packed) -> torch.Tensor:
+    """The saved-tensor unpack hook of every block."""
+    return packed.block.unpack(packed)
+
+
+class Block:
+    """State of one checkpointed block call, from its forward to the end of its backward."""
+
+    def __init__(self, name: str, region: str, module: torch.nn.Module | None,
+                 plan_coords: frozenset, recording: Callable[[], Any]) -> None:
+        self.name, self.region, self.module = name, region, module
+        self.plan_coords = plan_coords
+        self.nodes: list[Node] = []
+        self.values: list[Value] = []
+        self.storage_bytes: list[int] = []
+        self.demand: set[int] = set()
+        self.mandatory: dict[int, str] = {}
+        self.planned: set[int] = set()
+        self.planned_seen: set[tuple] = set()
+        self.held: dict[int, torch.Tensor] = {}
+        self.refs: dict[int, Any] = {}
+        self.pack_count: Counter[int] = Counter()
+        self.current_module: str | None = None
+        self.timer: Any = None
+        self.recording = True
+        self._active_recording = recording
+        self._replay: tuple[int, Replay] | None = None
+        self.device_types: set[str] = set()
+        self.trace = BlockTrace(Tape(name, region, self.nodes, self.values, self.storage_bytes,
+                                     frozenset(), {}, frozenset()))
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    @property
+    def replayed(self) -> list[int]:
+        return self.trace.replayed
+
+    @property
+    def node_times(self) -> dict[int, list[Any]]:
+        return self.trace.node_times
+
+    @property
+    def alive_taken(self) -> set[int]:
+        return self.trace.alive_taken
+
+    def handle(self, vid: int) -> Packed:
+        return Packed(self, vid)
+
+    def is_kept(self, vid: int) -> bool:
+        """Available without replay: held by the block, or a parameter/buffer fetched by name."""
+        return vid in self.held or self.values[vid].kind in (PARAM, BUFFER)
+
+    def kept_tensor(self, vid: int) -> torch.Tensor:
+        t = self.held.get(vid)
+        return t if t is not None else self._fetch(self.values[vid])
+
+    def _fetch(self, value: Value) -> torch.Tensor:
+        """A parameter or buffer by name, as the module holds it now (FSDP2: the re-gathered one)."""
+        get = self.module.get_parameter if value.kind == PARAM else self.module.get_buffer
+        t = get(value.name)
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise TapeSACError(
+                f"block {self.name!r}: {value.kind} {value.name!r} is a {type(t).__name__} at "
+                "backward time, not the unsharded tensor forward used. Fix: shard with FSDP2 at "
+                "the checkpointed module or above it (fully_shard(block) after checkpoint_module)")
+        return t
+
+    def closure(self, targets: Any, available: Callable[[int], bool]) -> set[int]:
+        return producer_closure(self.nodes, self.values, targets, available)
+
+    def finish(self) -> None:
+        """End of forward: drop kept tensors no replay or unpack can reach; freeze the tape."""
+        self.recording = False
+        needed = set(self.demand)
+        for index in self.closure(self.demand, self.is_kept):
+            needed.update(self.nodes[index].deps)
+        for vid in [v for v in self.held if v not in needed]:
+            del self.held[vid]
+        missing = self.plan_coords - self.planned_seen
+        if missing:
+            logger.warning("block %r (region %r): the plan names coordinates this block does not "
+                           "have, nothing saved for them: %s", self.name, self.region,
+                           ", ".join(map(str, sorted(missing))))
+        self.device_types = {v.meta.device.type for v in self.values}
+        tape = Tape(self.name, self.region, self.nodes, self.values, self.storage_bytes,
+                    frozenset(self.demand), dict(self.mandatory), frozenset(self.planned))
+        self.trace.tape = tape
+        self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
+
+    def enable_timing(self) -> None:
+        """Time every node this block replays (on its accelerator if it has one)."""
+        devices = [v.meta.device for v in self.values if v.meta.device.type != "cpu"]
+        self.timer = NodeTimer(devices[0] if devices else torch.device("cpu"))
+
+    # ------------------------------------------------------------------ backward
+
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        """Autograd unpacks a saved value: return it, replaying its producers if needed."""
+        active = self._active_recording()
+        if self.recording or active is not None:
+            raise TapeSACError(
+                f"block {self.name!r}: a saved tensor was unpacked (a backward pass ran) during the "
+                f"forward of block {(active or self).name!r}. Reentrant use is not supported: do not "
+                "call backward or torch.autograd.grad inside a checkpointed module")
+        gid = torch._C._current_graph_task_id()
+        if gid != -1 and torch.is_grad_enabled():
+            raise TapeSACError(
+                f"block {self.name!r}: backward with create_graph=True (double backward) through a "
+                "TapeSAC block is not supported. Fix: do not checkpoint this module for "
+                "higher-order gradients, or use torch.utils.checkpoint for it")
+        vid = packed.vid
+        if self.is_kept(vid):
+            return self.kept_tensor(vid)
+        replay = self._replay_for(gid)
+        consume = packed.gid != gid or gid == -1
+        packed.gid = gid
+        with replay_mode(self.device_types):
+            return replay.take(vid, consume)
+
+    def _replay_for(self, gid: int) -> Replay:
+        """One replay state per backward pass; a second backward (retain_graph) replays again."""
+        if gid == -1:
+            return Replay(self)
+        if self._replay is None or self._replay[0] != gid:
+            self._replay = (gid, Replay(self))
+        return self._replay[1]

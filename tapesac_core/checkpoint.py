@@ -1,0 +1,259 @@
+"""Public entry points: checkpoint a function or a module, apply a plan, record or trace blocks.
+
+Contract, as for ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: the block's forward
+runs once, normally; autograd's saved tensors are replaced by value ids except the mandatory set
+S0 and the values the active plan saves; backward replays, on demand, only the producers of the
+values it unpacks. Loss and gradients are bitwise those of running without checkpointing.
+
+When grad is disabled a block runs plainly. In eval mode with grad enabled it is still
+checkpointed. Raises ``TapeSACError`` for a block nested in another, a block run during a backward
+pass (reentrant checkpointing), ``torch.utils.checkpoint`` around a block, double backward, and
+in-place writes into block inputs, parameters or buffers.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .block import Block, BlockTrace, unpack
+from .errors import TapeSACError
+from .recorder import Recorder
+from .tape import Coord, Tape
+
+M = TypeVar("M", bound=torch.nn.Module)
+PlanSpec = Mapping[str, Any]
+
+_RECORDING: ContextVar[Block | None] = ContextVar("tapesac_recording", default=None)
+_PLAN: ContextVar[_PlanScope | None] = ContextVar("tapesac_plan", default=None)
+_TRACE: ContextVar[_TraceScope | None] = ContextVar("tapesac_trace", default=None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+    """How a module is checkpointed: its region type and, once known, its path in the model."""
+
+    region: str
+    path: str | None = None
+
+
+# ---------------------------------------------------------------------- plans
+
+
+def _is_coord(c: Any) -> bool:
+    return (isinstance(c, (tuple, list)) and len(c) == 3 and isinstance(c[0], str)
+            and isinstance(c[1], int) and isinstance(c[2], int))
+
+
+def _coords(collection: Any, region: str) -> frozenset[Coord]:
+    coords = list(collection)
+    bad = [c for c in coords if not _is_coord(c)]
+    if bad:
+        raise TapeSACError(f"plan for region {region!r}: {bad[0]!r} is not a coordinate "
+                           "(op_name, k, j), e.g. ('aten.mm.default', 0, 0)")
+    return frozenset((c[0], c[1], c[2]) for c in coords)
+
+
+def normalize_plan(plan: PlanSpec) -> dict[str, frozenset[Coord] | list[frozenset[Coord]]]:
+    """Coordinates per region, or one coordinate set per block of the region in forward order."""
+    if not isinstance(plan, Mapping):
+        raise TapeSACError(f"a plan maps region names to coordinates, got {type(plan).__name__}")
+    out: dict[str, Any] = {}
+    for region, entry in plan.items():
+        items = list(entry)
+        if items and all(not _is_coord(i) and isinstance(i, (set, frozenset, list, tuple))
+                         for i in items):
+            out[region] = [_coords(i, region) for i in items]
+        else:
+            out[region] = _coords(items, region)
+    return out
+
+
+class _PlanScope:
+    def __init__(self, plan: PlanSpec) -> None:
+        self.plan = normalize_plan(plan)
+        self.blocks: Counter[str] = Counter()
+
+    def coords_for(self, region: str) -> frozenset[Coord]:
+        entry = self.plan.get(region, frozenset())
+        if isinstance(entry, list):
+            i = self.blocks[region]
+            self.blocks[region] += 1
+            return entry[i % len(entry)] if entry else frozenset()
+        return entry
+
+
+@contextmanager
+def use_plan(plan: PlanSpec) -> Iterator[None]:
+    """Blocks recorded inside save the plan's coordinates (plus S0); outside, blocks are must-only.
+
+    ``plan`` maps a region name to coordinates ``(op_name, k, j)``, or to a list with one
+    coordinate collection per block of that region in forward order (block ``i`` uses entry
+    ``i mod len(list)``, so one plan serves every micro-batch inside the context).
+    """
+    token = _PLAN.set(_PlanScope(plan))
+    try:
+        yield
+    finally:
+        _PLAN.reset(token)
+
+
+# ---------------------------------------------------------------------- traces
+
+
+class _TraceScope:
+    def __init__(self, time_nodes: bool) -> None:
+        self.time_nodes = time_nodes
+        self.blocks: list[BlockTrace] = []
+
+
+@contextmanager
+def trace(time_nodes: bool = False) -> Iterator[list[BlockTrace]]:
+    """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays)."""
+    scope = _TraceScope(time_nodes)
+    token = _TRACE.set(scope)
+    try:
+        yield scope.blocks
+    finally:
+        _TRACE.reset(token)
+
+
+# ---------------------------------------------------------------------- blocks
+
+
+def _refuse_outer_torch_checkpoint(name: str) -> None:
+    """torch.utils.checkpoint (non-reentrant) installs saved-tensor hooks around what it wraps."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint":
+        raise TapeSACError(
+            f"block {name!r} runs inside torch.utils.checkpoint. Fix: remove the outer "
+            "checkpoint; TapeSAC already checkpoints this block")
+
+
+@contextmanager
+def _autocast_weight_cache_disabled() -> Iterator[None]:
+    """Autocast caches casts of parameters: a cached cast never reaches the dispatcher again, so
+    the tape would see it as an external tensor and keep it. Casting again is cheap."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
+def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
+               module: torch.nn.Module | None, name: str) -> Any:
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    outer = _RECORDING.get()
+    if outer is not None:
+        raise TapeSACError(f"block {name!r} is nested inside checkpointed block {outer.name!r}. "
+                           "Fix: checkpoint only one of them")
+    if torch._C._current_graph_task_id() != -1:
+        raise TapeSACError(
+            f"block {name!r} ran during a backward pass (reentrant checkpointing, e.g. "
+            "torch.utils.checkpoint(use_reentrant=True) around it). Fix: remove the outer checkpoint")
+    _refuse_outer_torch_checkpoint(name)
+    plan = _PLAN.get()
+    scope = _TRACE.get()
+    block = Block(name, region, module, plan.coords_for(region) if plan else frozenset(),
+                  _RECORDING.get)
+    if scope is not None:
+        scope.blocks.append(block.trace)
+    recorder = Recorder(block)
+    recorder.register_inputs([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+    token = _RECORDING.set(block)
+    try:
+        with _autocast_weight_cache_disabled(), \
+                torch.autograd.graph.saved_tensors_hooks(recorder.pack, unpack), recorder:
+            out = fn(*args, **kwargs)
+    finally:
+        _RECORDING.reset(token)
+    block.finish()
+    if scope is not None and scope.time_nodes:
+        block.enable_timing()
+    return out
+
+
+def _module_of(fn: Callable[..., Any]) -> torch.nn.Module | None:
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, region: str = "default", **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` as one checkpointed block with tape record and replay."""
+    module = _module_of(fn)
+    name = getattr(getattr(module, "_tapesac", None), "path", None) or getattr(
+        fn, "__qualname__", type(fn).__name__)
+    return _run_block(fn, args, kwargs, region, module, name)
+
+
+def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    config: BlockConfig = self._tapesac
+    return _run_block(self._tapesac_forward, args, kwargs, config.region, self,
+                      config.path or type(self).__name__)
+
+
+def checkpoint_module(module: M, region: str | None = None) -> M:
+    """Make every forward call of ``module`` a checkpointed block; patches forward in place."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"checkpoint_module takes an nn.Module, got {type(module).__name__}")
+    if hasattr(module, "_tapesac"):
+        raise TapeSACError(f"{type(module).__name__} is already checkpointed by TapeSAC")
+    # Bound methods deep-copy with their module, so a copied model checkpoints its own blocks.
+    module._tapesac_forward = module.forward
+    module._tapesac = BlockConfig(region=region or type(module).__name__)
+    module.forward = types.MethodType(_checkpointed_forward, module)
+    return module
+
+
+def checkpoint_modules(model: torch.nn.Module,
+                       policy: set[type[torch.nn.Module]] | Callable[[torch.nn.Module], bool],
+                       regions: Mapping[type[torch.nn.Module], str] | None = None) -> list[str]:
+    """Checkpoint every submodule of ``model`` the policy selects; returns their paths."""
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        classes = tuple(policy)
+        if not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+            raise TypeError("policy must be a set of nn.Module classes or a Module -> bool callable")
+        selects: Callable[[torch.nn.Module], bool] = lambda m: isinstance(m, classes)  # noqa: E731
+    elif callable(policy):
+        selects = policy
+    else:
+        raise TypeError("policy must be a set of nn.Module classes or a Module -> bool callable, "
+                        f"got {type(policy).__name__}")
+    paths = []
+    for path, module in model.named_modules():
+        if selects(module) and not _inside(path, paths):
+            region = next((r for c, r in (regions or {}).items() if isinstance(module, c)), None)
+            checkpoint_module(module, region)
+            module._tapesac = BlockConfig(region=module._tapesac.region, path=path)
+            paths.append(path)
+    if not paths:
+        raise TapeSACError(f"the activation checkpointing policy {policy!r} matches no module of "
+                           f"{type(model).__name__}. Fix: name the block class, e.g. "
+                           "{DecoderLayer}, or a callable that selects it")
+    return paths
+
+
+def _inside(path: str, parents: list[str]) -> bool:
+    return any(path.startswith(p + ".") or p == "" for p in parents)
+
+
+def record(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Tape:
+    """Run ``fn`` once as a block (grad enabled) and return its tape, for analysis and tests."""
+    with torch.enable_grad(), trace() as blocks:
+        checkpoint(fn, *args, **kwargs)
+    return blocks[0].tape
+
+

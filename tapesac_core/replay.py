@@ -1,0 +1,170 @@
+"""Replay: regenerate, during backward, only the values autograd unpacks.
+
+One ``Replay`` serves one backward pass (one autograd graph task) of one block. At its start it
+counts, for every value the replay may produce, how many times it will be read (by replayed nodes
+and by autograd). On each unpack of a value that is not available it runs the value's producer
+closure, stopping at available values (leaves, held values, values replayed earlier and still
+live), in tape order; each replayed value is freed after its last read.
+
+Replay never writes into a tensor it does not own (a held value, a leaf, a value still alive
+elsewhere, or one already handed to autograd): such a write goes into a copy of the storage.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+
+from .errors import TapeSACError
+from .ops import rebuild_output
+from .recorder import flat_tensors, on_storage
+from .tape import ALIAS_OP, Meta, Node, Slot
+
+
+def _fill(a: Any, tensors: list[Any]) -> Any:
+    if type(a) is Slot:
+        return tensors[a.i]
+    if type(a) in (list, tuple):
+        return type(a)([_fill(x, tensors) for x in a])
+    return a
+
+
+@contextmanager
+def restored_rng(rng: tuple | None) -> Iterator[None]:
+    """Run with a generator set to the state it had when the op was recorded, then put it back."""
+    if rng is None:
+        yield
+        return
+    generator, state = rng
+    current = generator.get_state()
+    generator.set_state(state)
+    try:
+        yield
+    finally:
+        generator.set_state(current)
+
+
+@contextmanager
+def replay_mode(device_types: set[str]) -> Iterator[None]:
+    """Grad off, and autocast off: the tape already holds the casts autocast made in forward."""
+    with ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        for device_type in sorted(device_types):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+def view_of_storage(base: torch.Tensor, meta: Meta) -> torch.Tensor:
+    """The recorded view ``meta`` of ``base``'s storage: a view read again after a write through an alias."""
+    view = torch.empty(0, dtype=meta.dtype, device=meta.device)
+    with torch.no_grad():
+        view.set_(base.untyped_storage(), meta.offset, meta.shape, meta.stride)
+    return view
+
+
+class Replay:
+    """The replay state of one block during one backward pass."""
+
+    def __init__(self, block: Any) -> None:
+        self.block = block
+        self.env: dict[int, torch.Tensor] = {}
+        self.not_ours: set[int] = set()  # storage pointers replay must not write into
+        self.reads: Counter[int] = Counter()
+        self._take_alive_values()
+        for index in block.closure(block.demand, self._available):
+            for d in block.nodes[index].deps:
+                self.reads[d] += 1
+        for vid in block.demand:
+            if not block.is_kept(vid):
+                self.reads[vid] += block.pack_count[vid]
+
+    def _take_alive_values(self) -> None:
+        """Demanded values still alive elsewhere (e.g. a block output) are taken, not replayed."""
+        block = self.block
+        for vid, ref in block.refs.items():
+            t = ref()
+            if t is not None and t._version == block.values[vid].version:
+                self.env[vid] = t
+                self.not_ours.add(t.untyped_storage().data_ptr())
+                block.alive_taken.add(vid)
+
+    def _available(self, vid: int) -> bool:
+        return vid in self.env or self.block.is_kept(vid)
+
+    def take(self, vid: int, consume: bool) -> torch.Tensor:
+        """The value autograd unpacks; ``consume`` is False for a repeated unpack of one handle."""
+        if vid not in self.env:
+            block = self.block
+            for index in sorted(block.closure([vid], self._available)):
+                self._run(block.nodes[index])
+        t = self.env[vid]
+        self.not_ours.add(t.untyped_storage().data_ptr())
+        if consume:
+            self._release(vid)
+        return t
+
+    def _release(self, vid: int) -> None:
+        self.reads[vid] -= 1
+        if self.reads[vid] <= 0:
+            self.env.pop(vid, None)
+
+    def _input(self, vid: int) -> torch.Tensor:
+        t = self.env.get(vid)
+        if t is None:
+            t = self.block.kept_tensor(vid)
+            self.not_ours.add(t.untyped_storage().data_ptr())
+        return t
+
+    def _run(self, node: Node) -> None:
+        block = self.block
+        timer = block.timer
+        start = timer.start() if timer is not None else None
+        try:
+            outs = self._execute(node)
+        except TapeSACError:
+            raise
+        except Exception as e:
+            raise TapeSACError(f"block {block.name!r}: replaying {node.name} (call {node.k}) "
+                               f"failed: {e}") from e
+        if timer is not None:
+            block.node_times.setdefault(node.index, []).append(timer.stop(start))
+        block.replayed.append(node.index)
+        for vid, t in zip(node.outs, outs):
+            if self.reads[vid] > 0:
+                self.env[vid] = t
+        for d in node.deps:
+            self._release(d)
+
+    def _execute(self, node: Node) -> list[torch.Tensor]:
+        values = self.block.values
+        if node.name == ALIAS_OP:
+            return [view_of_storage(self._input(node.deps[0]), values[node.outs[0]].meta)]
+        if node.rebuild:
+            in_meta = values[node.inputs[0]].meta if node.inputs else None
+            with restored_rng(node.rng):
+                return [rebuild_output(node.op, node.args, node.kwargs,
+                                       values[node.outs[0]].meta, in_meta)]
+        tensors = [self._input(v) for v in node.inputs]
+        for slot in node.writes:
+            self._prepare_write(node, slot, tensors)
+        with restored_rng(node.rng):
+            out = node.op(*_fill(node.args, tensors), **_fill(node.kwargs, tensors))
+        return flat_tensors(out) + [tensors[slot] for slot in node.extra]
+
+    def _prepare_write(self, node: Node, slot: int, tensors: list[torch.Tensor]) -> None:
+        """Before an in-place op: never write into a tensor replay does not own; keep old content still read."""
+        ptr = tensors[slot].untyped_storage().data_ptr()
+        if ptr in self.not_ours:
+            copy = tensors[slot].untyped_storage().clone()
+            for i, t in enumerate(tensors):
+                if t.untyped_storage().data_ptr() == ptr:
+                    tensors[i] = on_storage(t, copy)
+            return
+        reads_here = Counter(node.deps)
+        for vid, t in list(self.env.items()):
+            if t.untyped_storage().data_ptr() == ptr and self.reads[vid] > reads_here[vid]:
+                self.env[vid] = t.clone()

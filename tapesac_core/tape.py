@@ -1,0 +1,195 @@
+"""The tape: the dataflow graph of one checkpointed block, as recorded from the ops that ran.
+
+A tape holds no tensor data. Values are numbered (value ids, "vids"); every value is either the
+output of exactly one node or a leaf (a block input, a parameter or buffer recorded by name, or an
+external tensor the block read without a recorded producer). Several values can share one storage
+(views), so bytes are counted per storage.
+
+The two recompute sets of the paper (section 3.2.3) are computed here from the same graph:
+``replay_nodes(S)`` (Eq. 3, what TapeSAC's replay runs) and ``block_nodes(S)`` (Eq. 4, what torch's
+block recomputation with ``early_stop`` runs); their times are Eqs. 6 and 5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Coord = tuple[str, int, int]
+"""A plan coordinate ``(op_name, k, j)``: output ``j`` of the ``k``-th call of ``op_name`` in a block."""
+
+# Value kinds. Leaves are kept (inputs) or fetched again by name (parameters, buffers).
+OP, INPUT, PARAM, BUFFER, EXTERNAL = "op", "input", "param", "buffer", "external"
+
+# Why a value is in the mandatory set S0.
+COLLECTIVE, DYNAMIC_SHAPE, INVISIBLE_WRITE, NO_PRODUCER = (
+    "collective", "dynamic_shape", "invisible_write", "no_producer")
+
+ALIAS_OP = "tapesac.alias"
+"""Synthetic node: a view read again after its storage was mutated through another alias."""
+
+
+class Slot:
+    """Placeholder for the ``i``-th tensor input of a node inside its recorded arguments."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __repr__(self) -> str:
+        return f"Slot({self.i})"
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """Shape, strides, storage offset, dtype and device of a recorded tensor."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(t: torch.Tensor) -> Meta:
+        return Meta(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
+
+
+class Value:
+    """One recorded value: a tensor's content at one version."""
+
+    __slots__ = ("vid", "node", "j", "sid", "meta", "version", "kind", "name")
+
+    def __init__(self, vid: int, node: int, j: int, sid: int, meta: Meta, version: int,
+                 kind: str, name: str | int | None = None) -> None:
+        self.vid, self.node, self.j, self.sid = vid, node, j, sid
+        self.meta, self.version, self.kind, self.name = meta, version, kind, name
+
+    def __repr__(self) -> str:
+        return f"Value({self.vid}, node={self.node}, j={self.j}, kind={self.kind})"
+
+
+class Node:
+    """One recorded op call: ``op(*args, **kwargs)`` with tensors replaced by ``Slot``s."""
+
+    __slots__ = ("index", "op", "name", "k", "args", "kwargs", "inputs", "deps", "outs",
+                 "writes", "extra", "rng", "rebuild", "module")
+
+    def __init__(self, index: int, op: Any, name: str, k: int, args: Any, kwargs: Any,
+                 inputs: list[int], deps: list[int], outs: list[int], writes: tuple[int, ...],
+                 extra: tuple[int, ...], rng: Any, rebuild: bool, module: str | None) -> None:
+        self.index, self.op, self.name, self.k = index, op, name, k
+        self.args, self.kwargs, self.inputs, self.deps, self.outs = args, kwargs, inputs, deps, outs
+        self.writes = writes  # positions in ``inputs`` the op writes in place
+        self.extra = extra    # written positions not returned: their new values follow the returns
+        self.rng = rng          # (generator, state) captured before a random op ran
+        self.rebuild = rebuild  # metadata-only op: output rebuilt from recorded metadata at replay
+        self.module = module    # path of the submodule that issued the op, when known
+
+    def __repr__(self) -> str:
+        return f"Node({self.index}, {self.name}#{self.k}, in={self.deps}, out={self.outs})"
+
+
+@dataclass(eq=False)
+class Tape:
+    """The recorded graph of one block: nodes in order, values, demand set P and mandatory set S0."""
+
+    name: str
+    region: str
+    nodes: list[Node]
+    values: list[Value]
+    storage_bytes: list[int]
+    demand: frozenset[int]
+    mandatory: Mapping[int, str]  # vid -> reason it is in S0
+    planned: frozenset[int]       # values the plan asked to save (on top of S0)
+
+    @property
+    def leaves(self) -> frozenset[int]:
+        """Block inputs, parameters and buffers: values the block uses but does not compute."""
+        return frozenset(v.vid for v in self.values if v.kind in (INPUT, PARAM, BUFFER))
+
+    @property
+    def always_available(self) -> frozenset[int]:
+        """Leaves, external tensors and the mandatory set: available to replay whatever is saved."""
+        return self.leaves | frozenset(self.mandatory)
+
+    def coord(self, vid: int) -> Coord | None:
+        """The plan coordinate of a value, or None for leaves."""
+        v = self.values[vid]
+        if v.node < 0:
+            return None
+        node = self.nodes[v.node]
+        return (node.name, node.k, v.j)
+
+    def find(self, coord: Coord) -> int | None:
+        """The value at a plan coordinate, or None if the block has no such output."""
+        name, k, j = coord
+        for node in self.nodes:
+            if node.name == name and node.k == k:
+                for vid in node.outs:
+                    if self.values[vid].j == j:
+                        return vid
+        return None
+
+    def bytes_of(self, vids: Iterable[int]) -> int:
+        """Bytes that keeping ``vids`` alive costs: each storage once, leaves' storages free."""
+        leaf_sids = {self.values[v].sid for v in self.leaves}
+        sids = {self.values[v].sid for v in vids} - leaf_sids
+        return sum(self.storage_bytes[s] for s in sids)
+
+    @property
+    def mandatory_bytes(self) -> int:
+        """Bytes the mandatory set S0 keeps alive (storages counted once, leaves excluded)."""
+        return self.bytes_of(self.mandatory)
+
+    def replay_nodes(self, saved: Iterable[int] = ()) -> list[int]:
+        """Eq. 3: the nodes replay runs to regenerate the demand set from ``saved`` ∪ S0 ∪ leaves."""
+        available = self.always_available | frozenset(saved)
+        return sorted(self.closure(self.demand - available, available))
+
+    def closure(self, targets: Iterable[int], available: frozenset[int]) -> set[int]:
+        """Producer closure: nodes to run so that ``targets`` exist, stopping at ``available``."""
+        return producer_closure(self.nodes, self.values, targets, available.__contains__)
+
+    def block_nodes(self, saved: Iterable[int] = ()) -> list[int]:
+        """Eq. 4: the nodes torch's block recomputation (early_stop=True) runs for the same save set."""
+        available = self.always_available | frozenset(saved)
+        missing = self.demand - available
+        if not missing:
+            return []
+        last = max(self.values[v].node for v in missing)
+        return [n.index for n in self.nodes[: last + 1] if not set(n.outs) <= available]
+
+    def replay_time(self, saved: Iterable[int], node_time: Mapping[int, float]) -> float:
+        """Eq. 6: total time of ``replay_nodes(saved)``."""
+        return sum(node_time[n] for n in self.replay_nodes(saved))
+
+    def block_time(self, saved: Iterable[int], node_time: Mapping[int, float]) -> float:
+        """Eq. 5: total time of ``block_nodes(saved)``."""
+        return sum(node_time[n] for n in self.block_nodes(saved))
+
+    def op_sequence(self) -> tuple[str, ...]:
+        """The names of the recorded ops in order: blocks with equal sequences share a plan."""
+        return tuple(n.name for n in self.nodes)
+
+
+def producer_closure(nodes: list[Node], values: list[Value], targets: Iterable[int],
+                     available: Callable[[int], bool]) -> set[int]:
+    """Indices of the nodes that must run so that ``targets`` exist, stopping at available values."""
+    needed: set[int] = set()
+    stack = [v for v in targets if not available(v)]
+    seen = set(stack)
+    while stack:
+        node = nodes[values[stack.pop()].node]
+        if node.index in needed:
+            continue
+        needed.add(node.index)
+        for d in node.deps:
+            if d not in seen and not available(d):
+                seen.add(d)
+                stack.append(d)
+    return needed

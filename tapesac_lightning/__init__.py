@@ -1,0 +1,1 @@
+"""TapeSAC integrations for Lightning and Accelerate."""
