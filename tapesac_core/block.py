@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +11,7 @@ import torch
 
 from .errors import TapeSACError
 from .replay import Replay, replay_mode
-from .tape import BUFFER, OP, PARAM, Node, Tape, Value, producer_closure
+from .tape import BUFFER, OP, PARAM, Node, Packed, Tape, Value, producer_closure
 from .timing import NodeTimer
 
 logger = logging.getLogger(__name__)
@@ -32,15 +31,6 @@ class BlockTrace:
     def saved_bytes(self) -> int:
         """Bytes this block keeps for backward beyond its leaves (storages counted once)."""
         return self.tape.bytes_of(self.saved)
-
-
-class Packed:
-    """What autograd keeps for a saved tensor of a block: the block and a value id."""
-
-    __slots__ = ("block", "vid", "gid")
-
-    def __init__(self, block: Block, vid: int) -> None:
-        self.block, self.vid, self.gid = block, vid, None
 
 
 def unpack(packed: Packed) -> torch.Tensor:
@@ -64,7 +54,7 @@ class Block:
         self.planned_seen: set[tuple] = set()
         self.held: dict[int, torch.Tensor] = {}
         self.refs: dict[int, Any] = {}
-        self.pack_count: Counter[int] = Counter()
+        self.pack_count: dict[int, int] = {}
         self.current_module: str | None = None
         self.timer: Any = None
         self.recording = True
@@ -88,9 +78,6 @@ class Block:
     def alive_taken(self) -> set[int]:
         return self.trace.alive_taken
 
-    def handle(self, vid: int) -> Packed:
-        return Packed(self, vid)
-
     def is_kept(self, vid: int) -> bool:
         """Available without replay: held by the block, or a parameter/buffer fetched by name."""
         return vid in self.held or self.values[vid].kind in (PARAM, BUFFER)
@@ -113,12 +100,12 @@ class Block:
     def closure(self, targets: Any, available: Callable[[int], bool]) -> set[int]:
         return producer_closure(self.nodes, self.values, targets, available)
 
-    def finish(self) -> None:
-        """End of forward: drop kept tensors no replay or unpack can reach; freeze the tape."""
+    def finish(self, outputs: frozenset[int]) -> None:
+        """End of forward: freeze the tape; drop kept tensors no replay or unpack can reach."""
         self.recording = False
-        needed = set(self.demand)
-        for index in self.closure(self.demand, self.is_kept):
-            needed.update(self.nodes[index].deps)
+        tape = Tape(self.name, self.region, self.nodes, self.values, self.storage_bytes,
+                    frozenset(self.demand), dict(self.mandatory), frozenset(self.planned), outputs)
+        needed = tape.needed_sources(self.planned)
         for vid in [v for v in self.held if v not in needed]:
             del self.held[vid]
         missing = self.plan_coords - self.planned_seen
@@ -127,8 +114,6 @@ class Block:
                            "have, nothing saved for them: %s", self.name, self.region,
                            ", ".join(map(str, sorted(missing))))
         self.device_types = {v.meta.device.type for v in self.values}
-        tape = Tape(self.name, self.region, self.nodes, self.values, self.storage_bytes,
-                    frozenset(self.demand), dict(self.mandatory), frozenset(self.planned))
         self.trace.tape = tape
         self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
 

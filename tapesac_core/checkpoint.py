@@ -178,7 +178,7 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
             out = fn(*args, **kwargs)
     finally:
         _RECORDING.reset(token)
-    block.finish()
+    block.finish(frozenset(recorder.vid_of(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
     if scope is not None and scope.time_nodes:
         block.enable_timing()
     return out

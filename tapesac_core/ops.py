@@ -45,6 +45,11 @@ class OpInfo:
     metadata_only: bool
     allocation: bool
 
+    @property
+    def holds_outputs(self) -> bool:
+        """Outputs may be mandatory (collectives, data-dependent shapes)."""
+        return self.collective or self.dynamic_shape
+
 
 @functools.cache
 def op_info(op: Any) -> OpInfo:

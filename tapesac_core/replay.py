@@ -80,7 +80,7 @@ class Replay:
                 self.reads[d] += 1
         for vid in block.demand:
             if not block.is_kept(vid):
-                self.reads[vid] += block.pack_count[vid]
+                self.reads[vid] += block.pack_count.get(vid, 0)
 
     def _take_alive_values(self) -> None:
         """Demanded values still alive elsewhere (e.g. a block output) are taken, not replayed."""

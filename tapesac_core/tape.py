@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,8 +44,7 @@ class Slot:
         return f"Slot({self.i})"
 
 
-@dataclass(frozen=True, slots=True)
-class Meta:
+class Meta(NamedTuple):
     """Shape, strides, storage offset, dtype and device of a recorded tensor."""
 
     shape: torch.Size
@@ -53,10 +52,6 @@ class Meta:
     offset: int
     dtype: torch.dtype
     device: torch.device
-
-    @staticmethod
-    def of(t: torch.Tensor) -> Meta:
-        return Meta(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
 
 
 class Value:
@@ -94,6 +89,15 @@ class Node:
         return f"Node({self.index}, {self.name}#{self.k}, in={self.deps}, out={self.outs})"
 
 
+class Packed:
+    """What autograd keeps for a saved tensor of a block: the block and a value id."""
+
+    __slots__ = ("block", "vid", "gid")
+
+    def __init__(self, block: Any, vid: int) -> None:
+        self.block, self.vid, self.gid = block, vid, None
+
+
 @dataclass(eq=False)
 class Tape:
     """The recorded graph of one block: nodes in order, values, demand set P and mandatory set S0."""
@@ -106,6 +110,7 @@ class Tape:
     demand: frozenset[int]
     mandatory: Mapping[int, str]  # vid -> reason it is in S0
     planned: frozenset[int]       # values the plan asked to save (on top of S0)
+    outputs: frozenset[int] = frozenset()  # values the block returned
 
     @property
     def leaves(self) -> frozenset[int]:
@@ -140,6 +145,19 @@ class Tape:
         leaf_sids = {self.values[v].sid for v in self.leaves}
         sids = {self.values[v].sid for v in vids} - leaf_sids
         return sum(self.storage_bytes[s] for s in sids)
+
+    def needed_sources(self, saved: Iterable[int] = ()) -> frozenset[int]:
+        """Among ``saved``, S0 and the leaves, the values replay or autograd reads: what a block keeps."""
+        available = self.always_available | frozenset(saved)
+        needed = set(self.demand)
+        for index in self.closure(self.demand - available, available):
+            needed.update(self.nodes[index].deps)
+        return frozenset(needed & available)
+
+    @property
+    def rng_bytes(self) -> int:
+        """Bytes of the generator states kept to replay random ops."""
+        return sum(n.rng[1].nbytes for n in self.nodes if n.rng is not None)
 
     @property
     def mandatory_bytes(self) -> int:

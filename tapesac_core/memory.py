@@ -1,0 +1,179 @@
+"""Memory meter: peak and current bytes in use, measured, behind one interface for every device.
+
+On an accelerator the meter reads the caching allocator's statistics (``torch.accelerator``).
+PyTorch keeps no allocator statistics on CPU, so there the meter tracks storages: a dispatch mode
+sees every op output, and a weak reference on each storage reports the moment it is freed. A CPU
+window starts from the live tensors the garbage collector can reach, so readings are absolute.
+
+``profile_memory`` measures the same quantity independently, from the allocation events of torch's
+profiler (``profile_memory=True``); tests use it as the reference for the meter and for the tape.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .recorder import flat_tensors
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryReading:
+    """One reading of a device's memory, in bytes."""
+
+    peak: int      # peak in use since the window started (allocated on accelerators; live tensors on CPU)
+    current: int   # in use now
+    reserved: int  # held by the caching allocator (equal to ``current`` on CPU)
+    total: int     # device memory (physical memory on CPU)
+    free: int      # free device memory as the driver/OS reports it
+
+    @property
+    def outside_allocator(self) -> int:
+        """Memory in use outside PyTorch's caching allocator (Eq. 9's non_torch)."""
+        return max(0, self.total - self.free - self.reserved)
+
+
+class MemoryMeter(Protocol):
+    """Measures memory over a window: ``with meter: ...`` then ``meter.reading()``."""
+
+    def __enter__(self) -> MemoryMeter: ...
+
+    def __exit__(self, *exc: Any) -> None: ...
+
+    def reading(self) -> MemoryReading: ...
+
+
+def physical_memory() -> tuple[int, int]:
+    """Total and available physical memory of this host, in bytes."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class AcceleratorMeter:
+    """Allocator statistics of an accelerator (CUDA and any ``torch.accelerator`` device)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self) -> AcceleratorMeter:
+        torch.accelerator.synchronize(self.device)
+        torch.accelerator.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.accelerator.synchronize(self.device)
+
+    def reading(self) -> MemoryReading:
+        free, total = torch.accelerator.get_memory_info(self.device)
+        return MemoryReading(peak=torch.accelerator.max_memory_allocated(self.device),
+                             current=torch.accelerator.memory_allocated(self.device),
+                             reserved=torch.accelerator.memory_reserved(self.device),
+                             total=total, free=free)
+
+
+class _StorageTracker(TorchDispatchMode):
+    def __init__(self, meter: LiveTensorMeter) -> None:
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in flat_tensors(out):
+            self.meter.track(t)
+        return out
+
+
+class LiveTensorMeter:
+    """Live CPU tensor bytes, storages counted once: allocations seen at the dispatcher, frees by weakref."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+        self._mode: _StorageTracker | None = None
+
+    def track(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage from now until it is freed (once per storage)."""
+        if t.device.type != "cpu" or type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return
+        storage = t.untyped_storage()
+        key = id(storage)
+        ref = self._refs.get(key)
+        if ref is not None and ref() is storage:
+            return
+        size = storage.nbytes()
+        self._refs[key] = weakref.ref(storage, lambda _, k=key, n=size: self._freed(k, n))
+        self.current += size
+        self.peak = max(self.peak, self.current)
+
+    def _freed(self, key: int, size: int) -> None:
+        self.current -= size
+        ref = self._refs.get(key)
+        if ref is not None and ref() is None:
+            del self._refs[key]
+
+    def __enter__(self) -> LiveTensorMeter:
+        gc.collect()
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor):
+                self.track(obj)
+        self.peak = self.current
+        self._mode = _StorageTracker(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(*exc)
+
+    def reset_peak(self) -> None:
+        """Start a new peak window from the bytes live now."""
+        self.peak = self.current
+
+    def reading(self) -> MemoryReading:
+        total, free = physical_memory()
+        return MemoryReading(peak=self.peak, current=self.current, reserved=self.current,
+                             total=total, free=free)
+
+
+def memory_meter(device: torch.device | str) -> MemoryMeter:
+    """The meter for ``device``: allocator statistics on accelerators, live tensor bytes on CPU."""
+    device = torch.device(device)
+    return LiveTensorMeter() if device.type == "cpu" else AcceleratorMeter(device)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfiledMemory:
+    """Allocation events of one call, relative to the bytes live before it."""
+
+    peak: int  # highest net bytes allocated at any moment during the call
+    end: int   # net bytes still allocated when it returned
+
+
+def profile_memory(fn: Callable[[], Any]) -> tuple[Any, ProfiledMemory]:
+    """Run ``fn`` under torch's profiler with ``profile_memory=True``: its result and memory deltas."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    sizes = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.name == "[memory]":
+            sizes.append((event.start_time_ns, event.extra_fields.alloc_size))
+    net = peak = 0
+    for _, size in sorted(sizes):
+        net += size
+        peak = max(peak, net)
+    return result, ProfiledMemory(peak=peak, end=net)
