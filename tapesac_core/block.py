@@ -26,6 +26,7 @@ class BlockTrace:
     replayed: list[int] = field(default_factory=list)       # node indices run by replay, in order
     node_times: dict[int, list[Any]] = field(default_factory=dict)  # node index -> timer samples
     alive_taken: set[int] = field(default_factory=set)      # demanded values taken alive, not replayed
+    unpacked: set[int] = field(default_factory=set)         # demanded values autograd actually read
 
     @property
     def saved_bytes(self) -> int:
@@ -139,6 +140,7 @@ class Block:
                 "TapeSAC block is not supported. Fix: do not checkpoint this module for "
                 "higher-order gradients, or use torch.utils.checkpoint for it")
         vid = packed.vid
+        self.trace.unpacked.add(vid)
         if self.is_kept(vid):
             return self.kept_tensor(vid)
         replay = self._replay_for(gid)

@@ -163,8 +163,14 @@ def profile_memory(fn: Callable[[], Any]) -> tuple[Any, ProfiledMemory]:
     """Run ``fn`` under torch's profiler with ``profile_memory=True``: its result and memory deltas."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
+    # Garbage from earlier code must not be collected, and counted as freed, inside the window.
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            result = fn()
+    finally:
+        gc.enable()
     sizes = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:

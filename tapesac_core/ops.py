@@ -25,6 +25,8 @@ _RANDOM_LIKE = frozenset({"rand_like", "randn_like", "randint_like"})
 # filled the buffer, so it must be saved.
 _ALLOCATIONS = frozenset({"empty", "empty_like", "new_empty", "empty_strided",
                           "new_empty_strided", "empty_permuted"})
+# Ops that return their input's content, storage and layout unchanged: the same value.
+_IDENTITY = frozenset({"detach", "alias", "lift_fresh"})
 # Ops whose output aliases their input although the schema says nothing about it.
 _UNANNOTATED_VIEWS = frozenset({"_unsafe_view"})
 
@@ -44,6 +46,7 @@ class OpInfo:
     dynamic_shape: bool
     metadata_only: bool
     allocation: bool
+    identity: bool
 
     @property
     def holds_outputs(self) -> bool:
@@ -76,6 +79,7 @@ def op_info(op: Any) -> OpInfo:
         dynamic_shape=torch.Tag.dynamic_output_shape in tags,
         metadata_only=packet in _FILL or packet in _FILL_FROM_ARG or packet in _RANDOM_LIKE,
         allocation=packet in _ALLOCATIONS,
+        identity=packet in _IDENTITY and namespace == "aten",
     )
 
 

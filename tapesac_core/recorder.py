@@ -88,10 +88,12 @@ class Recorder(TorchDispatchMode):
         self.values: list[Value] = block.values
         self.by_id: dict[int, tuple[weakref.ref, int]] = {}
         self.ptrs: list[int] = []              # storage data_ptr per value
+        self.ids: list[int] = []               # id() of the tensor object each value was made from
         self.last_write: dict[int, int] = {}   # sid -> value id of the latest write into it
         self.held_by_sid: dict[int, set[int]] = {}
         self.leaf_sids: set[int] = set()
         self.uninitialised: set[int] = set()
+        self.epochs: dict[int, int] = {}       # sid -> number of recorded writes into it so far
         self.calls: dict[str, int] = {}
         self._leaves: dict[int, tuple[str, str]] | None = None  # id(param or buffer) -> (kind, name)
 
@@ -106,9 +108,10 @@ class Recorder(TorchDispatchMode):
             sid = len(block.storage_bytes)
             block.storage_bytes.append(storage.nbytes())
         vid = len(self.values)
-        self.values.append(Value(vid, node, j, sid, _meta(t),
+        self.values.append(Value(vid, node, j, sid, self.epochs.get(sid, 0), _meta(t),
                                  t._version if version is None else version, kind, name))
         self.ptrs.append(storage.data_ptr())
+        self.ids.append(id(t))
         self.by_id[id(t)] = (weakref.ref(t), vid)
         if kind != OP and kind != EXTERNAL:
             self.leaf_sids.add(sid)
@@ -154,7 +157,11 @@ class Recorder(TorchDispatchMode):
         meta = _meta(t)
         for vid in range(len(self.values) - 1, -1, -1):
             if self.ptrs[vid] == ptr and self.values[vid].meta[:4] == meta[:4]:
-                return vid
+                # Only a value whose own tensor is alive proves the storage is the same one: a
+                # freed storage's address is reused by new allocations.
+                entry = self.by_id.get(self.ids[vid])
+                if entry is not None and entry[1] == vid and entry[0]() is not None:
+                    return vid
         return None
 
     def _leaf_view(self, t: Tensor) -> tuple[str, str] | None:
@@ -236,6 +243,8 @@ class Recorder(TorchDispatchMode):
         info = op_info(func)
         if info.unrecorded or (info.collective and not self._reads_recorded(args, kwargs)):
             return func(*args, **kwargs)
+        if info.identity:
+            return self._same_value(func, args, kwargs)
         inputs: list[int] = []
         targs = tuple([self._template(a, inputs) for a in args])
         tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
@@ -246,6 +255,18 @@ class Recorder(TorchDispatchMode):
         if self.uninitialised and not info.metadata_only and not info.aliasing:
             self._check_initialised(args, kwargs, inputs, writes)
         self._add_node(func, info, targs, tkwargs, inputs, writes, rng, out, args, kwargs)
+        return out
+
+    def _same_value(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
+        """``detach``-like ops return the same content, storage and layout: no node, same value.
+
+        Autograd dispatches such ops on its own (``make_variable`` detaches a factory function's
+        result when the recorder holds it); recording them would make the op sequence, and every
+        plan coordinate after it, depend on what the plan saves.
+        """
+        vid = self.vid_of(args[0])
+        out = func(*args, **kwargs)
+        self.by_id[id(out)] = (weakref.ref(out), vid)
         return out
 
     def _reads_recorded(self, args: tuple, kwargs: dict) -> bool:
@@ -286,13 +307,21 @@ class Recorder(TorchDispatchMode):
             sid = self.values[vid].sid
             if sid in self.leaf_sids:
                 self._refuse_leaf_write(func, sid)
-            held = self.held_by_sid.get(sid)
-            if held:
-                copy = block.held[next(iter(held))].untyped_storage().clone()
-                for h in held:
-                    block.held[h] = on_storage(block.held[h], copy)
+            self._move_held_off(t.untyped_storage(), sid)
+            self.epochs[sid] = self.epochs.get(sid, 0) + 1
             self.uninitialised.discard(sid)
         return tuple(slots)
+
+    def _move_held_off(self, storage: torch.UntypedStorage, sid: int) -> None:
+        """Held values on a storage about to be written move to one copy of it (content kept)."""
+        held = self.block.held
+        ptr = storage.data_ptr()
+        on_it = [h for h in self.held_by_sid.get(sid, ()) if h in held
+                 and held[h].untyped_storage().data_ptr() == ptr]
+        if on_it:
+            copy = storage.clone()
+            for h in on_it:
+                held[h] = on_storage(held[h], copy)
 
     def _refuse_leaf_write(self, func: Any, sid: int) -> None:
         leaf = next(v for v in self.values if v.sid == sid and v.kind in (INPUT, PARAM, BUFFER))
@@ -386,9 +415,10 @@ class Recorder(TorchDispatchMode):
             if info.allocation:
                 self.uninitialised.add(sid)
         vid = len(values)
-        values.append(Value(vid, index, j, sid, _meta(t), t._version if version is None else version,
-                            OP, None))
+        values.append(Value(vid, index, j, sid, self.epochs.get(sid, 0), _meta(t),
+                            t._version if version is None else version, OP, None))
         ptrs.append(ptr)
+        self.ids.append(id(t))
         self.by_id[id(t)] = (weakref.ref(t), vid)
         return vid
 

@@ -57,11 +57,11 @@ class Meta(NamedTuple):
 class Value:
     """One recorded value: a tensor's content at one version."""
 
-    __slots__ = ("vid", "node", "j", "sid", "meta", "version", "kind", "name")
+    __slots__ = ("vid", "node", "j", "sid", "epoch", "meta", "version", "kind", "name")
 
-    def __init__(self, vid: int, node: int, j: int, sid: int, meta: Meta, version: int,
+    def __init__(self, vid: int, node: int, j: int, sid: int, epoch: int, meta: Meta, version: int,
                  kind: str, name: str | int | None = None) -> None:
-        self.vid, self.node, self.j, self.sid = vid, node, j, sid
+        self.vid, self.node, self.j, self.sid, self.epoch = vid, node, j, sid, epoch
         self.meta, self.version, self.kind, self.name = meta, version, kind, name
 
     def __repr__(self) -> str:
@@ -141,10 +141,14 @@ class Tape:
         return None
 
     def bytes_of(self, vids: Iterable[int]) -> int:
-        """Bytes that keeping ``vids`` alive costs: each storage once, leaves' storages free."""
+        """Bytes that keeping ``vids`` alive costs: each storage once, leaves' storages free.
+
+        A value kept from before a later in-place write into its storage is kept on a copy of
+        the storage (one copy per write), so storages are counted per (storage, epoch).
+        """
         leaf_sids = {self.values[v].sid for v in self.leaves}
-        sids = {self.values[v].sid for v in vids} - leaf_sids
-        return sum(self.storage_bytes[s] for s in sids)
+        kept = {(self.values[v].sid, self.values[v].epoch) for v in vids}
+        return sum(self.storage_bytes[sid] for sid, _ in kept if sid not in leaf_sids)
 
     def needed_sources(self, saved: Iterable[int] = ()) -> frozenset[int]:
         """Among ``saved``, S0 and the leaves, the values replay or autograd reads: what a block keeps."""
@@ -164,10 +168,15 @@ class Tape:
         """Bytes the mandatory set S0 keeps alive (storages counted once, leaves excluded)."""
         return self.bytes_of(self.mandatory)
 
-    def replay_nodes(self, saved: Iterable[int] = ()) -> list[int]:
-        """Eq. 3: the nodes replay runs to regenerate the demand set from ``saved`` ∪ S0 ∪ leaves."""
+    def replay_nodes(self, saved: Iterable[int] = (), demand: Iterable[int] | None = None) -> list[int]:
+        """Eq. 3: the nodes replay runs to regenerate the demand set from ``saved`` ∪ S0 ∪ leaves.
+
+        ``demand`` narrows P to the values backward actually reads (a branch whose gradient is
+        never needed is never unpacked); by default it is all of P, an upper bound.
+        """
         available = self.always_available | frozenset(saved)
-        return sorted(self.closure(self.demand - available, available))
+        wanted = self.demand if demand is None else frozenset(demand)
+        return sorted(self.closure(wanted - available, available))
 
     def closure(self, targets: Iterable[int], available: frozenset[int]) -> set[int]:
         """Producer closure: nodes to run so that ``targets`` exist, stopping at ``available``."""

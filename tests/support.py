@@ -47,10 +47,15 @@ def assert_bitwise(ref: tuple, got: tuple) -> None:
 
 
 def assert_replayed_as_predicted(blocks: list[tapesac_core.BlockTrace]) -> None:
-    """Replay ran each node at most once, exactly the nodes Eq. 3 predicts for what was kept."""
+    """Replay ran each node at most once: exactly the nodes Eq. 3 predicts for what was kept and
+    what backward read, never a node outside ``replay_nodes(S)``, never more than block recomputation."""
     for b in blocks:
-        assert len(b.replayed) == len(set(b.replayed)), b.tape.name
-        assert sorted(b.replayed) == b.tape.replay_nodes(b.saved | b.alive_taken), b.tape.name
+        tape = b.tape
+        assert len(b.replayed) == len(set(b.replayed)), tape.name
+        kept = b.saved | b.alive_taken
+        assert sorted(b.replayed) == tape.replay_nodes(kept, demand=b.unpacked), tape.name
+        assert set(b.replayed) <= set(tape.replay_nodes(b.saved)), tape.name
+        assert set(tape.replay_nodes(b.saved)) <= set(tape.block_nodes(b.saved)), tape.name
 
 
 def tiny_lm(**overrides: Any) -> DecoderLM:
