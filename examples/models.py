@@ -218,7 +218,9 @@ class MoE(nn.Module):
             token_idx, slot = torch.where(selected == index)
             expert_weights = weights[token_idx, slot].unsqueeze(-1)
             expert_out = self._run_expert(self.experts[index], tokens.index_select(0, token_idx), expert_weights)
-            output.index_add_(0, token_idx, expert_out)
+            # index_put_ with accumulate rather than index_add_: index_add_'s backward keeps its
+            # source alive (for expand_as), so expert outputs that are only summed would stay demanded.
+            output.index_put_((token_idx,), expert_out, accumulate=True)
         if self.shared_expert is not None:
             output = output + self.shared_expert(tokens)
         return self.dropout(output.view_as(hidden_states))
