@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .errors import TapeSACError
+from .recorder import is_subclass_with_dispatch
 from .replay import Replay, replay_mode
 from .tape import BUFFER, OP, PARAM, Node, Packed, Tape, Value, producer_closure
 from .timing import NodeTimer
@@ -91,7 +92,7 @@ class Block:
         """A parameter or buffer by name, as the module holds it now (FSDP2: the re-gathered one)."""
         get = self.module.get_parameter if value.kind == PARAM else self.module.get_buffer
         t = get(value.name)
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        if is_subclass_with_dispatch(t):
             raise TapeSACError(
                 f"block {self.name!r}: {value.kind} {value.name!r} is a {type(t).__name__} at "
                 "backward time, not the unsharded tensor forward used. Fix: shard with FSDP2 at "

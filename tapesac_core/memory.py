@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .recorder import flat_tensors
+from .recorder import flat_tensors, is_subclass_with_dispatch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +102,7 @@ class LiveTensorMeter:
 
     def track(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage from now until it is freed (once per storage)."""
-        if t.device.type != "cpu" or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        if t.device.type != "cpu" or is_subclass_with_dispatch(t):
             return
         storage = t.untyped_storage()
         key = id(storage)

@@ -31,7 +31,6 @@ from .tape import (ALIAS_OP, BUFFER, COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT,
                    INVISIBLE_WRITE, NO_PRODUCER, OP, PARAM, Meta, Node, Packed, Slot, Value)
 
 Tensor = torch.Tensor
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -67,6 +66,11 @@ def flat_tensors(out: Any) -> list[Tensor]:
     if isinstance(out, dict):
         return [t for o in out.values() for t in flat_tensors(o)]
     return []
+
+
+def is_subclass_with_dispatch(t: Tensor) -> bool:
+    """A tensor subclass that intercepts ops itself (DTensor, FakeTensor, ...)."""
+    return type(t).__torch_dispatch__ is not Tensor.__torch_dispatch__
 
 
 def _meta(t: Tensor) -> Meta:
@@ -130,7 +134,7 @@ class Recorder(TorchDispatchMode):
 
     def _unseen(self, t: Tensor) -> int:
         """A tensor object first seen: a parameter or buffer, an alias of a value, or external."""
-        if type(t) not in _PLAIN:
+        if is_subclass_with_dispatch(t):
             raise TapeSACError(
                 f"block {self.block.name!r}: tensor subclass {type(t).__name__} inside a TapeSAC "
                 "block is not supported; checkpoint a module whose forward sees plain tensors "
@@ -368,6 +372,12 @@ class Recorder(TorchDispatchMode):
             returned = returned + [t for t in mutated if not any(t is r for r in returned)]
         if not returned:
             return
+        for t in returned:
+            if is_subclass_with_dispatch(t):
+                raise TapeSACError(
+                    f"block {block.name!r}: {func} returned a {type(t).__name__}; tensor subclasses "
+                    "inside a TapeSAC block are not supported. Fix: wait for or unwrap it (e.g. "
+                    "funcol.wait_tensor) inside the op that produces it, or do not checkpoint this module")
         index = len(block.nodes)
         name = info.name
         k = self.calls.get(name, 0)
