@@ -134,11 +134,7 @@ class Recorder(TorchDispatchMode):
 
     def _unseen(self, t: Tensor) -> int:
         """A tensor object first seen: a parameter or buffer, an alias of a value, or external."""
-        if is_subclass_with_dispatch(t):
-            raise TapeSACError(
-                f"block {self.block.name!r}: tensor subclass {type(t).__name__} inside a TapeSAC "
-                "block is not supported; checkpoint a module whose forward sees plain tensors "
-                "(apply FSDP2/DTensor outside the checkpointed block)")
+        self._refuse_subclass(t)
         leaf = self._leaf_names().get(id(t))
         if leaf is not None:
             return self.new_value(t, -1, 0, leaf[0], leaf[1])
@@ -152,6 +148,13 @@ class Recorder(TorchDispatchMode):
         vid = self.new_value(t, -1, 0, EXTERNAL)
         self.hold(vid, t, NO_PRODUCER)
         return vid
+
+    def _refuse_subclass(self, t: Tensor) -> None:
+        if is_subclass_with_dispatch(t):
+            raise TapeSACError(
+                f"block {self.block.name!r}: tensor subclass {type(t).__name__} inside a TapeSAC "
+                "block is not supported; checkpoint a module whose forward sees plain tensors "
+                "(apply FSDP2/DTensor outside the checkpointed block)")
 
     def _same_view(self, t: Tensor) -> int | None:
         """The newest value with ``t``'s storage, offset, shape, strides and dtype (an alias object)."""
@@ -217,6 +220,7 @@ class Recorder(TorchDispatchMode):
     def register_inputs(self, tensors: list[Tensor]) -> None:
         """Block inputs are leaves, kept strongly (as torch's checkpoint keeps them)."""
         for i, t in enumerate(tensors):
+            self._refuse_subclass(t)
             entry = self.by_id.get(id(t))
             if entry is None or entry[0]() is not t:
                 vid = self.new_value(t, -1, 0, INPUT, i)

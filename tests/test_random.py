@@ -1,0 +1,75 @@
+"""Random ops replay bitwise: generator state captured at record time, restored around replay."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import assert_bitwise, step
+
+import tapesac_core
+from tapesac_core import TapeSACError
+
+
+class Noisy(torch.nn.Module):
+    """Dropout, attention dropout, rand_like noise and a random op on a user generator."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 48)
+        self.generator = generator
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(x).view(2, 4, 8, 48).chunk(3, dim=-1)
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+        noise = torch.rand_like(a)
+        gate = torch.empty_like(a).bernoulli_(0.5, generator=self.generator)
+        return F.dropout(a * noise * gate, 0.2, training=True)
+
+
+def _case(generator=None):
+    torch.manual_seed(0)
+    module = Noisy(generator)
+    x = torch.randn(64, 16, requires_grad=True)
+    return module, x, lambda: (module(x) ** 2).sum()
+
+
+def test_random_ops_replay_bitwise_and_leave_generators_where_they_were() -> None:
+    generator = torch.Generator().manual_seed(7)
+    module, x, loss = _case(generator)
+    ref = step(module, loss)
+    after_ref = (torch.rand(4), torch.rand(4, generator=generator))
+    generator.manual_seed(7)
+    tapesac_core.checkpoint_module(module)
+    with tapesac_core.trace() as blocks:
+        got = step(module, loss)
+    after = (torch.rand(4), torch.rand(4, generator=generator))
+    assert_bitwise(ref, got)
+    # Replay restored the streams it borrowed: training continues on the same random numbers.
+    assert all(torch.equal(a, b) for a, b in zip(after_ref, after))
+    tape = blocks[0].tape
+    random_nodes = {n.name for n in tape.nodes if n.rng is not None}
+    # On CPU, attention with dropout takes the math path: its dropout is a bernoulli_ too.
+    assert random_nodes == {"aten.rand_like.default", "aten.bernoulli_.float"}
+    assert sum(n.rng is not None for n in tape.nodes) == 4
+    user = [n.rng[0] for n in tape.nodes if n.name == "aten.bernoulli_.float" and
+            n.kwargs.get("generator") is not None]
+    # The dispatcher hands over a new wrapper of the same generator.
+    assert [g.initial_seed() for g in user] == [7]
+    replayed = {tape.nodes[i].name for i in blocks[0].replayed}
+    assert random_nodes <= replayed
+
+
+def test_attention_without_dropout_is_not_treated_as_random() -> None:
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    tape = tapesac_core.record(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.0), q)
+    (node,) = [n for n in tape.nodes if "attention" in n.name]
+    assert node.rng is None
+
+
+def test_a_random_op_whose_generator_cannot_be_captured_is_an_error() -> None:
+    x = torch.randn(4, requires_grad=True)
+
+    def meta_noise(x):
+        return x * torch.rand(4, device="meta").sum().to("cpu", copy=False).new_zeros(()) + x
+
+    with pytest.raises(TapeSACError, match="random generator of device meta"):
+        tapesac_core.checkpoint(meta_noise, x)
