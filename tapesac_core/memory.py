@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,9 +123,14 @@ class LiveTensorMeter:
 
     def __enter__(self) -> LiveTensorMeter:
         gc.collect()
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
-                self.track(obj)
+        with warnings.catch_warnings():  # isinstance() on some deprecated torch objects warns
+            warnings.simplefilter("ignore")
+            tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+        for t in tensors:
+            self.track(t)
+            # A gradient has no Python object until it is read; its storage is live anyway.
+            if t.grad is not None:
+                self.track(t.grad)
         self.peak = self.current
         self._mode = _StorageTracker(self)
         self._mode.__enter__()

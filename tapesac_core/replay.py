@@ -12,6 +12,7 @@ elsewhere, or one already handed to autograd): such a write goes into a copy of 
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -70,7 +71,9 @@ class Replay:
     """The replay state of one block during one backward pass."""
 
     def __init__(self, block: Any) -> None:
-        self.block = block
+        # The block keeps its replay state: a weak reference back avoids a cycle that would keep
+        # every held tensor alive until the garbage collector runs.
+        self.block = weakref.proxy(block)
         self.env: dict[int, torch.Tensor] = {}
         self.not_ours: set[int] = set()  # storage pointers replay must not write into
         self.reads: Counter[int] = Counter()

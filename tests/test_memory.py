@@ -1,0 +1,111 @@
+"""Memory is measured, with torch's profiler (profile_memory=True) as the independent reference."""
+
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+import tapesac_core
+from examples.models import DecoderLayer, ModelConfig, rotary_cos_sin
+from tapesac_core.memory import LiveTensorMeter, memory_meter, profile_memory
+
+CPU_GENERATOR_STATE = 5056  # bytes of torch.default_generator.get_state()
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, config: ModelConfig, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(DecoderLayer(config) for _ in range(layers))
+
+    def forward(self, x, cos, sin):
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return x
+
+
+class TorchCheckpointed(torch.nn.Module):
+    def __init__(self, stack: Stack) -> None:
+        super().__init__()
+        self.stack = stack
+
+    def forward(self, x, cos, sin):
+        for layer in self.stack.layers:
+            x = torch_checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
+        return x
+
+
+def _setup(dropout: float):
+    torch.manual_seed(0)
+    config = ModelConfig(dropout=dropout)
+    stack = Stack(config)
+    x = torch.randn(2, 32, config.hidden_size, requires_grad=True)
+    cos, sin = rotary_cos_sin(32, config.head_dim, config.rope_theta, x)
+    tapesac = copy.deepcopy(stack)
+    tapesac_core.checkpoint_modules(tapesac, {DecoderLayer})
+    return {"none": stack, "tapesac": tapesac,
+            "torch": TorchCheckpointed(copy.deepcopy(stack))}, (x, cos, sin)
+
+
+def _train_step(model, args):
+    def run():
+        torch.manual_seed(1)
+        model(*args).square().sum().backward()
+    return run
+
+
+def _step_memory(model, args):
+    """Profiled memory of one training step; the input's old gradient is dropped outside the window."""
+    args[0].grad = None
+    return profile_memory(_train_step(model, args))[1]
+
+
+@pytest.mark.parametrize("plan", ["must_only", "save_matmuls"])
+def test_forward_leaves_exactly_the_inputs_mandatory_and_saved_bytes_the_tape_reports(plan) -> None:
+    models, args = _setup(dropout=0.1)
+    _, plain = profile_memory(lambda: models["none"](*args))
+    coords = {("aten.mm.default", k, 0) for k in range(7)} if plan == "save_matmuls" else set()
+    with tapesac_core.use_plan({"DecoderLayer": coords}), tapesac_core.trace() as blocks:
+        out, measured = profile_memory(lambda: models["tapesac"](*args))
+    # Live after forward: each block's output (the next block's input), what it saved (S0 and
+    # the plan) and the generator states its random ops replay from. Nothing else.
+    predicted = sum(b.tape.bytes_of(b.saved | b.tape.outputs) + b.tape.rng_bytes for b in blocks)
+    assert measured.end == predicted
+    assert all(b.saved_bytes == (0 if plan == "must_only" else b.tape.bytes_of(b.saved)) for b in blocks)
+    if plan == "save_matmuls":
+        # The down projection is dead: saving its output would keep bytes nothing reads.
+        assert all(len(b.tape.planned) == 7 and len(b.saved) == 6 for b in blocks)
+    assert measured.end < plain.end / (2 if plan == "save_matmuls" else 10)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_step_peak_is_no_higher_than_torch_checkpoint(dropout) -> None:
+    models, args = _setup(dropout)
+    peaks = {name: _step_memory(model, args) for name, model in models.items()}
+    # Generator states: TapeSAC keeps one per random op, torch.utils.checkpoint one per block
+    # (on CUDA each is 16 bytes; on CPU the Mersenne-Twister state is 5 KB).
+    with tapesac_core.trace() as blocks:
+        models["tapesac"](*args)
+    extra_states = sum(b.tape.rng_bytes for b in blocks) - (CPU_GENERATOR_STATE * len(blocks)
+                                                            if dropout else 0)
+    assert peaks["tapesac"].peak - extra_states <= peaks["torch"].peak < peaks["none"].peak
+    # Blocks free everything they kept once their backward is done (no reference cycles).
+    assert peaks["tapesac"].end == peaks["torch"].end == peaks["none"].end
+
+
+def test_the_meter_agrees_with_the_profiler() -> None:
+    models, args = _setup(dropout=0.0)
+    run = _train_step(models["tapesac"], args)
+    run()  # gradients exist from now on, as in training
+    with LiveTensorMeter() as meter:
+        before = meter.reading().current
+        _, profiled = profile_memory(run)
+        reading = meter.reading()
+    assert reading.peak - before == profiled.peak
+    assert reading.current - before == profiled.end == 0
+    assert reading.total >= reading.free > 0
+
+
+def test_meter_for_a_device() -> None:
+    assert isinstance(memory_meter("cpu"), LiveTensorMeter)
+    assert type(memory_meter(torch.device("cuda", 0))).__name__ == "AcceleratorMeter"
