@@ -129,7 +129,7 @@ class LiveTensorMeter:
         for t in tensors:
             self.track(t)
             # A gradient has no Python object until it is read; its storage is live anyway.
-            if t.grad is not None:
+            if t.is_leaf and t.grad is not None:
                 self.track(t.grad)
         self.peak = self.current
         self._mode = _StorageTracker(self)
