@@ -28,6 +28,7 @@ class BlockTrace:
     node_times: dict[int, list[Any]] = field(default_factory=dict)  # node index -> timer samples
     alive_taken: set[int] = field(default_factory=set)      # demanded values taken alive, not replayed
     unpacked: set[int] = field(default_factory=set)         # demanded values autograd actually read
+    plan_dropped: bool = False  # the plan was solved on another op sequence: must-only instead
 
     @property
     def saved_bytes(self) -> int:
@@ -44,9 +45,11 @@ class Block:
     """State of one checkpointed block call, from its forward to the end of its backward."""
 
     def __init__(self, name: str, region: str, module: torch.nn.Module | None,
-                 plan_coords: frozenset, recording: Callable[[], Any]) -> None:
+                 plan_coords: frozenset, plan_sequence: str | None,
+                 recording: Callable[[], Any]) -> None:
         self.name, self.region, self.module = name, region, module
         self.plan_coords = plan_coords
+        self.plan_sequence = plan_sequence
         self.nodes: list[Node] = []
         self.values: list[Value] = []
         self.storage_bytes: list[int] = []
@@ -58,6 +61,7 @@ class Block:
         self.refs: dict[int, Any] = {}
         self.pack_count: dict[int, int] = {}
         self.current_module: str | None = None
+        self._module_stack: list[str] = []
         self.timer: Any = None
         self.recording = True
         self._active_recording = recording
@@ -79,6 +83,16 @@ class Block:
     @property
     def alive_taken(self) -> set[int]:
         return self.trace.alive_taken
+
+    def enter_module(self, path: str) -> None:
+        """A submodule's forward starts: ops recorded now are issued by ``path``."""
+        self._module_stack.append(path)
+        self.current_module = path
+
+    def exit_module(self) -> None:
+        if self._module_stack:
+            self._module_stack.pop()
+        self.current_module = self._module_stack[-1] if self._module_stack else None
 
     def is_kept(self, vid: int) -> bool:
         """Available without replay: held by the block, or a parameter/buffer fetched by name."""
@@ -107,11 +121,16 @@ class Block:
         self.recording = False
         tape = Tape(self.name, self.region, self.nodes, self.values, self.storage_bytes,
                     frozenset(self.demand), dict(self.mandatory), frozenset(self.planned), outputs)
+        if self.plan_sequence is not None and tape.fingerprint != self.plan_sequence:
+            # The plan's coordinates were solved on another op sequence: they may name other
+            # tensors (of other sizes) here, so this block keeps only its mandatory set.
+            self.trace.plan_dropped = bool(self.planned)
+            self.planned = set()
         needed = tape.needed_sources(self.planned)
         for vid in [v for v in self.held if v not in needed]:
             del self.held[vid]
         missing = self.plan_coords - self.planned_seen
-        if missing:
+        if missing and not self.trace.plan_dropped:
             logger.warning("block %r (region %r): the plan names coordinates this block does not "
                            "have, nothing saved for them: %s", self.name, self.region,
                            ", ".join(map(str, sorted(missing))))

@@ -13,6 +13,7 @@ in-place writes into block inputs, parameters or buffers.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -78,26 +79,30 @@ def normalize_plan(plan: PlanSpec) -> dict[str, frozenset[Coord] | list[frozense
 
 
 class _PlanScope:
-    def __init__(self, plan: PlanSpec) -> None:
-        self.plan = normalize_plan(plan)
+    def __init__(self, plan: PlanSpec | Any) -> None:
+        # A solved Plan also names the op sequence its coordinates are valid for.
+        self.sequences: dict[str, str] = plan.sequences() if hasattr(plan, "sequences") else {}
+        self.plan = normalize_plan(plan.coordinates() if hasattr(plan, "coordinates") else plan)
         self.blocks: Counter[str] = Counter()
 
-    def coords_for(self, region: str) -> frozenset[Coord]:
+    def coords_for(self, region: str) -> tuple[frozenset[Coord], str | None]:
         entry = self.plan.get(region, frozenset())
         if isinstance(entry, list):
             i = self.blocks[region]
             self.blocks[region] += 1
-            return entry[i % len(entry)] if entry else frozenset()
-        return entry
+            entry = entry[i % len(entry)] if entry else frozenset()
+        return entry, self.sequences.get(region)
 
 
 @contextmanager
-def use_plan(plan: PlanSpec) -> Iterator[None]:
+def use_plan(plan: PlanSpec | Any) -> Iterator[None]:
     """Blocks recorded inside save the plan's coordinates (plus S0); outside, blocks are must-only.
 
     ``plan`` maps a region name to coordinates ``(op_name, k, j)``, or to a list with one
     coordinate collection per block of that region in forward order (block ``i`` uses entry
-    ``i mod len(list)``, so one plan serves every micro-batch inside the context).
+    ``i mod len(list)``, so one plan serves every micro-batch inside the context). It may also
+    be a solved ``Plan``: then a block whose op sequence differs from the one the plan was
+    solved on saves only its mandatory set (its coordinates would name other tensors).
     """
     token = _PLAN.set(_PlanScope(plan))
     try:
@@ -165,8 +170,8 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
     _refuse_outer_torch_checkpoint(name)
     plan = _PLAN.get()
     scope = _TRACE.get()
-    block = Block(name, region, module, plan.coords_for(region) if plan else frozenset(),
-                  _RECORDING.get)
+    coords, sequence = plan.coords_for(region) if plan else (frozenset(), None)
+    block = Block(name, region, module, coords, sequence, _RECORDING.get)
     if scope is not None:
         scope.blocks.append(block.trace)
     recorder = Recorder(block)
@@ -215,7 +220,28 @@ def checkpoint_module(module: M, region: str | None = None) -> M:
     module._tapesac_forward = module.forward
     module._tapesac = BlockConfig(region=region or type(module).__name__)
     module.forward = types.MethodType(_checkpointed_forward, module)
+    _track_submodules(module)
     return module
+
+
+def _track_submodules(module: torch.nn.Module) -> None:
+    """Name the submodule that issues each recorded op (module paths in plans and explain())."""
+    for name, sub in module.named_modules():
+        if sub is not module:
+            sub.register_forward_pre_hook(functools.partial(_enter_submodule, name))
+            sub.register_forward_hook(functools.partial(_exit_submodule, name))
+
+
+def _enter_submodule(name: str, module: torch.nn.Module, args: Any) -> None:
+    block = _RECORDING.get()
+    if block is not None:
+        block.enter_module(name)
+
+
+def _exit_submodule(name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
+    block = _RECORDING.get()
+    if block is not None:
+        block.exit_module()
 
 
 def checkpoint_modules(model: torch.nn.Module,

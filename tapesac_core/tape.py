@@ -12,6 +12,8 @@ block recomputation with ``early_stop`` runs); their times are Eqs. 6 and 5.
 
 from __future__ import annotations
 
+import functools
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -202,6 +204,11 @@ class Tape:
     def op_sequence(self) -> tuple[str, ...]:
         """The names of the recorded ops in order: blocks with equal sequences share a plan."""
         return tuple(n.name for n in self.nodes)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A stable digest of the op sequence (the same in every process, unlike ``hash``)."""
+        return f"{zlib.crc32(chr(10).join(self.op_sequence()).encode()):08x}-{len(self.nodes)}"
 
 
 def producer_closure(nodes: list[Node], values: list[Value], targets: Iterable[int],

@@ -1,0 +1,127 @@
+"""A solved plan: per region type, the coordinates each block saves, as versioned JSON data."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..units import format_bytes
+
+PLAN_VERSION = 1
+Coord = tuple[str, int, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Saved:
+    """One saved value of a region's reference block, for ``explain``."""
+
+    coord: Coord
+    module: str | None
+    bytes: int
+    time_removed: float  # seconds of replay per block this value removes with the rest of its set
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionPlan:
+    """What one region type saves: a coordinate set per block, in forward order."""
+
+    sequence: str                     # fingerprint of the reference op sequence
+    blocks: tuple[frozenset[Coord], ...]
+    tokens: int                       # token count the sizes are for (the bucket's upper edge)
+    saved: tuple[Saved, ...] = ()     # the largest set, described for explain()
+    note: str = ""                    # e.g. why some blocks run must-only
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A plan for one token bucket, with its predictions."""
+
+    model: str                                   # fingerprint of the model's region types
+    regions: Mapping[str, RegionPlan]
+    capacity: int                                # bytes the step may use (Eq. 9)
+    base: int                                    # must-only step peak at the bucket's tokens
+    saved_bytes: int                             # bytes the plan keeps beyond S0, all blocks
+    predicted_speedup: float                     # vs must-only
+    predicted_speedup_vs_full: float             # vs torch's block recomputation of everything
+    version: int = PLAN_VERSION
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def coordinates(self) -> dict[str, list[frozenset[Coord]]]:
+        """The form ``use_plan`` takes: per region, one coordinate set per block."""
+        return {r: list(p.blocks) for r, p in self.regions.items()}
+
+    def sequences(self) -> dict[str, str]:
+        """Per region, the op-sequence fingerprint the coordinates are valid for."""
+        return {r: p.sequence for r, p in self.regions.items()}
+
+    @property
+    def empty(self) -> bool:
+        """True when no block saves anything beyond the mandatory set."""
+        return not any(b for p in self.regions.values() for b in p.blocks)
+
+    def to_json(self) -> str:
+        """Versioned JSON (never pickle)."""
+        return json.dumps({
+            "version": self.version, "model": self.model, "capacity": self.capacity,
+            "base": self.base, "saved_bytes": self.saved_bytes,
+            "predicted_speedup": self.predicted_speedup,
+            "predicted_speedup_vs_full": self.predicted_speedup_vs_full, "notes": list(self.notes),
+            "regions": {r: {"sequence": p.sequence, "tokens": p.tokens, "note": p.note,
+                            "blocks": [sorted(map(list, b)) for b in p.blocks],
+                            "saved": [{"coord": list(s.coord), "module": s.module, "bytes": s.bytes,
+                                       "time_removed": s.time_removed} for s in p.saved]}
+                        for r, p in self.regions.items()},
+        }, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, *, model: str | None = None,
+                  regions: Mapping[str, str] | None = None) -> Plan:
+        """Read a plan; ``model``/``regions`` (name -> op-sequence fingerprint) check it fits."""
+        data = json.loads(text)
+        if data.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan file has version {data.get('version')!r}; this TapeSAC reads "
+                             f"version {PLAN_VERSION}. Solve the plan again (delete the plan cache)")
+        if model is not None and data["model"] != model:
+            raise ValueError(f"plan was solved for model {data['model']!r}, not {model!r}: it "
+                             "comes from another model. Solve the plan again")
+        plan = cls(
+            model=data["model"], capacity=data["capacity"], base=data["base"],
+            saved_bytes=data["saved_bytes"], predicted_speedup=data["predicted_speedup"],
+            predicted_speedup_vs_full=data["predicted_speedup_vs_full"],
+            notes=tuple(data["notes"]),
+            regions={r: RegionPlan(
+                sequence=p["sequence"], tokens=p["tokens"], note=p["note"],
+                blocks=tuple(frozenset(_coord(c) for c in b) for b in p["blocks"]),
+                saved=tuple(Saved(coord=_coord(s["coord"]), module=s["module"], bytes=s["bytes"],
+                                  time_removed=s["time_removed"]) for s in p["saved"]))
+                for r, p in data["regions"].items()})
+        if regions is not None and plan.sequences() != dict(regions):
+            raise ValueError(f"plan covers regions {plan.sequences()}, the model has {dict(regions)}: "
+                             "the region set or a block's op sequence changed. Solve the plan again")
+        return plan
+
+    def explain(self) -> str:
+        """A readable table per region type: what is saved, its bytes and the time it removes."""
+        lines = [f"TapeSAC plan: capacity {format_bytes(self.capacity)}, must-only peak {format_bytes(self.base)}, "
+                 f"saves {format_bytes(self.saved_bytes)} more; predicted speedup "
+                 f"{self.predicted_speedup:.3f}x vs must-only, "
+                 f"{self.predicted_speedup_vs_full:.3f}x vs full recomputation"]
+        for region, p in sorted(self.regions.items()):
+            sizes = [len(b) for b in p.blocks]
+            lines.append(f"region {region} ({len(p.blocks)} blocks at {p.tokens} tokens; values "
+                         f"saved per block: {sizes})" + (f" - {p.note}" if p.note else ""))
+            if p.saved:
+                lines.append(f"  {'coordinate':44s} {'module':28s} {'bytes':>10s} {'time removed':>13s}")
+            for s in p.saved:
+                coord = f"{s.coord[0]} #{s.coord[1]} out {s.coord[2]}"
+                lines.append(f"  {coord:44s} {s.module or '-':28s} {format_bytes(s.bytes):>10s} "
+                             f"{s.time_removed * 1e3:>10.3f} ms")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+def _coord(c: list) -> Coord:
+    return (str(c[0]), int(c[1]), int(c[2]))
+
+

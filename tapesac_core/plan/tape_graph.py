@@ -1,0 +1,63 @@
+"""From a recorded tape and measured node times to the planner's model of a block.
+
+Duck-typed on the tape (``nodes``, ``values``, ``storage_bytes``, ``demand``,
+``always_available``), so this module stays free of torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .model import PlanGraph
+
+Coord = tuple[str, int, int]
+
+
+def coord_name(coord: Coord) -> str:
+    """The planner's name of the value at a plan coordinate: ``op#k:j``."""
+    op, k, j = coord
+    return f"{op}#{k}:{j}"
+
+
+def name_coord(name: str) -> Coord:
+    """The plan coordinate a value name stands for (inverse of ``coord_name``)."""
+    op, rest = name.rsplit("#", 1)
+    k, j = rest.split(":")
+    return (op, int(k), int(j))
+
+
+def graph_of(tape: Any, node_time: Mapping[int, float]) -> PlanGraph:
+    """The planner's model of ``tape``: node times in seconds (nodes without a time cost 0).
+
+    Nodes that must-only replay never runs have no measured time; no save set makes them run.
+    Storages are counted per (storage, epoch): a value kept from before an in-place write into
+    its storage is kept on a copy.
+    """
+    storage_of: dict[tuple[int, int], int] = {}
+    storage_bytes: list[int] = []
+    value_storage = []
+    for v in tape.values:
+        key = (v.sid, v.epoch)
+        if key not in storage_of:
+            storage_of[key] = len(storage_bytes)
+            storage_bytes.append(tape.storage_bytes[v.sid])
+        value_storage.append(storage_of[key])
+    names = tuple(_name(tape, v) for v in tape.values)
+    return PlanGraph(
+        node_time=tuple(float(node_time.get(n.index, 0.0)) for n in tape.nodes),
+        node_deps=tuple(tuple(dict.fromkeys(n.deps)) for n in tape.nodes),
+        node_outs=tuple(tuple(n.outs) for n in tape.nodes),
+        value_storage=tuple(value_storage),
+        storage_bytes=tuple(storage_bytes),
+        value_names=names,
+        demand=frozenset(tape.demand),
+        available=frozenset(tape.always_available),
+    )
+
+
+def _name(tape: Any, v: Any) -> str:
+    if v.node < 0:
+        return f"{v.kind}:{v.name}:{v.vid}"
+    node = tape.nodes[v.node]
+    return coord_name((node.name, node.k, v.j))
