@@ -11,7 +11,7 @@ import torch
 
 from .errors import TapeSACError
 from .recorder import is_subclass_with_dispatch
-from .replay import Replay, replay_mode
+from .replay import Replay
 from .tape import BUFFER, OP, PARAM, Node, Packed, Tape, Value, producer_closure
 from .timing import NodeTimer
 
@@ -25,7 +25,8 @@ class BlockTrace:
     tape: Tape
     saved: frozenset[int] = frozenset()   # op values held for backward (S0 and planned) after forward
     replayed: list[int] = field(default_factory=list)       # node indices run by replay, in order
-    node_times: dict[int, list[Any]] = field(default_factory=dict)  # node index -> timer samples
+    node_times: dict[int, list[Any]] = field(default_factory=dict)  # replayed node -> timer samples
+    forward_times: dict[int, Any] = field(default_factory=dict)     # node -> its forward timer sample
     alive_taken: set[int] = field(default_factory=set)      # demanded values taken alive, not replayed
     unpacked: set[int] = field(default_factory=set)         # demanded values autograd actually read
     plan_dropped: bool = False  # the plan was solved on another op sequence: must-only instead
@@ -66,6 +67,7 @@ class Block:
         self.recording = True
         self._active_recording = recording
         self._replay: tuple[int, Replay] | None = None
+        self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
         self.device_types: set[str] = set()
         self.trace = BlockTrace(Tape(name, region, self.nodes, self.values, self.storage_bytes,
                                      frozenset(), {}, frozenset()))
@@ -104,8 +106,11 @@ class Block:
 
     def _fetch(self, value: Value) -> torch.Tensor:
         """A parameter or buffer by name, as the module holds it now (FSDP2: the re-gathered one)."""
-        get = self.module.get_parameter if value.kind == PARAM else self.module.get_buffer
-        t = get(value.name)
+        owner = self._owners.get(value.vid)
+        if owner is None:
+            path, _, attr = value.name.rpartition(".")
+            owner = self._owners[value.vid] = (self.module.get_submodule(path), attr)
+        t = getattr(*owner)
         if is_subclass_with_dispatch(t):
             raise TapeSACError(
                 f"block {self.name!r}: {value.kind} {value.name!r} is a {type(t).__name__} at "
@@ -138,10 +143,9 @@ class Block:
         self.trace.tape = tape
         self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
 
-    def enable_timing(self) -> None:
-        """Time every node this block replays (on its accelerator if it has one)."""
-        devices = [v.meta.device for v in self.values if v.meta.device.type != "cpu"]
-        self.timer = NodeTimer(devices[0] if devices else torch.device("cpu"))
+    def enable_timing(self, device: torch.device) -> None:
+        """Time every op this block runs, in forward and in replay (events on accelerators)."""
+        self.timer = NodeTimer(device)
 
     # ------------------------------------------------------------------ backward
 
@@ -166,8 +170,7 @@ class Block:
         replay = self._replay_for(gid)
         consume = packed.gid != gid or gid == -1
         packed.gid = gid
-        with replay_mode(self.device_types):
-            return replay.take(vid, consume)
+        return replay.take(vid, consume)
 
     def _replay_for(self, gid: int) -> Replay:
         """One replay state per backward pass; a second backward (retain_graph) replays again."""

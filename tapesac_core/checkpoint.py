@@ -174,8 +174,11 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
     block = Block(name, region, module, coords, sequence, _RECORDING.get)
     if scope is not None:
         scope.blocks.append(block.trace)
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if scope is not None and scope.time_nodes:
+        block.enable_timing(inputs[0].device if inputs else torch.get_default_device())
     recorder = Recorder(block)
-    recorder.register_inputs([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+    recorder.register_inputs(inputs)
     token = _RECORDING.set(block)
     try:
         with _autocast_weight_cache_disabled(), \
@@ -184,8 +187,6 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
     finally:
         _RECORDING.reset(token)
     block.finish(frozenset(recorder.vid_of(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
-    if scope is not None and scope.time_nodes:
-        block.enable_timing()
     return out
 
 

@@ -47,11 +47,7 @@ class OpInfo:
     metadata_only: bool
     allocation: bool
     identity: bool
-
-    @property
-    def holds_outputs(self) -> bool:
-        """Outputs may be mandatory (collectives, data-dependent shapes)."""
-        return self.collective or self.dynamic_shape
+    holds_outputs: bool  # outputs may be mandatory (collectives, data-dependent shapes)
 
 
 @functools.cache
@@ -80,6 +76,7 @@ def op_info(op: Any) -> OpInfo:
         metadata_only=packet in _FILL or packet in _FILL_FROM_ARG or packet in _RANDOM_LIKE,
         allocation=packet in _ALLOCATIONS,
         identity=packet in _IDENTITY and namespace == "aten",
+        holds_outputs=namespace in COLLECTIVE_NAMESPACES or torch.Tag.dynamic_output_shape in tags,
     )
 
 

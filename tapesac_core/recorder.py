@@ -73,8 +73,12 @@ def is_subclass_with_dispatch(t: Tensor) -> bool:
     return type(t).__torch_dispatch__ is not Tensor.__torch_dispatch__
 
 
+_new_tuple = tuple.__new__
+_SLOTS = tuple(Slot(i) for i in range(64))  # immutable: slots are shared by every node
+
+
 def _meta(t: Tensor) -> Meta:
-    return Meta(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
+    return _new_tuple(Meta, (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device))
 
 
 class Recorder(TorchDispatchMode):
@@ -100,6 +104,7 @@ class Recorder(TorchDispatchMode):
         self.epochs: dict[int, int] = {}       # sid -> number of recorded writes into it so far
         self.calls: dict[str, int] = {}
         self._leaves: dict[int, tuple[str, str]] | None = None  # id(param or buffer) -> (kind, name)
+        self.timer = block.timer  # set before recording when node times are wanted
 
     # ------------------------------------------------------------------ values
 
@@ -231,7 +236,11 @@ class Recorder(TorchDispatchMode):
     def pack(self, t: Tensor) -> Any:
         """Autograd saves ``t``: record it in the demand set and hand autograd a handle."""
         block = self.block
-        vid = self.vid_of(t)
+        entry = self.by_id.get(id(t))
+        if entry is not None and entry[0]() is t and self.values[entry[1]].version == t._version:
+            vid = entry[1]
+        else:
+            vid = self.vid_of(t)
         block.demand.add(vid)
         counts = block.pack_count
         counts[vid] = counts.get(vid, 0) + 1
@@ -240,7 +249,7 @@ class Recorder(TorchDispatchMode):
             if value.sid in self.uninitialised:
                 self.hold(vid, t, INVISIBLE_WRITE)
             elif vid not in block.refs:
-                block.refs[vid] = weakref.ref(t)
+                block.refs[vid] = entry[0] if entry is not None and entry[1] == vid else weakref.ref(t)
         return Packed(block, vid)
 
     # ------------------------------------------------------------------ dispatch
@@ -259,10 +268,18 @@ class Recorder(TorchDispatchMode):
         writes = self._before_write(func, info, args, kwargs, inputs) if info.mutated else ()
         rng = (self._capture_rng(args, kwargs, inputs)
                if info.random and is_random_call(info, args, kwargs) else None)
-        out = func(*args, **kwargs)
+        timer = self.timer
+        if timer is None:
+            out = func(*args, **kwargs)
+        else:
+            start = timer.start()
+            out = func(*args, **kwargs)
+            sample = timer.stop(start)
         if self.uninitialised and not info.metadata_only and not info.aliasing:
             self._check_initialised(args, kwargs, inputs, writes)
-        self._add_node(func, info, targs, tkwargs, inputs, writes, rng, out, args, kwargs)
+        index = self._add_node(func, info, targs, tkwargs, inputs, writes, rng, out, args, kwargs)
+        if timer is not None and index >= 0:
+            self.block.trace.forward_times[index] = sample
         return out
 
     def _same_value(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
@@ -293,7 +310,8 @@ class Recorder(TorchDispatchMode):
                 inputs.append(entry[1])
             else:
                 inputs.append(self.vid_of(a))
-            return Slot(len(inputs) - 1)
+            i = len(inputs) - 1
+            return _SLOTS[i] if i < 64 else Slot(i)
         if type(a) is list or type(a) is tuple:
             for x in a:
                 if isinstance(x, Tensor):
@@ -363,7 +381,8 @@ class Recorder(TorchDispatchMode):
         return k
 
     def _add_node(self, func: Any, info: OpInfo, targs: tuple, tkwargs: dict, inputs: list[int],
-                  writes: tuple[int, ...], rng: Any, out: Any, args: tuple, kwargs: dict) -> None:
+                  writes: tuple[int, ...], rng: Any, out: Any, args: tuple, kwargs: dict) -> int:
+        """Record the call as a node; its index, or -1 when it produced and wrote no tensor."""
         block = self.block
         returned = [out] if isinstance(out, Tensor) else flat_tensors(out)
         extra: tuple[int, ...] = ()
@@ -375,7 +394,7 @@ class Recorder(TorchDispatchMode):
                           if not any(t is r for r in returned))
             returned = returned + [t for t in mutated if not any(t is r for r in returned)]
         if not returned:
-            return
+            return -1
         for t in returned:
             if is_subclass_with_dispatch(t):
                 raise TapeSACError(
@@ -384,17 +403,20 @@ class Recorder(TorchDispatchMode):
                     "funcol.wait_tensor) inside the op that produces it, or do not checkpoint this module")
         index = len(block.nodes)
         name = info.name
-        k = self.calls.get(name, 0)
-        self.calls[name] = k + 1
+        calls = self.calls
+        k = calls.get(name, 0)
+        calls[name] = k + 1
+        plan_coords = block.plan_coords
         outs: list[int] = []
         for j, t in enumerate(returned):
             vid = self._new_output(t, index, j, info, inputs, outs, before_write)
             outs.append(vid)
-            if info.holds_outputs or block.plan_coords:
+            if info.holds_outputs or plan_coords:
                 self._maybe_hold(func, info, name, k, j, vid, t, args, kwargs)
-        block.nodes.append(Node(index, func, name, k, targs, tkwargs, inputs,
-                                [] if info.metadata_only else inputs, outs, writes, extra, rng,
-                                info.metadata_only, block.current_module))
+        block.nodes.append(_new_tuple(Node, (
+            index, func, name, k, targs, tkwargs, inputs, [] if info.metadata_only else inputs,
+            outs, writes, extra, rng, info.metadata_only, block.current_module)))
+        return index
 
     def _new_output(self, t: Tensor, index: int, j: int, info: OpInfo, inputs: list[int],
                     outs: list[int], before_write: dict[int, int]) -> int:
@@ -429,8 +451,8 @@ class Recorder(TorchDispatchMode):
             if info.allocation:
                 self.uninitialised.add(sid)
         vid = len(values)
-        values.append(Value(vid, index, j, sid, self.epochs.get(sid, 0), _meta(t),
-                            t._version if version is None else version, OP, None))
+        values.append(_new_tuple(Value, (vid, index, j, sid, self.epochs.get(sid, 0), _meta(t),
+                                          t._version if version is None else version, OP, None)))
         ptrs.append(ptr)
         self.ids.append(id(t))
         self.by_id[id(t)] = (weakref.ref(t), vid)

@@ -23,7 +23,7 @@ import torch
 from .errors import TapeSACError
 from .ops import rebuild_output
 from .recorder import flat_tensors, on_storage
-from .tape import ALIAS_OP, Meta, Node, Slot
+from .tape import ALIAS_OP, Meta, Node, Slot, producer_closure
 
 
 def _fill(a: Any, tensors: list[Any]) -> Any:
@@ -51,11 +51,16 @@ def restored_rng(rng: tuple | None) -> Iterator[None]:
 
 @contextmanager
 def replay_mode(device_types: set[str]) -> Iterator[None]:
-    """Grad off, and autocast off: the tape already holds the casts autocast made in forward."""
+    """Grad off, and autocast off: the tape already holds the casts autocast made in forward.
+
+    Only what is on is turned off: in backward grad mode is already off, autocast usually too.
+    """
     with ExitStack() as stack:
-        stack.enter_context(torch.no_grad())
+        if torch.is_grad_enabled():
+            stack.enter_context(torch.no_grad())
         for device_type in sorted(device_types):
-            stack.enter_context(torch.autocast(device_type, enabled=False))
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
 
 
@@ -74,20 +79,21 @@ class Replay:
         # The block keeps its replay state: a weak reference back avoids a cycle that would keep
         # every held tensor alive until the garbage collector runs.
         self.block = weakref.proxy(block)
+        self.nodes, self.values, self.trace = block.nodes, block.values, block.trace
         self.env: dict[int, torch.Tensor] = {}
         self.not_ours: set[int] = set()  # storage pointers replay must not write into
-        self.reads: Counter[int] = Counter()
-        self._take_alive_values()
+        self.reads: dict[int, int] = {}
+        self._take_alive_values(block)
+        reads = self.reads
         for index in block.closure(block.demand, self._available):
             for d in block.nodes[index].deps:
-                self.reads[d] += 1
+                reads[d] = reads.get(d, 0) + 1
         for vid in block.demand:
             if not block.is_kept(vid):
-                self.reads[vid] += block.pack_count.get(vid, 0)
+                reads[vid] = reads.get(vid, 0) + block.pack_count.get(vid, 0)
 
-    def _take_alive_values(self) -> None:
+    def _take_alive_values(self, block: Any) -> None:
         """Demanded values still alive elsewhere (e.g. a block output) are taken, not replayed."""
-        block = self.block
         for vid, ref in block.refs.items():
             t = ref()
             if t is not None and t._version == block.values[vid].version:
@@ -100,19 +106,21 @@ class Replay:
 
     def take(self, vid: int, consume: bool) -> torch.Tensor:
         """The value autograd unpacks; ``consume`` is False for a repeated unpack of one handle."""
-        if vid not in self.env:
-            block = self.block
-            for index in sorted(block.closure([vid], self._available)):
-                self._run(block.nodes[index])
-        t = self.env[vid]
+        env = self.env
+        if vid not in env:
+            with replay_mode(self.block.device_types):
+                for index in sorted(producer_closure(self.nodes, self.values, [vid], self._available)):
+                    self._run(self.nodes[index])
+        t = env[vid]
         self.not_ours.add(t.untyped_storage().data_ptr())
         if consume:
             self._release(vid)
         return t
 
     def _release(self, vid: int) -> None:
-        self.reads[vid] -= 1
-        if self.reads[vid] <= 0:
+        left = self.reads.get(vid, 0) - 1
+        self.reads[vid] = left
+        if left <= 0:
             self.env.pop(vid, None)
 
     def _input(self, vid: int) -> torch.Tensor:
@@ -123,27 +131,27 @@ class Replay:
         return t
 
     def _run(self, node: Node) -> None:
-        block = self.block
-        timer = block.timer
+        timer = self.block.timer
         start = timer.start() if timer is not None else None
         try:
             outs = self._execute(node)
         except TapeSACError:
             raise
         except Exception as e:
-            raise TapeSACError(f"block {block.name!r}: replaying {node.name} (call {node.k}) "
+            raise TapeSACError(f"block {self.block.name!r}: replaying {node.name} (call {node.k}) "
                                f"failed: {e}") from e
         if timer is not None:
-            block.node_times.setdefault(node.index, []).append(timer.stop(start))
-        block.replayed.append(node.index)
+            self.trace.node_times.setdefault(node.index, []).append(timer.stop(start))
+        self.trace.replayed.append(node.index)
+        reads, env = self.reads, self.env
         for vid, t in zip(node.outs, outs):
-            if self.reads[vid] > 0:
-                self.env[vid] = t
+            if reads.get(vid, 0) > 0:
+                env[vid] = t
         for d in node.deps:
             self._release(d)
 
     def _execute(self, node: Node) -> list[torch.Tensor]:
-        values = self.block.values
+        values = self.values
         if node.name == ALIAS_OP:
             return [view_of_storage(self._input(node.deps[0]), values[node.outs[0]].meta)]
         if node.rebuild:
@@ -154,8 +162,15 @@ class Replay:
         tensors = [self._input(v) for v in node.inputs]
         for slot in node.writes:
             self._prepare_write(node, slot, tensors)
-        with restored_rng(node.rng):
-            out = node.op(*_fill(node.args, tensors), **_fill(node.kwargs, tensors))
+        args = _fill(node.args, tensors)
+        kwargs = _fill(node.kwargs, tensors) if node.kwargs else node.kwargs
+        if node.rng is None:
+            out = node.op(*args, **kwargs)
+        else:
+            with restored_rng(node.rng):
+                out = node.op(*args, **kwargs)
+        if type(out) is torch.Tensor and not node.extra:
+            return [out]
         return flat_tensors(out) + [tensors[slot] for slot in node.extra]
 
     def _prepare_write(self, node: Node, slot: int, tensors: list[torch.Tensor]) -> None:
@@ -169,5 +184,5 @@ class Replay:
             return
         reads_here = Counter(node.deps)
         for vid, t in list(self.env.items()):
-            if t.untyped_storage().data_ptr() == ptr and self.reads[vid] > reads_here[vid]:
+            if t.untyped_storage().data_ptr() == ptr and self.reads.get(vid, 0) > reads_here[vid]:
                 self.env[vid] = t.clone()

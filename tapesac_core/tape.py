@@ -56,36 +56,40 @@ class Meta(NamedTuple):
     device: torch.device
 
 
-class Value:
+class Value(NamedTuple):
     """One recorded value: a tensor's content at one version."""
 
-    __slots__ = ("vid", "node", "j", "sid", "epoch", "meta", "version", "kind", "name")
-
-    def __init__(self, vid: int, node: int, j: int, sid: int, epoch: int, meta: Meta, version: int,
-                 kind: str, name: str | int | None = None) -> None:
-        self.vid, self.node, self.j, self.sid, self.epoch = vid, node, j, sid, epoch
-        self.meta, self.version, self.kind, self.name = meta, version, kind, name
+    vid: int
+    node: int             # producer node index, -1 for a leaf
+    j: int                # output position in the producer
+    sid: int              # storage id (views share their base's)
+    epoch: int            # in-place writes into the storage before this value was made
+    meta: Meta
+    version: int          # the tensor's version counter for this content
+    kind: str             # OP, INPUT, PARAM, BUFFER or EXTERNAL
+    name: str | int | None = None  # leaf: input position or parameter/buffer name
 
     def __repr__(self) -> str:
         return f"Value({self.vid}, node={self.node}, j={self.j}, kind={self.kind})"
 
 
-class Node:
+class Node(NamedTuple):
     """One recorded op call: ``op(*args, **kwargs)`` with tensors replaced by ``Slot``s."""
 
-    __slots__ = ("index", "op", "name", "k", "args", "kwargs", "inputs", "deps", "outs",
-                 "writes", "extra", "rng", "rebuild", "module")
-
-    def __init__(self, index: int, op: Any, name: str, k: int, args: Any, kwargs: Any,
-                 inputs: list[int], deps: list[int], outs: list[int], writes: tuple[int, ...],
-                 extra: tuple[int, ...], rng: Any, rebuild: bool, module: str | None) -> None:
-        self.index, self.op, self.name, self.k = index, op, name, k
-        self.args, self.kwargs, self.inputs, self.deps, self.outs = args, kwargs, inputs, deps, outs
-        self.writes = writes  # positions in ``inputs`` the op writes in place
-        self.extra = extra    # written positions not returned: their new values follow the returns
-        self.rng = rng          # (generator, state) captured before a random op ran
-        self.rebuild = rebuild  # metadata-only op: output rebuilt from recorded metadata at replay
-        self.module = module    # path of the submodule that issued the op, when known
+    index: int
+    op: Any
+    name: str             # str(op), e.g. "aten.mm.default"
+    k: int                # how many calls of this op came before it in the block
+    args: Any
+    kwargs: Any
+    inputs: list[int]     # value ids of the tensor arguments, in Slot order
+    deps: list[int]       # the inputs whose data the op reads
+    outs: list[int]       # value ids produced: the returns, then the written-but-not-returned
+    writes: tuple[int, ...]  # positions in ``inputs`` the op writes in place
+    extra: tuple[int, ...]   # written positions not returned: their new values follow the returns
+    rng: Any              # (generator, state) captured before a random op ran
+    rebuild: bool         # metadata-only op: output rebuilt from recorded metadata at replay
+    module: str | None    # path of the submodule that issued the op, when known
 
     def __repr__(self) -> str:
         return f"Node({self.index}, {self.name}#{self.k}, in={self.deps}, out={self.outs})"
