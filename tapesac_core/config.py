@@ -68,7 +68,9 @@ class TapeSACConfig:
     memory_limit: MemoryLimit | float | int | str
     warmup_steps: int = 2          # W: must-only steps before profiling
     profile_steps: int = 2         # R: steps timing the reference blocks (node time = minimum)
-    control_steps: int = 2         # un-instrumented must-only steps per bucket, for measured speedup
+    control_steps: int = 1         # must-only steps before a bucket's first planned step
+    control_every: int = 25        # then one must-only step per this many planned steps (0: never);
+                                   # measured speedup compares them with planned steps of the bucket
     margin: float = 0.02           # safety reserve, fraction of device memory (of the limit if absolute)
     primary_bucket_factor: float = 1.1
     secondary_bucket_factor: float = 1.25
@@ -83,7 +85,7 @@ class TapeSACConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_limit", parse_memory_limit(self.memory_limit))
         object.__setattr__(self, "secondary_regions", frozenset(self.secondary_regions))
-        for name in ("warmup_steps", "profile_steps", "control_steps"):
+        for name in ("warmup_steps", "profile_steps", "control_steps", "control_every"):
             if getattr(self, name) < (1 if name == "profile_steps" else 0):
                 raise ValueError(f"{name} must be >= {1 if name == 'profile_steps' else 0}")
         if not 0.0 <= self.margin < 1.0:

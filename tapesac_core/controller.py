@@ -1,0 +1,404 @@
+"""The step state machine (paper Algorithm 1): warm up, profile, solve per token bucket, apply.
+
+Each training step runs inside ``with controller.step(tokens=n):``. The first ``warmup_steps``
+run must-only; the next ``profile_steps`` time every node of one reference block per region
+type (the first also samples the must-only step's peak memory); then each token bucket gets a
+plan, solved at the bucket's upper edge under the memory limit and cached. A new bucket first
+runs ``control_steps`` plain must-only steps, so planned steps can be compared with them
+(measured speedup). Memory is sampled again when tokens move more than ``resample_tolerance``
+from every sample, a region is profiled again when its tokens exceed ``reprofile_factor`` times
+its reference's, and an observed peak near the limit raises the fragmentation estimate (plans
+only shrink). Under torch.distributed all ranks agree each step on the largest token counts and
+on any flag, rank 0 solves with the smallest budget, and every rank applies the same plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .checkpoint import trace, use_plan
+from .config import TapeSACConfig
+from .errors import TapeSACError
+from .memory import MemoryMeter, MemoryReading, memory_meter, physical_memory
+from .plan import bucket, upper_edge
+from .plan.plan import Plan
+from .profile import MemoryModel, MemorySample, RegionProfile, merged, region_profiles
+from .solve import solve_plan
+from .units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+WARMUP, PROFILE, SAMPLE, CONTROL, PLANNED = "warmup", "profile", "sample", "control", "planned"
+_ALL = "*"
+_WINDOW = 25  # recent step times per bucket that speed comparisons use
+
+
+@dataclass(kw_only=True)
+class StepReport:
+    """What one step did, for logs: its mode, plan, time, memory and replay counts."""
+
+    step: int
+    mode: str
+    tokens: dict[str, int]
+    bucket: tuple[int, ...]
+    plan: Plan | None = None
+    time: float = 0.0                      # seconds, synchronised with the device
+    peak: int | None = None                # bytes, when the step was metered
+    limit: int = 0                         # the memory limit in bytes
+    saved_bytes: int = 0                   # bytes blocks kept beyond S0 (all blocks, all micro-batches)
+    replayed_nodes: int = 0
+    blocks: int = 0
+    predicted_speedup: float | None = None
+    measured_speedup: float | None = None
+    block_traces: list = field(default_factory=list, repr=False)
+
+
+class Controller:
+    """Plans which tensors TapeSAC blocks save, from one memory limit, over training steps."""
+
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module],
+                 memory_limit: float | int | str | None = None, *,
+                 config: TapeSACConfig | None = None, device: torch.device | str | None = None,
+                 meter: Callable[[], MemoryMeter] | None = None, process_group: Any = None,
+                 **settings: Any) -> None:
+        if config is None:
+            if memory_limit is None:
+                raise TypeError("Controller needs memory_limit (e.g. 0.9 or '20GiB') or a config")
+            config = TapeSACConfig(memory_limit=memory_limit, **settings)
+        self.config = config
+        roots = [model] if isinstance(model, torch.nn.Module) else list(model)
+        self.regions = sorted({m._tapesac.region for root in roots for m in root.modules()
+                               if hasattr(m, "_tapesac")})
+        if not self.regions:
+            raise TapeSACError("the controller found no checkpointed module. Fix: call "
+                               "tapesac_core.checkpoint_modules(model, {BlockClass}) first")
+        params = [p for root in roots for p in root.parameters()]
+        self.device = torch.device(device) if device is not None else (
+            params[0].device if params else torch.device("cpu"))
+        self._meter = meter or (lambda: memory_meter(self.device))
+        self.group = process_group
+        self.model_key = ",".join(self.regions)
+        self.steps = 0
+        self.profiles: dict[str, RegionProfile] = {}
+        self.memory = MemoryModel()
+        self.plans: dict[tuple[int, ...], Plan] = {}
+        self.must_only_times: dict[tuple[int, ...], list[float]] = {}
+        self.planned_times: dict[tuple[int, ...], list[float]] = {}
+        self.report: StepReport | None = None
+        self._profile_steps_done = 0
+        self._reprofile = False
+        self._secondary_max: dict[str, int] = {}
+        self._checked: set[tuple[int, ...]] = set()
+        self._planned_since_control: dict[tuple[int, ...], int] = {}
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ public state
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan applied in the last step (None while warming up, profiling or sampling)."""
+        return self.report.plan if self.report else None
+
+    @property
+    def predicted_speedup(self) -> float | None:
+        return self.report.predicted_speedup if self.report else None
+
+    @property
+    def measured_speedup(self) -> float | None:
+        return self.report.measured_speedup if self.report else None
+
+    def limit_bytes(self) -> int:
+        """The memory limit in bytes on this device (or host, on CPU)."""
+        return self.config.memory_limit.of(self._device_total())
+
+    # ------------------------------------------------------------------ one step
+
+    @contextmanager
+    def step(self, tokens: int | Mapping[str, int]) -> Iterator[StepReport]:
+        """Run one training step (forward, backward, optimizer) under TapeSAC's current plan."""
+        per_region = self._agree_tokens(self._per_region(tokens))
+        key = self._bucket(per_region)
+        mode = self._mode(per_region)
+        plan = self._plan(key, per_region) if mode == PLANNED else None
+        metered = mode in (PROFILE, SAMPLE) and (mode == SAMPLE or self._profile_steps_done == 0) \
+            or (mode == PLANNED and (self.device.type != "cpu" or key not in self._checked))
+        report = StepReport(step=self.steps, mode=mode, tokens=per_region, bucket=key, plan=plan,
+                            limit=self.limit_bytes())
+        with ExitStack() as stack:
+            if plan is not None:
+                stack.enter_context(use_plan(plan))
+            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE))
+            meter = stack.enter_context(self._meter()) if metered else None
+            static = meter.reading().current if meter is not None else 0
+            self._synchronize()
+            start = time.perf_counter()
+            yield report
+            self._synchronize()
+            report.time = time.perf_counter() - start
+            reading = meter.reading() if meter is not None else None
+        report.block_traces = blocks
+        self._finish(report, reading, static, metered)
+
+    def _finish(self, report: StepReport, reading: MemoryReading | None, static: int,
+                metered: bool) -> None:
+        blocks = report.block_traces
+        report.blocks = len(blocks)
+        report.replayed_nodes = sum(len(b.replayed) for b in blocks)
+        report.saved_bytes = sum(b.tape.bytes_of(b.saved) - b.tape.bytes_of(b.saved & set(b.tape.mandatory))
+                                 for b in blocks)
+        key, mode = report.bucket, report.mode
+        if reading is not None:
+            report.peak = reading.peak
+        if mode == PROFILE:
+            self._take_profile(blocks, report.tokens)
+        if reading is not None and mode in (PROFILE, SAMPLE):
+            self.memory.add(MemorySample(tokens=self._primary_tokens(report.tokens), peak=reading.peak,
+                                         static=static, outside=self._outside(reading),
+                                         fragmentation=self._fragmentation(reading)))
+        if mode == CONTROL or (mode == WARMUP and report.step > 0):
+            self._record_time(self.must_only_times, key, report.time)
+            self._planned_since_control[key] = 0
+        if mode == PLANNED:
+            self._planned_since_control[key] = self._planned_since_control.get(key, 0) + 1
+            if metered:
+                self._checked.add(key)
+            else:
+                self._record_time(self.planned_times, key, report.time)
+            if reading is not None:
+                self._watch_limit(reading)
+        report.predicted_speedup = self.plans[key].predicted_speedup if key in self.plans else None
+        report.measured_speedup = self._measured(key)
+        self.report = report
+        self.steps += 1
+
+    @staticmethod
+    def _record_time(times: dict[tuple[int, ...], list[float]], key: tuple[int, ...],
+                     seconds: float) -> None:
+        recent = times.setdefault(key, [])
+        recent.append(seconds)
+        del recent[:-_WINDOW]
+
+    # ------------------------------------------------------------------ modes
+
+    def _mode(self, tokens: dict[str, int]) -> str:
+        if self.steps < self.config.warmup_steps:
+            return WARMUP
+        needs_profile = not self.profiles or self._reprofile or any(
+            tokens[r] > self.config.reprofile_factor * p.tokens for r, p in self.profiles.items())
+        needs_sample = not self.memory.covers(self._primary_tokens(tokens),
+                                              self.config.resample_tolerance)
+        if needs_profile and not self._profile_steps_done:
+            self.profiles, self._reprofile = {}, False
+        flags = self._agree_flags(needs_profile or self._profile_steps_done > 0, needs_sample)
+        if flags[0]:
+            return PROFILE
+        if flags[1]:
+            return SAMPLE
+        key = self._bucket(tokens)
+        controls = len(self.must_only_times.get(key, ()))
+        since = self._planned_since_control.get(key, 0)
+        every = self.config.control_every
+        if controls < self.config.control_steps or (every and controls and since >= every):
+            return CONTROL
+        return PLANNED
+
+    def _take_profile(self, blocks: list, tokens: dict[str, int]) -> None:
+        fresh = region_profiles(blocks, tokens)
+        self.profiles = {r: merged(self.profiles.get(r), p) for r, p in fresh.items()}
+        self._profile_steps_done += 1
+        if self._profile_steps_done >= self.config.profile_steps:
+            self._profile_steps_done = 0
+            self.plans.clear()  # new reference: every bucket is solved again
+
+    # ------------------------------------------------------------------ plans
+
+    def _plan(self, key: tuple[int, ...], tokens: dict[str, int]) -> Plan:
+        if key not in self.plans:
+            edges = self._edges(key, tokens)
+            capacity = self._capacity()
+            base = self.memory.base(self._primary_tokens(edges))
+            budget = self._agree_budget(capacity - base)
+            self.plans[key] = self._broadcast(lambda: self._solve(edges, budget + base, base, key))
+            logger.info("TapeSAC solved bucket %s (tokens %s):\n%s", key, edges,
+                        self.plans[key].explain())
+        return self.plans[key]
+
+    def _solve(self, edges: dict[str, int], capacity: int, base: int, key: tuple[int, ...]) -> Plan:
+        if base > capacity and "base" not in self._warned:
+            self._warned.add("base")
+            logger.warning("TapeSAC: the must-only step alone needs %s at %s tokens, above the "
+                           "%s the memory limit %s leaves; running must-only (nothing more saved)",
+                           format_bytes(base), edges, format_bytes(capacity),
+                           self.config.memory_limit)
+        profiles = {r: p for r, p in self.profiles.items() if r in edges}
+        return solve_plan(profiles, edges, model=self.model_key, capacity=capacity, base=base,
+                          must_only_step_time=self._must_only_time(key, edges),
+                          config=self.config)
+
+    def _must_only_time(self, key: tuple[int, ...], edges: dict[str, int]) -> float:
+        """Must-only step seconds at this bucket, or scaled by tokens from the nearest measured one."""
+        if self.must_only_times.get(key):
+            return statistics.median(self.must_only_times[key])
+        measured = [(k, statistics.median(v)) for k, v in self.must_only_times.items() if v]
+        if not measured:
+            return 1.0
+        here = self._primary_tokens(edges)
+        k, seconds = min(measured, key=lambda kv: abs(self._edge_tokens(kv[0]) - here))
+        return seconds * here / self._edge_tokens(k)
+
+    def _measured(self, key: tuple[int, ...]) -> float | None:
+        must, planned = self.must_only_times.get(key), self.planned_times.get(key)
+        if not must or not planned:
+            return None
+        return statistics.median(must) / statistics.median(planned)
+
+    # ------------------------------------------------------------------ memory
+
+    def _device_total(self) -> int:
+        if self.device.type == "cpu":
+            return physical_memory()[0]
+        return torch.accelerator.get_memory_info(self.device)[1]
+
+    def _capacity(self) -> int:
+        """Eq. 9: limit − memory outside the allocator − safety margin − fragmentation."""
+        limit = self.config.memory_limit
+        total = self._device_total()
+        margin = self.config.margin * (total if limit.fraction is not None else limit.of(total))
+        return int(limit.of(total) - self.memory.outside - margin - self.memory.fragmentation)
+
+    def _outside(self, reading: MemoryReading) -> int:
+        return 0 if self.device.type == "cpu" else reading.outside_allocator
+
+    def _fragmentation(self, reading: MemoryReading) -> int:
+        return 0 if self.device.type == "cpu" else max(0, reading.reserved - reading.peak)
+
+    def _watch_limit(self, reading: MemoryReading) -> None:
+        """A peak near the limit: raise the fragmentation estimate and solve again (plans shrink)."""
+        limit = self.limit_bytes()
+        used = max(reading.peak, reading.reserved) + self._outside(reading)
+        threshold = self.config.near_limit * limit
+        if used > threshold:
+            raise_by = max(int(used - threshold), int(0.01 * limit))
+            self.memory.extra_fragmentation += raise_by
+            self.plans.clear()
+            self._checked.clear()
+            logger.warning("TapeSAC: step peak %s is within %.0f%% of the limit %s; fragmentation "
+                           "estimate raised by %s, plans solved again", format_bytes(used),
+                           100 * (1 - self.config.near_limit), format_bytes(limit),
+                           format_bytes(raise_by))
+
+    # ------------------------------------------------------------------ tokens and buckets
+
+    def _per_region(self, tokens: int | Mapping[str, int]) -> dict[str, int]:
+        if isinstance(tokens, Mapping):
+            unknown = set(tokens) - set(self.regions) - {_ALL}
+            if unknown:
+                raise TapeSACError(f"tokens name unknown region types {sorted(unknown)}; the "
+                                   f"model's are {self.regions}")
+            default = tokens.get(_ALL)
+            missing = [r for r in self.regions if r not in tokens and default is None]
+            if missing:
+                raise TapeSACError(f"tokens miss region types {missing}: give every region's count")
+            per = {r: int(tokens.get(r, default)) for r in self.regions}
+        else:
+            per = {r: int(tokens) for r in self.regions}
+        if any(n < 1 for n in per.values()):
+            raise TapeSACError(f"token counts must be >= 1, got {per}")
+        return per
+
+    def _primary_tokens(self, tokens: Mapping[str, int]) -> int:
+        primary = [n for r, n in tokens.items() if r not in self.config.secondary_regions]
+        return max(primary or tokens.values())
+
+    def _bucket(self, tokens: dict[str, int]) -> tuple[int, ...]:
+        """Buckets per region; secondary regions take the largest count seen so far (§3.4.4)."""
+        key = []
+        for r in self.regions:
+            if r in self.config.secondary_regions:
+                self._secondary_max[r] = max(self._secondary_max.get(r, 0), tokens[r])
+                key.append(bucket(self._secondary_max[r], self.config.secondary_bucket_factor))
+            else:
+                key.append(bucket(tokens[r], self.config.primary_bucket_factor))
+        return tuple(key)
+
+    def _edges(self, key: tuple[int, ...], tokens: dict[str, int]) -> dict[str, int]:
+        return {r: upper_edge(q, self.config.secondary_bucket_factor
+                              if r in self.config.secondary_regions else self.config.primary_bucket_factor)
+                for r, q in zip(self.regions, key)}
+
+    def _edge_tokens(self, key: tuple[int, ...]) -> int:
+        return self._primary_tokens(self._edges(key, {}))
+
+    # ------------------------------------------------------------------ ranks
+
+    def _distributed(self) -> bool:
+        dist = torch.distributed
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+
+    def _reduce_max(self, numbers: list[int]) -> list[int]:
+        if not self._distributed():
+            return numbers
+        dist = torch.distributed
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(
+            self.group) == "nccl" else torch.device("cpu")
+        t = torch.tensor(numbers, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(x) for x in t.tolist()]
+
+    def _agree_tokens(self, tokens: dict[str, int]) -> dict[str, int]:
+        """All ranks run the bucket of the largest token counts."""
+        return dict(zip(self.regions, self._reduce_max([tokens[r] for r in self.regions])))
+
+    def _agree_flags(self, *flags: bool) -> list[bool]:
+        return [bool(f) for f in self._reduce_max([int(f) for f in flags])]
+
+    def _agree_budget(self, budget: int) -> int:
+        """The smallest remaining capacity of any rank."""
+        return -self._reduce_max([-budget])[0]
+
+    def _broadcast(self, solve: Callable[[], Plan]) -> Plan:
+        """Rank 0 solves; every rank applies the plan it broadcasts."""
+        if not self._distributed():
+            return solve()
+        dist = torch.distributed
+        payload = [solve().to_json() if dist.get_rank(self.group) == 0 else None]
+        dist.broadcast_object_list(payload, src=dist.get_global_rank(self.group, 0)
+                                   if self.group is not None else 0, group=self.group)
+        return Plan.from_json(payload[0], model=self.model_key)
+
+    def _synchronize(self) -> None:
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plan cache, memory samples and step times: resuming needs no new profiling for known buckets."""
+        return {"version": 1, "model": self.model_key, "steps": self.steps,
+                "plans": {",".join(map(str, k)): p.to_json() for k, p in self.plans.items()},
+                "samples": [vars(s) for s in self.memory.samples],
+                "extra_fragmentation": self.memory.extra_fragmentation,
+                "must_only_times": {",".join(map(str, k)): v for k, v in self.must_only_times.items()},
+                "planned_times": {",".join(map(str, k)): v for k, v in self.planned_times.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` saved; plans from another model are refused."""
+        if state.get("model") != self.model_key:
+            raise TapeSACError(f"TapeSAC state is for region types {state.get('model')!r}, this "
+                               f"model has {self.model_key!r}: it comes from another model")
+        keys = lambda d: {tuple(int(x) for x in k.split(",")): v for k, v in d.items()}  # noqa: E731
+        self.steps = state["steps"]
+        self.plans = {k: Plan.from_json(v, model=self.model_key) for k, v in keys(state["plans"]).items()}
+        self.memory = MemoryModel(extra_fragmentation=state["extra_fragmentation"])
+        for s in state["samples"]:
+            self.memory.add(MemorySample(**s))
+        self.must_only_times = keys(state["must_only_times"])
+        self.planned_times = keys(state["planned_times"])

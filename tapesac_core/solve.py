@@ -1,0 +1,69 @@
+"""From region profiles and a byte budget to a Plan (Algorithm 1, lines 3-7)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from .config import TapeSACConfig
+from .plan import Point, RegionFrontier, replay_time, solve_knapsack
+from .plan.plan import Plan, RegionPlan, Saved
+from .plan.tape_graph import name_coord
+from .profile import RegionProfile
+
+
+def scaled(points: tuple[Point, ...], factor: float) -> tuple[Point, ...]:
+    """A frontier at another token count: sizes and times scale linearly with tokens (§3.4.1)."""
+    return tuple(Point(bytes=math.ceil(p.bytes * factor), time=p.time * factor, saved=p.saved)
+                 for p in points)
+
+
+def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int], *, model: str,
+               capacity: int, base: int, must_only_step_time: float,
+               config: TapeSACConfig) -> Plan:
+    """The plan maximising replay time removed with Σ bytes ≤ capacity − base (Eqs. 8-9)."""
+    frontiers = {r: scaled(p.frontier(config.beam_width, config.max_set_size), tokens[r] / p.tokens)
+                 for r, p in profiles.items()}
+    budget = capacity - base
+    choice = solve_knapsack(
+        {r: RegionFrontier(points=f, blocks=profiles[r].blocks) for r, f in frontiers.items()},
+        budget, resolution=config.knapsack_resolution)
+    regions = {r: _region_plan(profiles[r], frontiers[r], choice.choices[r], tokens[r])
+               for r in sorted(profiles)}
+    gain = choice.gain
+    full = sum(p.blocks * (p.full_recompute_time - p.must_only_replay_time) * tokens[r] / p.tokens
+               for r, p in profiles.items())
+    planned_time = max(must_only_step_time - gain, 1e-9)
+    notes = () if budget > 0 else (
+        f"the must-only step needs {base} bytes of the {capacity} the limit leaves: nothing "
+        "more is saved",)
+    return Plan(model=model, regions=regions, capacity=capacity, base=base,
+                saved_bytes=choice.bytes, predicted_speedup=must_only_step_time / planned_time,
+                predicted_speedup_vs_full=(must_only_step_time + full) / planned_time, notes=notes)
+
+
+def _region_plan(profile: RegionProfile, points: tuple[Point, ...], chosen: tuple[int, ...],
+                 tokens: int) -> RegionPlan:
+    sets = iter([frozenset(name_coord(n) for n in points[i].saved) for i in chosen])
+    blocks = tuple(next(sets) if shares else frozenset() for shares in profile.shares_reference)
+    others = len(blocks) - profile.blocks
+    note = (f"{others} of {len(blocks)} blocks ran another op sequence (data-dependent control "
+            "flow) and save only their mandatory set" if others else "")
+    largest = points[max(chosen)] if chosen else points[0]
+    return RegionPlan(sequence=profile.sequence, blocks=blocks, tokens=tokens,
+                      saved=_describe(profile, largest, tokens / profile.tokens), note=note)
+
+
+def _describe(profile: RegionProfile, point: Point, factor: float) -> tuple[Saved, ...]:
+    """Each value of a save set: bytes, and replay time it removes given the rest of the set."""
+    graph, tape = profile.graph, profile.tape
+    saved = graph.value_ids(point.saved)
+    whole = replay_time(graph, saved)
+    rows = []
+    for vid in sorted(saved):
+        coord = name_coord(graph.value_names[vid])
+        node = tape.nodes[tape.values[vid].node]
+        rows.append(Saved(coord=coord, module=node.module,
+                          bytes=math.ceil(tape.bytes_of([vid]) * factor),
+                          time_removed=(replay_time(graph, saved - {vid}) - whole) * factor))
+    return tuple(rows)

@@ -1,0 +1,163 @@
+"""The controller's state machine, with memory readings the test chooses (an injected meter)."""
+
+import logging
+
+import pytest
+import torch
+
+import tapesac_core
+from examples.models import DecoderLayer, DecoderLM, ModelConfig
+from tapesac_core.controller import CONTROL, PLANNED, PROFILE, SAMPLE, WARMUP, Controller
+from tapesac_core.memory import MemoryReading
+from tapesac_core.plan import bucket, upper_edge
+from tapesac_core.units import GiB, MiB
+
+
+class FakeMeter:
+    """The must-only peak grows linearly with tokens; ``extra`` adds to what a step reads."""
+
+    def __init__(self, base: int = 64 * MiB, per_token: int = 4096) -> None:
+        self.base, self.per_token, self.tokens, self.extra = base, per_token, 0, 0
+        self.readings = 0
+
+    def __call__(self) -> "FakeMeter":
+        return self
+
+    def __enter__(self) -> "FakeMeter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def reading(self) -> MemoryReading:
+        self.readings += 1
+        peak = self.base + self.per_token * self.tokens + self.extra
+        return MemoryReading(peak=peak, current=self.base, reserved=peak, total=64 * GiB,
+                             free=32 * GiB)
+
+
+def _setup(limit, **settings):
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                  intermediate_size=64, num_layers=3))
+    tapesac_core.checkpoint_modules(model, {DecoderLayer})
+    meter = FakeMeter()
+    controller = Controller(model, limit, meter=meter, warmup_steps=1, profile_steps=1,
+                            control_steps=1, control_every=0, **settings)
+    return model, meter, controller
+
+
+def _run(model, meter, controller, seq: int, batch: int = 2):
+    ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seq))
+    meter.tokens = ids.numel()
+    with controller.step(tokens=ids.numel()) as report:
+        model.loss(ids).backward()
+    model.zero_grad(set_to_none=True)
+    return report
+
+
+def test_state_machine_warmup_profile_control_then_one_plan_per_bucket() -> None:
+    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    modes = [_run(model, meter, c, 32).mode for _ in range(5)]
+    assert modes == [WARMUP, PROFILE, CONTROL, PLANNED, PLANNED]
+    assert len(c.plans) == 1
+    (key,) = c.plans
+    q = bucket(64, 1.1)
+    assert key == (q,)
+    # Solved at the bucket's upper edge, so every step of the bucket fits.
+    assert c.plans[key].regions["DecoderLayer"].tokens == upper_edge(q, 1.1)
+    assert not c.plans[key].empty
+    # Another count in the same bucket reuses the plan: no new solve, no new memory sample.
+    readings = meter.readings
+    report = _run(model, meter, c, 33)  # 66 tokens: bucket of 64 when 1.1**q <= 64 < 66 < 1.1**(q+1)
+    assert bucket(66, 1.1) == q and report.mode == PLANNED and len(c.plans) == 1
+    assert meter.readings == readings
+
+
+def test_a_new_bucket_gets_its_own_plan_solved_at_its_upper_edge() -> None:
+    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    for _ in range(4):
+        _run(model, meter, c, 32)
+    report = _run(model, meter, c, 36)  # 72 tokens: 12.5% more, a new bucket, no new sample
+    assert report.mode == CONTROL
+    report = _run(model, meter, c, 36)
+    assert report.mode == PLANNED and len(c.plans) == 2
+    assert report.plan.regions["DecoderLayer"].tokens == upper_edge(bucket(72, 1.1), 1.1)
+
+
+def test_memory_is_sampled_again_when_tokens_move_more_than_15_percent() -> None:
+    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    for _ in range(4):
+        _run(model, meter, c, 32)
+    assert [s.tokens for s in c.memory.samples] == [64]
+    assert _run(model, meter, c, 36).mode == CONTROL        # 72 tokens: within 15%
+    assert _run(model, meter, c, 38).mode == SAMPLE         # 76 tokens: 18.75% away
+    assert [s.tokens for s in c.memory.samples] == [64, 76]
+
+
+def test_a_region_is_profiled_again_when_its_tokens_exceed_twice_the_reference() -> None:
+    model, meter, c = _setup(64 * MiB + 8 * MiB)
+    for _ in range(4):
+        _run(model, meter, c, 32)
+    assert c.profiles["DecoderLayer"].tokens == 64
+    report = _run(model, meter, c, 66)  # 132 tokens > 2 x 64
+    assert report.mode == PROFILE
+    assert c.profiles["DecoderLayer"].tokens == 132
+
+
+def test_fragmentation_near_the_limit_shrinks_the_plan(caplog) -> None:
+    limit = 64 * MiB + 2 * MiB
+    model, meter, c = _setup(limit)
+    for _ in range(3):
+        _run(model, meter, c, 32)
+    meter.extra = int(0.99 * limit) - meter.base - meter.per_token * 64  # the planned step reads 99%
+    with caplog.at_level(logging.WARNING):
+        first = _run(model, meter, c, 32)
+    assert first.mode == PLANNED and first.peak == int(0.99 * limit)
+    first = first.plan
+    assert "fragmentation estimate raised" in caplog.text
+    assert c.memory.extra_fragmentation > 0 and not c.plans
+    meter.extra = 0
+    second = _run(model, meter, c, 32).plan
+    assert second.saved_bytes < first.saved_bytes
+    assert second.capacity < first.capacity
+
+
+def _planned(limit, **settings):
+    model, meter, c = _setup(limit, **settings)
+    for _ in range(4):
+        report = _run(model, meter, c, 32)
+    assert report.mode == PLANNED
+    return report.plan
+
+
+def test_later_blocks_get_the_larger_sets() -> None:
+    everything = _planned(GiB, margin=0.0)
+    per_block = everything.saved_bytes // 3
+    plan = _planned(everything.base + int(1.5 * per_block), margin=0.0)
+    sizes = [len(b) for b in plan.regions["DecoderLayer"].blocks]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1], sizes
+    assert plan.saved_bytes <= plan.capacity - plan.base
+
+
+def test_the_must_only_peak_above_the_limit_warns_once_and_runs_must_only(caplog) -> None:
+    model, meter, c = _setup(64 * MiB)  # the fake must-only peak is 64 MiB + tokens x 4 KiB
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            report = _run(model, meter, c, 32)
+    assert report.mode == PLANNED and report.plan.empty and report.saved_bytes == 0
+    assert caplog.text.count("the must-only step alone needs") == 1
+    assert "64.25 MiB" in caplog.text and "62.72 MiB" in caplog.text
+
+
+def test_state_dict_round_trip_reuses_plans_without_profiling() -> None:
+    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    for _ in range(4):
+        _run(model, meter, c, 32)
+    state = c.state_dict()
+    _, _, fresh = _setup(64 * MiB + 2 * MiB)
+    fresh.load_state_dict(state)
+    assert fresh.plans.keys() == c.plans.keys()
+    assert fresh.plans[(bucket(64, 1.1),)] == c.plans[(bucket(64, 1.1),)]
+    with pytest.raises(tapesac_core.TapeSACError, match="another model"):
+        fresh.load_state_dict({**state, "model": "Other"})
