@@ -1,0 +1,85 @@
+"""Plans are data (versioned JSON, never pickle) and explain themselves; limits parse strictly."""
+
+import json
+
+import pytest
+
+from tapesac_core.config import MemoryLimit, TapeSACConfig, parse_memory_limit
+from tapesac_core.plan.plan import Plan, RegionPlan, Saved
+from tapesac_core.units import GiB, MiB
+
+
+def _plan() -> Plan:
+    saved = (Saved(coord=("aten.mm.default", 0, 0), module="self_attn.q_proj", bytes=3 * MiB,
+                   time_removed=0.0021),)
+    region = RegionPlan(sequence="abc-90", tokens=4096, saved=saved,
+                        blocks=(frozenset(), frozenset({("aten.mm.default", 0, 0)})))
+    return Plan(model="DecoderLayer", regions={"DecoderLayer": region}, capacity=20 * GiB,
+                base=12 * GiB, saved_bytes=3 * MiB, predicted_speedup=1.08,
+                predicted_speedup_vs_full=1.21)
+
+
+def test_plan_json_round_trip() -> None:
+    plan = _plan()
+    text = plan.to_json()
+    assert json.loads(text)["version"] == 1
+    assert Plan.from_json(text, model="DecoderLayer", regions={"DecoderLayer": "abc-90"}) == plan
+    assert plan.coordinates() == {"DecoderLayer": [frozenset(), frozenset({("aten.mm.default", 0, 0)})]}
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(model="OtherLayer"), "comes from another model"),
+    (dict(regions={"DecoderLayer": "def-91"}), "op sequence changed"),
+    (dict(regions={"DecoderLayer": "abc-90", "MoE": "x"}), "region set"),
+])
+def test_a_plan_from_another_model_or_region_set_is_refused(change, match) -> None:
+    kwargs = dict(model="DecoderLayer", regions={"DecoderLayer": "abc-90"}) | change
+    with pytest.raises(ValueError, match=match):
+        Plan.from_json(_plan().to_json(), **kwargs)
+
+
+def test_a_plan_from_another_version_is_refused() -> None:
+    data = json.loads(_plan().to_json())
+    data["version"] = 99
+    with pytest.raises(ValueError, match="version 99.*Solve the plan again"):
+        Plan.from_json(json.dumps(data))
+
+
+def test_explain_is_a_table_with_bytes_time_and_speedups() -> None:
+    text = _plan().explain()
+    assert "predicted speedup 1.080x vs must-only, 1.210x vs full recomputation" in text
+    assert "capacity 20.00 GiB, must-only peak 12.00 GiB, saves 3.00 MiB more" in text
+    assert "values saved per block: [0, 1]" in text
+    assert "aten.mm.default #0 out 0" in text and "self_attn.q_proj" in text
+    assert "3.00 MiB" in text and "2.100 ms" in text
+
+
+@pytest.mark.parametrize("value, expected", [
+    (0.9, MemoryLimit(fraction=0.9)), (0.0, MemoryLimit(fraction=0.0)), (1.0, MemoryLimit(fraction=1.0)),
+    ("20GiB", MemoryLimit(bytes=20 * GiB)), ("800MB", MemoryLimit(bytes=800_000_000)),
+    (" 1.5 TiB", MemoryLimit(bytes=int(1.5 * 2**40))), (MiB, MemoryLimit(bytes=MiB)),
+])
+def test_memory_limits_parse(value, expected) -> None:
+    assert parse_memory_limit(value) == expected
+
+
+@pytest.mark.parametrize("value, error, match", [
+    (1.5, ValueError, r"must lie in \[0, 1\]"), (-0.1, ValueError, r"must lie in \[0, 1\]"),
+    (1, ValueError, "at least 1 MiB"), (MiB - 1, ValueError, "at least 1 MiB"),
+    ("lots", ValueError, "cannot read memory_limit 'lots'"), ("20 parsecs", ValueError, "cannot read"),
+    (True, TypeError, "memory_limit"), ([1], TypeError, "memory_limit"),
+])
+def test_bad_memory_limits_name_the_fix(value, error, match) -> None:
+    with pytest.raises(error, match=match):
+        parse_memory_limit(value)
+
+
+def test_config_is_frozen_and_validated() -> None:
+    config = TapeSACConfig(memory_limit="8GiB")
+    assert config.memory_limit == MemoryLimit(bytes=8 * GiB)
+    with pytest.raises(AttributeError):
+        config.margin = 0.5  # type: ignore[misc]
+    with pytest.raises(ValueError, match="bucket factors must be > 1"):
+        TapeSACConfig(memory_limit=0.9, primary_bucket_factor=1.0)
+    with pytest.raises(TypeError):
+        TapeSACConfig(0.9)  # type: ignore[misc]
