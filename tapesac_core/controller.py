@@ -98,6 +98,7 @@ class Controller:
         self._secondary_max: dict[str, int] = {}
         self._checked: set[tuple[int, ...]] = set()
         self._planned_since_control: dict[tuple[int, ...], int] = {}
+        self._raise_fragmentation = 0  # seen near the limit; applied at the next step, on all ranks
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ public state
@@ -197,10 +198,14 @@ class Controller:
                                               self.config.resample_tolerance)
         if needs_profile and not self._profile_steps_done:
             self.profiles, self._reprofile = {}, False
-        flags = self._agree_flags(needs_profile or self._profile_steps_done > 0, needs_sample)
-        if flags[0]:
+        profile, sample, raise_by = self._reduce_max([
+            int(needs_profile or self._profile_steps_done > 0), int(needs_sample),
+            self._raise_fragmentation])
+        self._raise_fragmentation = 0
+        self._apply_fragmentation(raise_by)
+        if profile:
             return PROFILE
-        if flags[1]:
+        if sample:
             return SAMPLE
         key = self._bucket(tokens)
         controls = len(self.must_only_times.get(key, ()))
@@ -281,19 +286,23 @@ class Controller:
         return 0 if self.device.type == "cpu" else max(0, reading.reserved - reading.peak)
 
     def _watch_limit(self, reading: MemoryReading) -> None:
-        """A peak near the limit: raise the fragmentation estimate and solve again (plans shrink)."""
+        """A peak near the limit: the fragmentation estimate goes up at the next step (on every
+        rank together) and plans are solved again, so they can only shrink."""
         limit = self.limit_bytes()
         used = max(reading.peak, reading.reserved) + self._outside(reading)
         threshold = self.config.near_limit * limit
         if used > threshold:
-            raise_by = max(int(used - threshold), int(0.01 * limit))
+            self._raise_fragmentation = max(int(used - threshold), int(0.01 * limit))
+            logger.warning("TapeSAC: step peak %s is within %.0f%% of the limit %s; raising the "
+                           "fragmentation estimate by %s and solving the plans again",
+                           format_bytes(used), 100 * (1 - self.config.near_limit),
+                           format_bytes(limit), format_bytes(self._raise_fragmentation))
+
+    def _apply_fragmentation(self, raise_by: int) -> None:
+        if raise_by > 0:
             self.memory.extra_fragmentation += raise_by
             self.plans.clear()
             self._checked.clear()
-            logger.warning("TapeSAC: step peak %s is within %.0f%% of the limit %s; fragmentation "
-                           "estimate raised by %s, plans solved again", format_bytes(used),
-                           100 * (1 - self.config.near_limit), format_bytes(limit),
-                           format_bytes(raise_by))
 
     # ------------------------------------------------------------------ tokens and buckets
 
@@ -356,9 +365,6 @@ class Controller:
     def _agree_tokens(self, tokens: dict[str, int]) -> dict[str, int]:
         """All ranks run the bucket of the largest token counts."""
         return dict(zip(self.regions, self._reduce_max([tokens[r] for r in self.regions])))
-
-    def _agree_flags(self, *flags: bool) -> list[bool]:
-        return [bool(f) for f in self._reduce_max([int(f) for f in flags])]
 
     def _agree_budget(self, budget: int) -> int:
         """The smallest remaining capacity of any rank."""

@@ -115,17 +115,22 @@ def test_fragmentation_near_the_limit_shrinks_the_plan(caplog) -> None:
         first = _run(model, meter, c, 32)
     assert first.mode == PLANNED and first.peak == int(0.99 * limit)
     first = first.plan
-    assert "fragmentation estimate raised" in caplog.text
-    assert c.memory.extra_fragmentation > 0 and not c.plans
+    assert "raising the fragmentation estimate" in caplog.text
     meter.extra = 0
     second = _run(model, meter, c, 32).plan
+    assert c.memory.extra_fragmentation > 0
     assert second.saved_bytes < first.saved_bytes
     assert second.capacity < first.capacity
 
 
 def _planned(limit, **settings):
+    """The plan of the first planned step, with node times fixed at 1 ms (no timing noise)."""
     model, meter, c = _setup(limit, **settings)
-    for _ in range(4):
+    for _ in range(2):
+        _run(model, meter, c, 32)
+    for profile in c.profiles.values():
+        profile.node_time = dict.fromkeys(profile.node_time, 1e-3)
+    for _ in range(2):
         report = _run(model, meter, c, 32)
     assert report.mode == PLANNED
     return report.plan

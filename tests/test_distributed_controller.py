@@ -1,0 +1,88 @@
+"""Two ranks (gloo) with different token counts and capacities end every step with one plan."""
+
+import json
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import tapesac_core
+from examples.models import DecoderLayer, DecoderLM, ModelConfig
+from tapesac_core.controller import Controller
+from tapesac_core.memory import MemoryReading
+from tapesac_core.plan import bucket, upper_edge
+from tapesac_core.units import GiB, MiB
+
+STEPS = 6
+SEQ = {0: 32, 1: 40}                     # rank 1 has more tokens...
+BASE = {0: 64 * MiB, 1: 64 * MiB + 512 * 1024}  # ...and less room under the same limit
+LIMIT = 64 * MiB + 2560 * 1024
+
+
+class RankMeter:
+    def __init__(self, base: int) -> None:
+        self.base, self.tokens = base, 0
+
+    def __call__(self):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def reading(self) -> MemoryReading:
+        peak = self.base + 2048 * self.tokens
+        return MemoryReading(peak=peak, current=self.base, reserved=peak, total=64 * GiB, free=GiB)
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                  intermediate_size=64, num_layers=3))
+    tapesac_core.checkpoint_modules(model, {DecoderLayer})
+    meter = RankMeter(BASE[rank])
+    controller = Controller(model, LIMIT, meter=meter, margin=0.0, warmup_steps=1,
+                            profile_steps=1, control_steps=1, control_every=0)
+    steps = []
+    for step in range(STEPS):
+        ids = torch.randint(0, 256, (2, SEQ[rank]), generator=torch.Generator().manual_seed(step))
+        meter.tokens = ids.numel()
+        with controller.step(tokens=ids.numel()) as report:
+            model.loss(ids).backward()
+        model.zero_grad(set_to_none=True)
+        steps.append({"mode": report.mode, "tokens": report.tokens["DecoderLayer"],
+                      "plan": report.plan.to_json() if report.plan else None})
+    local_budget = LIMIT - controller.memory.base(upper_edge(bucket(2 * SEQ[1], 1.1), 1.1))
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"steps": steps, "local_budget": local_budget}, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ranks_agree_on_one_plan_for_the_larger_count_and_the_smaller_capacity() -> None:
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    steps0, steps1 = ranks[0]["steps"], ranks[1]["steps"]
+    assert [s["mode"] for s in steps0] == [s["mode"] for s in steps1]
+    assert [s["plan"] for s in steps0] == [s["plan"] for s in steps1]
+    assert all(s["tokens"] == 2 * SEQ[1] for s in steps0 + steps1)  # the larger count
+    planned = [s for s in steps0 if s["mode"] == "planned"]
+    assert planned
+    plan = tapesac_core.plan.plan.Plan.from_json(planned[-1]["plan"])
+    assert not plan.empty
+    assert plan.regions["DecoderLayer"].tokens == upper_edge(bucket(2 * SEQ[1], 1.1), 1.1)
+    # Solved for the smaller remaining capacity (rank 1's), and within it.
+    assert plan.capacity - plan.base == min(r["local_budget"] for r in ranks)
+    assert plan.saved_bytes <= plan.capacity - plan.base
