@@ -192,10 +192,13 @@ class Controller:
     def _mode(self, tokens: dict[str, int]) -> str:
         if self.steps < self.config.warmup_steps:
             return WARMUP
-        needs_profile = not self.profiles or self._reprofile or any(
-            tokens[r] > self.config.reprofile_factor * p.tokens for r, p in self.profiles.items())
-        needs_sample = not self.memory.covers(self._primary_tokens(tokens),
-                                              self.config.resample_tolerance)
+        key = self._bucket(tokens)
+        known = key in self.plans  # solved earlier, or restored from a checkpoint
+        grown = any(tokens[r] > self.config.reprofile_factor * p.tokens
+                    for r, p in self.profiles.items())
+        needs_profile = self._reprofile or grown or (not self.profiles and not known)
+        needs_sample = not known and not self.memory.covers(self._primary_tokens(tokens),
+                                                            self.config.resample_tolerance)
         if needs_profile and not self._profile_steps_done:
             self.profiles, self._reprofile = {}, False
         profile, sample, raise_by = self._reduce_max([

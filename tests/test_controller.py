@@ -160,9 +160,12 @@ def test_state_dict_round_trip_reuses_plans_without_profiling() -> None:
     for _ in range(4):
         _run(model, meter, c, 32)
     state = c.state_dict()
-    _, _, fresh = _setup(64 * MiB + 2 * MiB)
+    model2, meter2, fresh = _setup(64 * MiB + 2 * MiB)
     fresh.load_state_dict(state)
     assert fresh.plans.keys() == c.plans.keys()
     assert fresh.plans[(bucket(64, 1.1),)] == c.plans[(bucket(64, 1.1),)]
+    report = _run(model2, meter2, fresh, 32)  # resumed: no warm-up, no profiling, the stored plan
+    assert report.mode == PLANNED and report.plan == c.plans[(bucket(64, 1.1),)]
+    assert not fresh.profiles and meter2.readings <= 1
     with pytest.raises(tapesac_core.TapeSACError, match="another model"):
         fresh.load_state_dict({**state, "model": "Other"})
