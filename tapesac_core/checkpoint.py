@@ -245,25 +245,41 @@ def _exit_submodule(name: str, module: torch.nn.Module, args: Any, output: Any) 
         block.exit_module()
 
 
-def checkpoint_modules(model: torch.nn.Module,
-                       policy: set[type[torch.nn.Module]] | Callable[[torch.nn.Module], bool],
-                       regions: Mapping[type[torch.nn.Module], str] | None = None) -> list[str]:
-    """Checkpoint every submodule of ``model`` the policy selects; returns their paths."""
+Policy = set[type[torch.nn.Module]] | Callable[[torch.nn.Module], bool]
+Regions = Mapping[type[torch.nn.Module], str] | Callable[[torch.nn.Module], str | None]
+
+
+def module_selector(policy: Policy, what: str = "policy") -> Callable[[torch.nn.Module], bool]:
+    """A ``Module -> bool`` from a set of module classes or a callable (Lightning's convention)."""
     if isinstance(policy, (set, frozenset, list, tuple)):
         classes = tuple(policy)
-        if not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
-            raise TypeError("policy must be a set of nn.Module classes or a Module -> bool callable")
-        selects: Callable[[torch.nn.Module], bool] = lambda m: isinstance(m, classes)  # noqa: E731
-    elif callable(policy):
-        selects = policy
-    else:
-        raise TypeError("policy must be a set of nn.Module classes or a Module -> bool callable, "
-                        f"got {type(policy).__name__}")
-    paths = []
+        if classes and all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+            return lambda m: isinstance(m, classes)
+    elif callable(policy) and not isinstance(policy, type):
+        return policy
+    raise TypeError(f"{what} must be a set of nn.Module classes (e.g. {{DecoderLayer}}) or a "
+                    f"Module -> bool callable, got {policy!r}")
+
+
+def region_namer(regions: Regions | None) -> Callable[[torch.nn.Module], str | None]:
+    """Region type of a module: from a class -> name mapping or a callable; None: its class name."""
+    if regions is None:
+        return lambda m: None
+    if isinstance(regions, Mapping):
+        return lambda m: next((r for c, r in regions.items() if isinstance(m, c)), None)
+    if callable(regions):
+        return regions
+    raise TypeError(f"regions must map module classes to region names or be a callable, got {regions!r}")
+
+
+def checkpoint_modules(model: torch.nn.Module, policy: Policy,
+                       regions: Regions | None = None) -> list[str]:
+    """Checkpoint every submodule of ``model`` the policy selects (not inside another); their paths."""
+    selects, region_of = module_selector(policy), region_namer(regions)
+    paths: list[str] = []
     for path, module in model.named_modules():
         if selects(module) and not _inside(path, paths):
-            region = next((r for c, r in (regions or {}).items() if isinstance(module, c)), None)
-            checkpoint_module(module, region)
+            checkpoint_module(module, region_of(module))
             module._tapesac = BlockConfig(region=module._tapesac.region, path=path)
             paths.append(path)
     if not paths:

@@ -262,6 +262,24 @@ class Controller:
         k, seconds = min(measured, key=lambda kv: abs(self._edge_tokens(kv[0]) - here))
         return seconds * here / self._edge_tokens(k)
 
+    def step_frontier(self, key: tuple[int, ...]) -> dict[str, Any]:
+        """Predicted step (peak bytes, seconds) along each region's frontier at this bucket, and the
+        chosen, must-only and full-recomputation points (for plots). Full recomputation's peak is
+        taken as the must-only peak."""
+        plan = self.plans[key]
+        edges = self._edges(key, {})
+        seconds = self._must_only_time(key, edges)
+        curves, full = {}, seconds
+        for r, p in self.profiles.items():
+            scale = edges[r] / p.tokens
+            points = p.frontier(self.config.beam_width, self.config.max_set_size)
+            curves[r] = [(plan.base + p.blocks * pt.bytes * scale,
+                          seconds - p.blocks * (points[0].time - pt.time) * scale) for pt in points]
+            full += p.blocks * (p.full_recompute_time - p.must_only_replay_time) * scale
+        return {"curves": curves, "must_only": (plan.base, seconds), "full": (plan.base, full),
+                "chosen": (plan.base + plan.saved_bytes, seconds / plan.predicted_speedup),
+                "capacity": plan.capacity}
+
     def _measured(self, key: tuple[int, ...]) -> float | None:
         must, planned = self.must_only_times.get(key), self.planned_times.get(key)
         if not must or not planned:

@@ -1,0 +1,200 @@
+"""The main job: train the Qwen3-style example model with TapeSACFSDPStrategy on 2 CPU processes.
+
+Real text (the standard library's own sources as bytes), documents of varying length so token
+counts vary, an absolute memory limit tight enough that the plan has to choose, TensorBoard
+logs under ``runs/``, and a summary at the end: the plan per region, predicted vs measured
+speedup, peak memory against the limit.
+
+Run from the repository root: python -m examples.train_lightning [--moe] [--steps 300]
+``--baseline torch`` trains the same model under plain FSDP2 with torch.utils.checkpoint instead
+(the reference for bitwise comparisons); ``--out DIR`` writes per-step losses and TapeSAC's
+counters as JSON (one file per rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from examples.data import batches
+from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
+from tapesac_core.units import format_bytes
+from tapesac_lightning import TapeSACFSDPStrategy
+
+
+class LitDecoder(pl.LightningModule):
+    """Next-token prediction on byte tokens with the example decoder."""
+
+    def __init__(self, config: ModelConfig, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.model = DecoderLM(config)
+        self.lr = lr
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model.loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model.loss(batch)
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class TorchCheckpointed(LitDecoder):
+    """The baseline: torch.utils.checkpoint on every block, FSDP2 on blocks and model."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl, checkpoint_wrapper)
+        from torch.distributed.fsdp import fully_shard
+
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        mesh = self.device_mesh["data_parallel"]
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+class Batches(torch.utils.data.Dataset):
+    """Pre-cut batches of real text; each item is a whole batch, so lengths vary from step to step."""
+
+    def __init__(self, count: int, batch_size: int, max_len: int, min_len: int, seed: int,
+                 grow_at: int | None = None) -> None:
+        source = batches(batch_size=batch_size, max_len=max_len, min_len=min_len, seed=seed)
+        self.items = [next(source) for _ in range(count)]
+        if grow_at is not None:  # the batch grows mid-run: twice the sequences from here on
+            self.items[grow_at:] = [torch.cat([b, b.flip(0)]) for b in self.items[grow_at:]]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.items[i]
+
+
+class Record(pl.Callback):
+    """Per-step loss and TapeSAC counters of this rank, written as JSON when training ends."""
+
+    def __init__(self, out: Path | None) -> None:
+        self.out, self.steps = out, []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        entry: dict[str, Any] = {"loss": outputs["loss"].item(), "tokens": batch.numel(),
+                                 "global_step": trainer.global_step}
+        controller = getattr(trainer.strategy, "controller", None)
+        if controller is not None:
+            r = controller.report
+            entry.update(mode=r.mode, replayed=r.replayed_nodes, saved_bytes=r.saved_bytes,
+                         peak=r.peak, limit=r.limit, plan_empty=r.plan.empty if r.plan else None,
+                         predicted=r.predicted_speedup, measured=r.measured_speedup,
+                         plan=r.plan.to_json() if r.plan else None)
+        self.steps.append(entry)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            path = self.out / f"rank{trainer.global_rank}.json"
+            path.write_text(json.dumps({"steps": self.steps}))
+
+
+def summary(trainer: pl.Trainer, record: Record) -> str:
+    """The plan per region, predicted vs measured speedup, peak memory against the limit."""
+    controller = trainer.strategy.controller
+    steps = [s for s in record.steps if s.get("mode") == "planned"]
+    peaks = [s["peak"] for s in record.steps if s.get("peak")]
+    lines = [f"TapeSAC: {len(record.steps)} steps, {len(steps)} planned, "
+             f"{len(controller.plans)} token buckets solved"]
+    if controller.report and controller.report.plan:
+        lines.append(controller.report.plan.explain())
+    predicted = [s["predicted"] for s in steps if s["predicted"]]
+    measured = [s["measured"] for s in steps if s["measured"]]
+    if predicted:
+        lines.append(f"predicted speedup vs must-only: {predicted[-1]:.3f}x; measured: "
+                     + (f"{measured[-1]:.3f}x" if measured else "not yet (needs control steps)"))
+    if peaks:
+        lines.append(f"peak memory {format_bytes(max(peaks))} against the limit "
+                     f"{format_bytes(controller.limit_bytes())} (measured steps)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--moe", action="store_true", help="the mixture-of-experts variant")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--memory-limit", default="48MiB", help="absolute (e.g. 48MiB) or a fraction")
+    parser.add_argument("--baseline", choices=["none", "torch"], default="none")
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--min-len", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--grow-at", type=int, default=None, help="double the batch from this step")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--checkpoint-dir", default=None, help="save a checkpoint every epoch here")
+    parser.add_argument("--full-checkpoint", action="store_true", help="one file, not sharded")
+    parser.add_argument("--resume", default=None, help="checkpoint to resume from")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--logdir", default="runs")
+    parser.add_argument("--out", default=None, help="write per-rank JSON results here")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+
+    torch.manual_seed(0)
+    config = ModelConfig(moe=args.moe, dropout=args.dropout, hidden_size=128,
+                         intermediate_size=256, moe_intermediate_size=128)
+    module_class = TorchCheckpointed if args.baseline == "torch" else LitDecoder
+    module = module_class(config)
+    steps_per_epoch = max(1, args.steps // args.epochs)
+    data = Batches(steps_per_epoch * args.devices, args.batch_size, args.max_len, args.min_len,
+                   seed=0, grow_at=None if args.grow_at is None else args.grow_at * args.devices)
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=0)
+    if args.baseline == "torch":
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1,
+                                         save_distributed_checkpoint=not args.full_checkpoint)
+    else:
+        strategy = TapeSACFSDPStrategy(
+            memory_limit=_limit(args.memory_limit),
+            activation_checkpointing_policy={DecoderLayer, MoEDecoderLayer},
+            save_distributed_checkpoint=not args.full_checkpoint)
+    record = Record(Path(args.out) if args.out else None)
+    callbacks: list[pl.Callback] = [record]
+    if args.checkpoint_dir:
+        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_epochs=1,
+                                         save_top_k=-1, filename="{epoch}"))
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
+                         max_epochs=args.epochs, precision=args.precision,
+                         logger=TensorBoardLogger(args.logdir, name="tapesac"), callbacks=callbacks,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         log_every_n_steps=1, num_sanity_val_steps=0, deterministic=False)
+    trainer.fit(module, loader, ckpt_path=args.resume)
+    if trainer.is_global_zero and args.baseline == "none":
+        print(summary(trainer, record))
+
+
+def _limit(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,138 @@
+"""TapeSACFSDPStrategy: FSDP2 sharding plus TapeSAC on the transformer blocks, from one memory limit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import model_parallel as _model_parallel
+from torch.utils._pytree import tree_leaves
+from typing_extensions import override
+
+from tapesac_core import Controller, TapeSACConfig, TapeSACError
+from tapesac_core.checkpoint import Policy, Regions, checkpoint_modules, module_selector, region_namer
+
+from .callback import TapeSACCallback
+
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def repeated_blocks(root: torch.nn.Module) -> Callable[[torch.nn.Module], bool]:
+    """The default policy: modules held in a ModuleList beside others of their class (layer stacks)."""
+    repeated = set()
+    for child in root.modules():
+        if isinstance(child, torch.nn.ModuleList):
+            classes = [type(m) for m in child]
+            repeated.update(id(m) for m in child if classes.count(type(m)) > 1)
+    return lambda m: id(m) in repeated
+
+
+def tokens_in(batch: Any) -> int:
+    """Tokens of a batch: elements of its first integer tensor, else of its first tensor."""
+    tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise TapeSACError("the batch holds no tensor to count tokens from. Fix: pass "
+                           "TapeSACFSDPStrategy(tokens=lambda batch: ...) returning the token count")
+    integer = [t for t in tensors if not t.is_floating_point() and not t.is_complex()
+               and t.dtype != torch.bool]
+    return (integer or tensors)[0].numel()
+
+
+@contextmanager
+def _configure_model_not_required() -> Iterator[None]:
+    """ModelParallelStrategy.setup insists on a ``configure_model`` override; this strategy
+    parallelises the model itself, so that one check is skipped."""
+    original = _model_parallel.is_overridden
+    _model_parallel.is_overridden = lambda name, *args, **kwargs: (
+        True if name == "configure_model" else original(name, *args, **kwargs))
+    try:
+        yield
+    finally:
+        _model_parallel.is_overridden = original
+
+
+class TapeSACFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 with TapeSAC activation checkpointing planned under ``memory_limit``.
+
+    The strategy checkpoints the blocks ``activation_checkpointing_policy`` selects (a set of
+    module classes or a ``Module -> bool`` callable; by default every module that sits in a
+    ``ModuleList`` beside others of its class), then applies ``fully_shard`` to each block (or to
+    what ``auto_wrap_policy`` selects) and to the LightningModule, whose step methods it
+    registers with FSDP. A model the user already sharded in ``configure_model`` only gets
+    TapeSAC. The first fit steps warm up and profile; later steps run the plan for their token
+    bucket. ``memory_limit``: a fraction of device memory (of physical memory on CPU), a size
+    such as ``"20GiB"``, or an int of bytes. ``regions`` names region types (class -> name, or
+    a callable); ``tokens`` counts a batch's tokens. Further keywords are ``TapeSACConfig``'s.
+    """
+
+    def __init__(self, memory_limit: float | int | str = 0.9, *,
+                 activation_checkpointing_policy: Policy | None = None,
+                 auto_wrap_policy: Policy | None = None, regions: Regions | None = None,
+                 tokens: Callable[[Any], int | Mapping[str, int]] | None = None,
+                 data_parallel_size: Literal["auto"] | int = "auto",
+                 save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout, **settings: Any) -> None:
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.tapesac_config = TapeSACConfig(memory_limit=memory_limit, **settings)
+        self._policy = (module_selector(activation_checkpointing_policy,
+                                        "activation_checkpointing_policy")
+                        if activation_checkpointing_policy is not None else None)
+        self._policy_spec = activation_checkpointing_policy
+        self._shard = (module_selector(auto_wrap_policy, "auto_wrap_policy")
+                       if auto_wrap_policy is not None else None)
+        region_namer(regions)  # validates
+        self._regions = regions
+        self._tokens = tokens or tokens_in
+        self.controller: Controller | None = None
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.world_size if self.cluster_environment else 1
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None
+        self._apply(module)
+        with _configure_model_not_required():
+            super().setup(trainer)
+        self.controller = Controller(module, config=self.tapesac_config, device=self.root_device)
+        if not any(isinstance(c, TapeSACCallback) for c in trainer.callbacks):
+            # First, so the step is closed (and its report ready) before other callbacks run.
+            trainer.callbacks.insert(0, TapeSACCallback(self))
+
+    def _apply(self, module: pl.LightningModule) -> None:
+        """TapeSAC on the selected blocks, then FSDP2 around them (checkpointing inside sharding)."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+        if not any(hasattr(m, "_tapesac") for m in module.modules()):
+            try:
+                checkpoint_modules(module, self._policy or repeated_blocks(module), self._regions)
+            except TapeSACError as e:
+                raise TapeSACError(f"{e}. The policy came from TapeSACFSDPStrategy("
+                                   f"activation_checkpointing_policy={self._policy_spec!r})") from None
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
+            return  # sharded in configure_model: TapeSAC only
+        mesh = self.device_mesh["data_parallel"]
+        shard = self._shard or (lambda m: hasattr(m, "_tapesac"))
+        for _, sub in reversed(list(module.named_modules())):
+            if sub is not module and shard(sub):
+                fully_shard(sub, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        for name in STEP_METHODS:
+            if callable(getattr(module, name, None)):
+                register_fsdp_forward_method(module, name)
+
+    def count_tokens(self, batch: Any) -> int | Mapping[str, int]:
+        """Token count of a batch (per region type, or one count for all)."""
+        return self._tokens(batch)
