@@ -72,7 +72,11 @@ class TorchCheckpointed(LitDecoder):
 
 
 class Batches(torch.utils.data.Dataset):
-    """Pre-cut batches of real text; each item is a whole batch, so lengths vary from step to step."""
+    """Pre-cut batches of real text; each item is a whole batch, so lengths vary from step to step.
+
+    Each rank reads every world-size-th batch, in the same order every epoch (so a run resumed
+    at an epoch boundary sees the batches an uninterrupted run sees).
+    """
 
     def __init__(self, count: int, batch_size: int, max_len: int, min_len: int, seed: int,
                  grow_at: int | None = None) -> None:
@@ -81,11 +85,17 @@ class Batches(torch.utils.data.Dataset):
         if grow_at is not None:  # the batch grows mid-run: twice the sequences from here on
             self.items[grow_at:] = [torch.cat([b, b.flip(0)]) for b in self.items[grow_at:]]
 
+    def _mine(self) -> list[torch.Tensor]:
+        dist = torch.distributed
+        if not dist.is_initialized():
+            return self.items
+        return self.items[dist.get_rank()::dist.get_world_size()]
+
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self._mine())
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return self.items[i]
+        return self._mine()[i]
 
 
 class Record(pl.Callback):
@@ -134,33 +144,41 @@ def summary(trainer: pl.Trainer, record: Record) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--moe", action="store_true", help="the mixture-of-experts variant")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--memory-limit", default="48MiB", help="absolute (e.g. 48MiB) or a fraction")
-    parser.add_argument("--baseline", choices=["none", "torch"], default="none")
-    parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--min-len", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=256)
-    parser.add_argument("--grow-at", type=int, default=None, help="double the batch from this step")
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--checkpoint-dir", default=None, help="save a checkpoint every epoch here")
-    parser.add_argument("--full-checkpoint", action="store_true", help="one file, not sharded")
-    parser.add_argument("--resume", default=None, help="checkpoint to resume from")
-    parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--logdir", default="runs")
-    parser.add_argument("--out", default=None, help="write per-rank JSON results here")
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+def parser() -> argparse.ArgumentParser:
+    """The job's options (tests add their own on top)."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--moe", action="store_true", help="the mixture-of-experts variant")
+    p.add_argument("--hf", action="store_true", help="a tiny Hugging Face Qwen3 instead")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--memory-limit", default="24MiB", help="absolute (e.g. 24MiB) or a fraction")
+    p.add_argument("--baseline", choices=["none", "torch"], default="none")
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--min-len", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--grow-at", type=int, default=None, help="double the batch from this step")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--accumulate", type=int, default=1, help="gradient accumulation batches")
+    p.add_argument("--val-every", type=int, default=None, help="validate every N training batches")
+    p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint every epoch here")
+    p.add_argument("--full-checkpoint", action="store_true", help="one file, not sharded")
+    p.add_argument("--resume", default=None, help="checkpoint to resume from")
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--logdir", default="runs")
+    p.add_argument("--out", default=None, help="write per-rank JSON results here")
+    return p
 
+
+def run(args: argparse.Namespace, module: pl.LightningModule | None = None,
+        policy: set[type[torch.nn.Module]] | None = None) -> None:
+    """Train ``module`` (by default the example decoder) as ``args`` say."""
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     torch.manual_seed(0)
-    config = ModelConfig(moe=args.moe, dropout=args.dropout, hidden_size=128,
-                         intermediate_size=256, moe_intermediate_size=128)
-    module_class = TorchCheckpointed if args.baseline == "torch" else LitDecoder
-    module = module_class(config)
+    if module is None:
+        config = ModelConfig(moe=args.moe, dropout=args.dropout, hidden_size=128,
+                             intermediate_size=256, moe_intermediate_size=128)
+        module = (TorchCheckpointed if args.baseline == "torch" else LitDecoder)(config)
     steps_per_epoch = max(1, args.steps // args.epochs)
     data = Batches(steps_per_epoch * args.devices, args.batch_size, args.max_len, args.min_len,
                    seed=0, grow_at=None if args.grow_at is None else args.grow_at * args.devices)
@@ -171,21 +189,55 @@ def main() -> None:
     else:
         strategy = TapeSACFSDPStrategy(
             memory_limit=_limit(args.memory_limit),
-            activation_checkpointing_policy={DecoderLayer, MoEDecoderLayer},
+            activation_checkpointing_policy=policy or {DecoderLayer, MoEDecoderLayer},
             save_distributed_checkpoint=not args.full_checkpoint)
     record = Record(Path(args.out) if args.out else None)
     callbacks: list[pl.Callback] = [record]
     if args.checkpoint_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_epochs=1,
                                          save_top_k=-1, filename="{epoch}"))
+    validate = args.val_every is not None
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
                          max_epochs=args.epochs, precision=args.precision,
+                         accumulate_grad_batches=args.accumulate,
+                         val_check_interval=args.val_every if validate else None,
+                         limit_val_batches=2 if validate else 0,
                          logger=TensorBoardLogger(args.logdir, name="tapesac"), callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False,
-                         log_every_n_steps=1, num_sanity_val_steps=0, deterministic=False)
-    trainer.fit(module, loader, ckpt_path=args.resume)
+                         log_every_n_steps=1, num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer.fit(module, loader, loader if validate else None, ckpt_path=args.resume)
     if trainer.is_global_zero and args.baseline == "none":
         print(summary(trainer, record))
+
+
+def main() -> None:
+    args = parser().parse_args()
+    run(args, *(_hf_decoder(args) if args.hf else ()))
+
+
+def _hf_decoder(args: argparse.Namespace) -> tuple[pl.LightningModule, set[type[torch.nn.Module]]]:
+    """A tiny-config Hugging Face Qwen3 in a LightningModule, its decoder layer as the policy."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         attention_dropout=args.dropout)
+    return LitHuggingFace(Qwen3ForCausalLM(config)), {Qwen3DecoderLayer}
+
+
+class LitHuggingFace(LitDecoder):
+    """A Hugging Face causal LM trained on the same byte tokens."""
+
+    def __init__(self, model: torch.nn.Module, lr: float = 1e-3) -> None:
+        pl.LightningModule.__init__(self)
+        self.model, self.lr = model, lr
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("train_loss", loss)
+        return loss
 
 
 def _limit(text: str) -> float | str:

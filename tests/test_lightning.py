@@ -1,0 +1,134 @@
+"""TapeSACFSDPStrategy end to end: 2-process CPU fits (subprocesses; Lightning re-executes argv)."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tapesac_core import TapeSACError
+from tapesac_core.plan.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+SCALARS = {"tapesac/predicted_speedup", "tapesac/measured_speedup", "tapesac/step_time_ms",
+           "tapesac/peak_memory_bytes", "tapesac/memory_limit_bytes", "tapesac/saved_bytes"}
+
+
+def fit(out: Path, *args: str) -> list[dict]:
+    """Run the job on 2 CPU processes; each rank's per-step records."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "tests" / "lightning_app.py"), "--out", str(out),
+               "--logdir", str(out / "runs"), *args]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text())["steps"] for r in range(2)]
+
+
+def losses(ranks: list[list[dict]]) -> list[list[float]]:
+    return [[s["loss"] for s in steps] for steps in ranks]
+
+
+SHORT = ("--steps", "10", "--min-len", "96", "--max-len", "96")
+
+
+@pytest.mark.parametrize("variant", [
+    (), ("--accumulate", "2", "--val-every", "4", "--precision", "bf16-mixed"), ("--manual",),
+], ids=["dropout", "accumulate_validate_bf16", "manual_optimization"])
+def test_fit_is_bitwise_torch_checkpoint_and_really_uses_tapesac(tmp_path, variant) -> None:
+    tapesac = fit(tmp_path / "tapesac", *SHORT, *variant)
+    torch_ckpt = fit(tmp_path / "torch", *SHORT, *variant, "--baseline", "torch")
+    assert losses(tapesac) == losses(torch_ckpt)
+    planned = [s for s in tapesac[0] if s["mode"] == "planned"]
+    assert planned and all(not s["plan_empty"] and s["saved_bytes"] > 0 for s in planned)
+    assert all(s["replayed"] > 0 for s in tapesac[0])
+    # The plan replays fewer nodes than must-only steps.
+    must_only = [s["replayed"] for s in tapesac[0] if s["mode"] != "planned"]
+    assert max(s["replayed"] for s in planned) < min(must_only)
+    # Both ranks ran the same plan every step.
+    assert [s["plan"] for s in tapesac[0]] == [s["plan"] for s in tapesac[1]]
+
+
+def test_scalars_read_back_from_tensorboard(tmp_path) -> None:
+    fit(tmp_path, *SHORT)
+    (events,) = glob.glob(str(tmp_path / "runs" / "tapesac" / "version_0" / "events*"))
+    acc = EventAccumulator(events, size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    assert SCALARS <= set(acc.Tags()["scalars"])
+    assert acc.Scalars("tapesac/measured_speedup")  # once the plan ran beside must-only steps
+    assert acc.Scalars("tapesac/memory_limit_bytes")[0].value == 24 * 2**20
+    assert acc.Tags()["images"] == ["tapesac/frontier"]
+    assert "tapesac/plan/text_summary" in acc.Tags()["tensors"]
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_resume_reuses_the_stored_plan_and_continues_with_identical_losses(tmp_path, full) -> None:
+    common = ("--steps", "12", "--epochs", "2", "--min-len", "96", "--max-len", "96",
+              "--dropout", "0.0") + (("--full-checkpoint",) if full else ())
+    whole = fit(tmp_path / "whole", *common, "--checkpoint-dir", str(tmp_path / "ckpt"))
+    (first_epoch,) = glob.glob(str(tmp_path / "ckpt" / "epoch=0*"))
+    resumed = fit(tmp_path / "resumed", *common, "--resume", first_epoch)
+    assert len(resumed[0]) == 6
+    assert losses(resumed) == [l[6:] for l in losses(whole)]
+    assert [s["mode"] for s in resumed[0]] == ["planned"] * 6  # no warm-up, no profiling
+    assert resumed[0][0]["plan"] == whole[0][5]["plan"]
+
+
+def test_a_growing_batch_replans_and_stays_under_the_limit(tmp_path) -> None:
+    ranks = fit(tmp_path, "--steps", "16", "--min-len", "96", "--max-len", "96", "--grow-at", "8",
+                "--memory-limit", "20MiB")
+    steps = ranks[0]
+    before = Plan.from_json(steps[7]["plan"])
+    after = Plan.from_json(steps[-1]["plan"])
+    assert steps[7]["mode"] == steps[-1]["mode"] == "planned"
+    assert after.coordinates() != before.coordinates() and after.saved_bytes < before.saved_bytes
+    scale = after.regions["DecoderLayer"].tokens / before.regions["DecoderLayer"].tokens
+    assert after.base + before.saved_bytes * scale > after.capacity  # the old plan would not fit
+    peaks = [s["peak"] for r in ranks for s in r if s["peak"] is not None]
+    assert peaks and max(peaks) <= 20 * 2**20
+
+
+def test_a_hugging_face_model_trains_end_to_end(tmp_path) -> None:
+    ranks = fit(tmp_path, "--hf", "--steps", "8", "--min-len", "64", "--max-len", "64")
+    planned = [s for s in ranks[0] if s["mode"] == "planned"]
+    assert planned and planned[-1]["saved_bytes"] > 0
+    assert ranks[0][-1]["loss"] < ranks[0][0]["loss"]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(memory_limit=1.5), ValueError, r"must lie in \[0, 1\]"),
+    (dict(memory_limit=1024), ValueError, "at least 1 MiB"),
+    (dict(memory_limit="a lot"), ValueError, "cannot read memory_limit"),
+    (dict(activation_checkpointing_policy="DecoderLayer"), TypeError,
+     "activation_checkpointing_policy must be a set of nn.Module classes"),
+    (dict(auto_wrap_policy={int}), TypeError, "auto_wrap_policy must be"),
+    (dict(regions=3), TypeError, "regions must map module classes"),
+])
+def test_bad_arguments_fail_at_construction_naming_the_fix(kwargs, error, match) -> None:
+    from tapesac_lightning import TapeSACFSDPStrategy
+
+    with pytest.raises(error, match=match):
+        TapeSACFSDPStrategy(**kwargs)
+
+
+def test_a_policy_matching_no_module_fails_at_setup(tmp_path) -> None:
+    import lightning.pytorch as pl
+
+    from examples.models import ModelConfig
+    from examples.train_lightning import LitDecoder
+    from tapesac_lightning import TapeSACFSDPStrategy
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         strategy=TapeSACFSDPStrategy(activation_checkpointing_policy={torch.nn.Conv2d}),
+                         enable_checkpointing=False, default_root_dir=tmp_path)
+    module = LitDecoder(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16))
+    try:
+        with pytest.raises(TapeSACError, match=r"matches no module.*activation_checkpointing_policy"):
+            trainer.fit(module, [torch.zeros(1, 8, dtype=torch.long)])
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
