@@ -139,7 +139,7 @@ class Block:
             logger.warning("block %r (region %r): the plan names coordinates this block does not "
                            "have, nothing saved for them: %s", self.name, self.region,
                            ", ".join(map(str, sorted(missing))))
-        self.device_types = {v.meta.device.type for v in self.values}
+        self.device_types = {v.meta.device.type for v in self.values if v.meta is not None}
         self.trace.tape = tape
         self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
 

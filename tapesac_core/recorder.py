@@ -166,14 +166,16 @@ class Recorder(TorchDispatchMode):
         ptr = t.untyped_storage().data_ptr()
         if not ptr:
             return None
-        meta = _meta(t)
+        layout = _meta(t)[:4]
         for vid in range(len(self.values) - 1, -1, -1):
-            if self.ptrs[vid] == ptr and self.values[vid].meta[:4] == meta[:4]:
-                # Only a value whose own tensor is alive proves the storage is the same one: a
-                # freed storage's address is reused by new allocations.
-                entry = self.by_id.get(self.ids[vid])
-                if entry is not None and entry[1] == vid and entry[0]() is not None:
-                    return vid
+            if self.ptrs[vid] != ptr:
+                continue
+            # Only a value whose own tensor is alive proves the storage is the same one: a
+            # freed storage's address is reused by new allocations.
+            entry = self.by_id.get(self.ids[vid])
+            live = entry[0]() if entry is not None and entry[1] == vid else None
+            if live is not None and _meta(live)[:4] == layout:
+                return vid
         return None
 
     def _leaf_view(self, t: Tensor) -> tuple[str, str] | None:
@@ -266,8 +268,10 @@ class Recorder(TorchDispatchMode):
         targs = tuple([self._template(a, inputs) for a in args])
         tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
         writes = self._before_write(func, info, args, kwargs, inputs) if info.mutated else ()
-        rng = (self._capture_rng(args, kwargs, inputs)
+        rng = (self._capture_rng(args, kwargs)
                if info.random and is_random_call(info, args, kwargs) else None)
+        if info.metadata_only and inputs:
+            self._keep_meta(inputs[0], args[0])
         timer = self.timer
         if timer is None:
             out = func(*args, **kwargs)
@@ -293,6 +297,12 @@ class Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.by_id[id(out)] = (weakref.ref(out), vid)
         return out
+
+    def _keep_meta(self, vid: int, t: Tensor) -> None:
+        """A metadata-only op's input: its layout is what replay rebuilds from."""
+        value = self.values[vid]
+        if value.meta is None:
+            self.values[vid] = value._replace(meta=_meta(t))
 
     def _reads_recorded(self, args: tuple, kwargs: dict) -> bool:
         """FSDP's collectives move FSDP's own buffers; user collectives read recorded values."""
@@ -357,13 +367,13 @@ class Recorder(TorchDispatchMode):
             "reproduce a mutation of a block input, parameter or buffer. Fix: make the op "
             "out-of-place (e.g. `x = x + y` instead of `x += y`), or do not checkpoint this module")
 
-    def _capture_rng(self, args: tuple, kwargs: dict, inputs: list[int]) -> tuple:
+    def _capture_rng(self, args: tuple, kwargs: dict) -> tuple:
         generator = kwargs.get("generator")
         if generator is None:
             device = kwargs.get("device")
             if device is None:
-                device = (self.values[inputs[0]].meta.device if inputs
-                          else torch.get_default_device())
+                tensors = flat_tensors((args, kwargs))
+                device = tensors[0].device if tensors else torch.get_default_device()
             generator = default_generator(torch.device(device))
         return (generator, generator.get_state())
 

@@ -64,7 +64,7 @@ class Value(NamedTuple):
     j: int                # output position in the producer
     sid: int              # storage id (views share their base's)
     epoch: int            # in-place writes into the storage before this value was made
-    meta: Meta
+    meta: Meta | None     # layout: kept for leaves, views read again and metadata-only ops
     version: int          # the tensor's version counter for this content
     kind: str             # OP, INPUT, PARAM, BUFFER or EXTERNAL
     name: str | int | None = None  # leaf: input position or parameter/buffer name

@@ -132,3 +132,46 @@ def test_a_policy_matching_no_module_fails_at_setup(tmp_path) -> None:
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_a_model_sharded_in_configure_model_gets_tapesac_only_and_options_apply(tmp_path) -> None:
+    import lightning.pytorch as pl
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from examples.models import DecoderLayer, ModelConfig
+    from examples.train_lightning import LitDecoder
+    from tapesac_lightning import TapeSACFSDPStrategy
+
+    class SelfSharded(LitDecoder):
+        def configure_model(self) -> None:
+            for layer in self.model.layers:
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+    counted = []
+
+    def tokens(batch):
+        counted.append(batch.shape)
+        return {"attention_block": batch.numel()}
+
+    strategy = TapeSACFSDPStrategy("64MiB", activation_checkpointing_policy={DecoderLayer},
+                                   regions={DecoderLayer: "attention_block"}, tokens=tokens,
+                                   warmup_steps=1, profile_steps=1, control_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, strategy=strategy,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    torch.manual_seed(0)
+    module = SelfSharded(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                     intermediate_size=64, num_layers=2))
+    data = torch.utils.data.DataLoader([torch.randint(0, 256, (2, 16)) for _ in range(5)],
+                                       batch_size=None)
+    try:
+        trainer.fit(module, data)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    controller = strategy.controller
+    assert controller.regions == ["attention_block"] and len(counted) == 5
+    assert controller.report.mode == "planned" and not controller.report.plan.empty
+    # The user's sharding stands: the root LightningModule was not sharded again.
+    assert not isinstance(module, FSDPModule) and isinstance(module.model, FSDPModule)
