@@ -42,10 +42,15 @@ class Routed(torch.nn.Module):
         return (h[picked].exp().sum() + masked.exp().sum() + repeated.exp().sum()) * h
 
 
-def _run(module, x):
+def _exact_block(module) -> tapesac_core.BlockTrace:
+    """Checkpoint ``module``; its gradients must be bitwise those without; its block's trace."""
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = step(module, lambda: module(x).sum())
+    tapesac_core.checkpoint_module(module)
     with tapesac_core.trace() as blocks:
-        result = step(module, lambda: module(x).sum())
-    return result, blocks[0]
+        got = step(module, lambda: module(x).sum())
+    assert_bitwise(ref, got)
+    return blocks[0]
 
 
 def _reasons(tape) -> dict[str, set[str]]:
@@ -103,12 +108,7 @@ def test_tensors_without_a_recorded_producer_are_mandatory() -> None:
         def forward(self, x):
             return (x * scale).sin() * self.w
 
-    module = UsesGlobal()
-    x = torch.randn(4, 8, requires_grad=True)
-    ref = step(module, lambda: module(x).sum())
-    tapesac_core.checkpoint_module(module)
-    got, block = _run(module, x)
-    assert_bitwise(ref, got)
+    block = _exact_block(UsesGlobal())
     tape = block.tape
     assert _reasons(tape) == {NO_PRODUCER: {"external"}}
     (vid,) = tape.mandatory
@@ -124,12 +124,7 @@ def test_buffers_filled_by_an_invisible_kernel_are_mandatory() -> None:
             buf.numpy()[:] = 0.5  # a write the dispatcher never sees, like a Triton kernel's
             return (x * buf).exp()
 
-    module = Opaque()
-    x = torch.randn(4, 8, requires_grad=True)
-    ref = step(module, lambda: module(x).sum())
-    tapesac_core.checkpoint_module(module)
-    got, block = _run(module, x)
-    assert_bitwise(ref, got)
+    block = _exact_block(Opaque())
     tape = block.tape
     assert _reasons(tape) == {INVISIBLE_WRITE: {"aten.empty.memory_format"}}
     assert tape.mandatory_bytes == 32 * F32
@@ -143,12 +138,7 @@ def test_an_allocation_written_by_a_recorded_op_is_not_mandatory() -> None:
             buf.copy_(x.sin())
             return buf.exp()
 
-    module = Written()
-    x = torch.randn(4, 8, requires_grad=True)
-    ref = step(module, lambda: module(x).sum())
-    tapesac_core.checkpoint_module(module)
-    got, block = _run(module, x)
-    assert_bitwise(ref, got)
+    block = _exact_block(Written())
     assert block.tape.mandatory == {}
 
 
@@ -174,19 +164,13 @@ def test_collective_outputs_are_mandatory_and_never_replayed(process_group) -> N
 
     torch.manual_seed(0)
     module = Reduces()
-    x = torch.randn(4, 8, requires_grad=True)
-    ref = step(module, lambda: module(x).sum())
-    tapesac_core.checkpoint_module(module)
+    assert COLLECTIVE in _reasons(_exact_block(module).tape)
     with tapesac_core.trace() as blocks:
-        out = module(x)
+        out = module(torch.randn(4, 8, requires_grad=True))
     with OpCounter() as counter:
         out.sum().backward()
-    tape = blocks[0].tape
-    assert COLLECTIVE in _reasons(tape)
+    assert COLLECTIVE in _reasons(blocks[0].tape)
     assert not [name for name in counter.counts if "c10d" in name]
-    module.zero_grad(set_to_none=True)
-    got, _ = _run(module, x)
-    assert_bitwise(ref, got)
 
 
 def test_collectives_on_buffers_the_block_did_not_produce_are_not_recorded(process_group) -> None:
