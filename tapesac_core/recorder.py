@@ -212,7 +212,7 @@ class Recorder(TorchDispatchMode):
             return vid
         index = len(block.nodes)
         vid = self.new_value(t, index, 0, OP, sid=sid)
-        block.nodes.append(Node(index, None, ALIAS_OP, self._count(ALIAS_OP), (Slot(0),), {},
+        block.nodes.append(Node(index, None, ALIAS_OP, self._count(ALIAS_OP), (_SLOTS[0],), {},
                                 [write], [write], [vid], (), (), None, False, None))
         return vid
 

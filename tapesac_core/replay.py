@@ -147,8 +147,11 @@ class Replay:
         for vid, t in zip(node.outs, outs):
             if reads.get(vid, 0) > 0:
                 env[vid] = t
-        for d in node.deps:
-            self._release(d)
+        for d in node.deps:  # each read done: free a value at its last read (as _release)
+            left = reads.get(d, 0) - 1
+            reads[d] = left
+            if left <= 0:
+                env.pop(d, None)
 
     def _execute(self, node: Node) -> list[torch.Tensor]:
         values = self.values
@@ -159,10 +162,13 @@ class Replay:
             with restored_rng(node.rng):
                 return [rebuild_output(node.op, node.args, node.kwargs,
                                        values[node.outs[0]].meta, in_meta)]
-        tensors = [self._input(v) for v in node.inputs]
+        env = self.env
+        tensors = [env[v] if v in env else self._input(v) for v in node.inputs]
         for slot in node.writes:
             self._prepare_write(node, slot, tensors)
-        args = _fill(node.args, tensors)
+        args = tuple([tensors[a.i] if type(a) is Slot else
+                      _fill(a, tensors) if type(a) is list or type(a) is tuple else a
+                      for a in node.args])
         kwargs = _fill(node.kwargs, tensors) if node.kwargs else node.kwargs
         if node.rng is None:
             out = node.op(*args, **kwargs)
