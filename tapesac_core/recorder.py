@@ -438,8 +438,10 @@ class Recorder(TorchDispatchMode):
         values, ptrs = self.values, self.ptrs
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
+        key = id(t)
         sid = version = None
-        written = before_write.get(id(t)) if before_write else None
+        epoch = 0
+        written = before_write.get(key) if before_write else None
         if written is not None:
             sid, version = values[written].sid, values[written].version + 1
             self.last_write[sid] = len(values)
@@ -460,12 +462,16 @@ class Recorder(TorchDispatchMode):
             self.block.storage_bytes.append(storage.nbytes())
             if info.allocation:
                 self.uninitialised.add(sid)
+        elif self.epochs:
+            epoch = self.epochs.get(sid, 0)
         vid = len(values)
-        values.append(_new_tuple(Value, (vid, index, j, sid, self.epochs.get(sid, 0), _meta(t),
+        # Layouts are kept only where replay needs them (they cost recording time).
+        values.append(_new_tuple(Value, (vid, index, j, sid, epoch,
+                                          _meta(t) if info.metadata_only else None,
                                           t._version if version is None else version, OP, None)))
         ptrs.append(ptr)
-        self.ids.append(id(t))
-        self.by_id[id(t)] = (weakref.ref(t), vid)
+        self.ids.append(key)
+        self.by_id[key] = (weakref.ref(t), vid)
         return vid
 
     def _maybe_hold(self, func: Any, info: OpInfo, name: str, k: int, j: int, vid: int, t: Tensor,
