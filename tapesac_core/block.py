@@ -54,13 +54,13 @@ class Block:
         self.nodes: list[Node] = []
         self.values: list[Value] = []
         self.storage_bytes: list[int] = []
-        self.demand: set[int] = set()
+        self.demand: frozenset[int] = frozenset()  # P: the values autograd packed (set in finish)
         self.mandatory: dict[int, str] = {}
         self.planned: set[int] = set()
         self.planned_seen: set[tuple] = set()
         self.held: dict[int, torch.Tensor] = {}
         self.refs: dict[int, Any] = {}
-        self.pack_count: dict[int, int] = {}
+        self.pack_count: dict[int, int] = {}  # packs per value: its keys are the demand set P
         self.current_module: str | None = None
         self._module_stack: list[str] = []
         self.timer: Any = None
@@ -125,7 +125,8 @@ class Block:
         """End of forward: freeze the tape; drop kept tensors no replay or unpack can reach."""
         self.recording = False
         tape = Tape(self.name, self.region, self.nodes, self.values, self.storage_bytes,
-                    frozenset(self.demand), dict(self.mandatory), frozenset(self.planned), outputs)
+                    frozenset(self.pack_count), dict(self.mandatory), frozenset(self.planned), outputs)
+        self.demand = tape.demand
         if self.plan_sequence is not None and tape.fingerprint != self.plan_sequence:
             # The plan's coordinates were solved on another op sequence: they may name other
             # tensors (of other sizes) here, so this block keeps only its mandatory set.
@@ -167,10 +168,7 @@ class Block:
         self.trace.unpacked.add(vid)
         if self.is_kept(vid):
             return self.kept_tensor(vid)
-        replay = self._replay_for(gid)
-        consume = packed.gid != gid or gid == -1
-        packed.gid = gid
-        return replay.take(vid, consume)
+        return self._replay_for(gid).take(vid, packed)
 
     def _replay_for(self, gid: int) -> Replay:
         """One replay state per backward pass; a second backward (retain_graph) replays again."""

@@ -48,6 +48,7 @@ class OpInfo:
     allocation: bool
     identity: bool
     holds_outputs: bool  # outputs may be mandatory (collectives, data-dependent shapes)
+    plain: bool          # none of the above: fresh outputs, nothing to capture or refuse
 
 
 @functools.cache
@@ -77,6 +78,11 @@ def op_info(op: Any) -> OpInfo:
         allocation=packet in _ALLOCATIONS,
         identity=packet in _IDENTITY and namespace == "aten",
         holds_outputs=namespace in COLLECTIVE_NAMESPACES or torch.Tag.dynamic_output_shape in tags,
+        plain=not (namespace in UNRECORDED_NAMESPACES or namespace in COLLECTIVE_NAMESPACES
+                   or mutated or view or packet in _UNANNOTATED_VIEWS or packet in _IDENTITY
+                   or torch.Tag.nondeterministic_seeded in tags
+                   or torch.Tag.dynamic_output_shape in tags or packet in _ALLOCATIONS
+                   or packet in _FILL or packet in _FILL_FROM_ARG or packet in _RANDOM_LIKE),
     )
 
 

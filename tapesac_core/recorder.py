@@ -242,17 +242,17 @@ class Recorder(TorchDispatchMode):
         if entry is not None and entry[0]() is t and self.values[entry[1]].version == t._version:
             vid = entry[1]
         else:
-            vid = self.vid_of(t)
-        block.demand.add(vid)
+            vid, entry = self.vid_of(t), None
         counts = block.pack_count
         counts[vid] = counts.get(vid, 0) + 1
-        value = self.values[vid]
-        if value.kind == OP and vid not in block.held:
-            if value.sid in self.uninitialised:
-                self.hold(vid, t, INVISIBLE_WRITE)
-            elif vid not in block.refs:
-                block.refs[vid] = entry[0] if entry is not None and entry[1] == vid else weakref.ref(t)
-        return Packed(block, vid)
+        if vid not in block.held and vid not in block.refs:
+            value = self.values[vid]
+            if value.kind == OP:
+                if self.uninitialised and value.sid in self.uninitialised:
+                    self.hold(vid, t, INVISIBLE_WRITE)
+                else:  # taken as it is at backward if still alive there (a block output, say)
+                    block.refs[vid] = entry[0] if entry is not None else weakref.ref(t)
+        return _new_tuple(Packed, (block, vid))
 
     # ------------------------------------------------------------------ dispatch
 
@@ -260,6 +260,8 @@ class Recorder(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         info = op_info(func)
+        if info.plain and self.timer is None and not self.uninitialised:
+            return self._record_plain(func, info, args, kwargs)
         if info.unrecorded or (info.collective and not self._reads_recorded(args, kwargs)):
             return func(*args, **kwargs)
         if info.identity:
@@ -296,6 +298,44 @@ class Recorder(TorchDispatchMode):
         vid = self.vid_of(args[0])
         out = func(*args, **kwargs)
         self.by_id[id(out)] = (weakref.ref(out), vid)
+        return out
+
+    def _record_plain(self, func: Any, info: OpInfo, args: tuple, kwargs: dict) -> Any:
+        """The common case on the hot path: an op with a fresh tensor output and nothing to capture,
+        copy or refuse. Records what ``__torch_dispatch__`` would, with fewer calls."""
+        inputs: list[int] = []
+        targs = []
+        by_id, values = self.by_id, self.values
+        for a in args:  # _template, unrolled for plain tensor arguments
+            if isinstance(a, Tensor):
+                entry = by_id.get(id(a))
+                if entry is not None and entry[0]() is a and values[entry[1]].version == a._version:
+                    inputs.append(entry[1])
+                else:
+                    inputs.append(self.vid_of(a))
+                targs.append(_SLOTS[len(inputs) - 1] if len(inputs) <= 64 else Slot(len(inputs) - 1))
+            else:
+                targs.append(self._template(a, inputs) if type(a) in (list, tuple) else a)
+        targs = tuple(targs)
+        tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
+        out = func(*args, **kwargs)
+        block = self.block
+        if type(out) is not Tensor or block.plan_coords:
+            self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
+            return out
+        nodes, calls, name = block.nodes, self.calls, info.name
+        index, vid, key = len(nodes), len(values), id(out)
+        k = calls.get(name, 0)
+        calls[name] = k + 1
+        storage = out.untyped_storage()
+        sid = len(block.storage_bytes)
+        block.storage_bytes.append(storage.nbytes())
+        values.append(_new_tuple(Value, (vid, index, 0, sid, 0, None, out._version, OP, None)))
+        self.ptrs.append(storage.data_ptr())
+        self.ids.append(key)
+        self.by_id[key] = (weakref.ref(out), vid)
+        nodes.append(_new_tuple(Node, (index, func, name, k, targs, tkwargs, inputs, inputs, [vid],
+                                       (), (), None, False, block.current_module)))
         return out
 
     def _keep_meta(self, vid: int, t: Tensor) -> None:

@@ -83,6 +83,7 @@ class Replay:
         self.env: dict[int, torch.Tensor] = {}
         self.not_ours: set[int] = set()  # storage pointers replay must not write into
         self.reads: dict[int, int] = {}
+        self.unpacked: set[int] = set()  # ids of the handles already unpacked in this backward
         self._take_alive_values(block)
         reads = self.reads
         for index in block.closure(block.demand, self._available):
@@ -104,8 +105,8 @@ class Replay:
     def _available(self, vid: int) -> bool:
         return vid in self.env or self.block.is_kept(vid)
 
-    def take(self, vid: int, consume: bool) -> torch.Tensor:
-        """The value autograd unpacks; ``consume`` is False for a repeated unpack of one handle."""
+    def take(self, vid: int, handle: Any) -> torch.Tensor:
+        """The value autograd unpacks through ``handle``; a handle's first unpack consumes a read."""
         env = self.env
         if vid not in env:
             with replay_mode(self.block.device_types):
@@ -113,7 +114,8 @@ class Replay:
                     self._run(self.nodes[index])
         t = env[vid]
         self.not_ours.add(t.untyped_storage().data_ptr())
-        if consume:
+        if id(handle) not in self.unpacked:  # ctx.saved_tensors may unpack one handle twice
+            self.unpacked.add(id(handle))
             self._release(vid)
         return t
 

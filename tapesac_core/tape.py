@@ -95,13 +95,11 @@ class Node(NamedTuple):
         return f"Node({self.index}, {self.name}#{self.k}, in={self.deps}, out={self.outs})"
 
 
-class Packed:
+class Packed(NamedTuple):
     """What autograd keeps for a saved tensor of a block: the block and a value id."""
 
-    __slots__ = ("block", "vid", "gid")
-
-    def __init__(self, block: Any, vid: int) -> None:
-        self.block, self.vid, self.gid = block, vid, None
+    block: Any
+    vid: int
 
 
 @dataclass(eq=False)
