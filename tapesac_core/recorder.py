@@ -96,7 +96,6 @@ class Recorder(TorchDispatchMode):
         self.values: list[Value] = block.values
         self.by_id: dict[int, tuple[weakref.ref, int]] = {}
         self.ptrs: list[int] = []              # storage data_ptr per value
-        self.ids: list[int] = []               # id() of the tensor object each value was made from
         self.last_write: dict[int, int] = {}   # sid -> value id of the latest write into it
         self.held_by_sid: dict[int, set[int]] = {}
         self.leaf_sids: set[int] = set()
@@ -105,6 +104,8 @@ class Recorder(TorchDispatchMode):
         self.calls: dict[str, int] = {}
         self._leaves: dict[int, tuple[str, str]] | None = None  # id(param or buffer) -> (kind, name)
         self.timer = block.timer  # set before recording when node times are wanted
+        # OpOverload hashes in Python: look ops up by id (they live as long as the process).
+        self.infos: dict[int, OpInfo] = {}
 
     # ------------------------------------------------------------------ values
 
@@ -120,7 +121,6 @@ class Recorder(TorchDispatchMode):
         self.values.append(Value(vid, node, j, sid, self.epochs.get(sid, 0), _meta(t),
                                  t._version if version is None else version, kind, name))
         self.ptrs.append(storage.data_ptr())
-        self.ids.append(id(t))
         self.by_id[id(t)] = (weakref.ref(t), vid)
         if kind != OP and kind != EXTERNAL:
             self.leaf_sids.add(sid)
@@ -167,14 +167,11 @@ class Recorder(TorchDispatchMode):
         if not ptr:
             return None
         layout = _meta(t)[:4]
-        for vid in range(len(self.values) - 1, -1, -1):
-            if self.ptrs[vid] != ptr:
-                continue
-            # Only a value whose own tensor is alive proves the storage is the same one: a
-            # freed storage's address is reused by new allocations.
-            entry = self.by_id.get(self.ids[vid])
-            live = entry[0]() if entry is not None and entry[1] == vid else None
-            if live is not None and _meta(live)[:4] == layout:
+        # Only a value whose own tensor is alive proves the storage is the same one: a freed
+        # storage's address is reused by new allocations.
+        for ref, vid in sorted(self.by_id.values(), key=lambda e: -e[1]):
+            live = ref()
+            if live is not None and self.ptrs[vid] == ptr and _meta(live)[:4] == layout:
                 return vid
         return None
 
@@ -259,7 +256,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        info = op_info(func)
+        info = self.infos.get(id(func)) or self._info(func)
         if info.plain and self.timer is None and not self.uninitialised:
             return self._record_plain(func, info, args, kwargs)
         if info.unrecorded or (info.collective and not self._reads_recorded(args, kwargs)):
@@ -300,6 +297,10 @@ class Recorder(TorchDispatchMode):
         self.by_id[id(out)] = (weakref.ref(out), vid)
         return out
 
+    def _info(self, func: Any) -> OpInfo:
+        info = self.infos[id(func)] = op_info(func)
+        return info
+
     def _record_plain(self, func: Any, info: OpInfo, args: tuple, kwargs: dict) -> Any:
         """The common case on the hot path: an op with a fresh tensor output and nothing to capture,
         copy or refuse. Records what ``__torch_dispatch__`` would, with fewer calls."""
@@ -313,7 +314,8 @@ class Recorder(TorchDispatchMode):
                     inputs.append(entry[1])
                 else:
                     inputs.append(self.vid_of(a))
-                targs.append(_SLOTS[len(inputs) - 1] if len(inputs) <= 64 else Slot(len(inputs) - 1))
+                n = len(inputs) - 1
+                targs.append(_SLOTS[n] if n < 64 else Slot(n))
             else:
                 targs.append(self._template(a, inputs) if type(a) in (list, tuple) else a)
         targs = tuple(targs)
@@ -332,7 +334,6 @@ class Recorder(TorchDispatchMode):
         block.storage_bytes.append(storage.nbytes())
         values.append(_new_tuple(Value, (vid, index, 0, sid, 0, None, out._version, OP, None)))
         self.ptrs.append(storage.data_ptr())
-        self.ids.append(key)
         self.by_id[key] = (weakref.ref(out), vid)
         nodes.append(_new_tuple(Node, (index, func, name, k, targs, tkwargs, inputs, inputs, [vid],
                                        (), (), None, False, block.current_module)))
@@ -510,7 +511,6 @@ class Recorder(TorchDispatchMode):
                                           _meta(t) if info.metadata_only else None,
                                           t._version if version is None else version, OP, None)))
         ptrs.append(ptr)
-        self.ids.append(key)
         self.by_id[key] = (weakref.ref(t), vid)
         return vid
 
