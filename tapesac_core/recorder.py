@@ -257,8 +257,47 @@ class Recorder(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         info = self.infos.get(id(func)) or self._info(func)
-        if info.plain and self.timer is None and not self.uninitialised:
-            return self._record_plain(func, info, args, kwargs)
+        if not info.plain or self.timer is not None or self.uninitialised:
+            return self._record(func, info, args, kwargs)
+        # The hot path: an op with a fresh tensor output and nothing to capture, copy or refuse,
+        # recorded as ``_record`` would, with fewer calls.
+        inputs: list[int] = []
+        targs = []
+        by_id, values = self.by_id, self.values
+        for a in args:  # _template, unrolled for plain tensor arguments
+            if isinstance(a, Tensor):
+                entry = by_id.get(id(a))
+                if entry is not None and entry[0]() is a and values[entry[1]].version == a._version:
+                    inputs.append(entry[1])
+                else:
+                    inputs.append(self.vid_of(a))
+                n = len(inputs) - 1
+                targs.append(_SLOTS[n] if n < 64 else Slot(n))
+            else:
+                targs.append(self._template(a, inputs) if type(a) in (list, tuple) else a)
+        targs = tuple(targs)
+        tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
+        out = func(*args, **kwargs)
+        block = self.block
+        if type(out) is not Tensor or block.plan_coords:
+            self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
+            return out
+        nodes, calls, name = block.nodes, self.calls, info.name
+        index, vid, key = len(nodes), len(values), id(out)
+        k = calls.get(name, 0)
+        calls[name] = k + 1
+        storage = out.untyped_storage()
+        sid = len(block.storage_bytes)
+        block.storage_bytes.append(storage.nbytes())
+        values.append(_new_tuple(Value, (vid, index, 0, sid, 0, None, out._version, OP, None)))
+        self.ptrs.append(storage.data_ptr())
+        self.by_id[key] = (weakref.ref(out), vid)
+        nodes.append(_new_tuple(Node, (index, func, name, k, targs, tkwargs, inputs, inputs, [vid],
+                                       (), (), None, False, block.current_module)))
+        return out
+
+    def _record(self, func: Any, info: OpInfo, args: tuple, kwargs: dict) -> Any:
+        """Every op that is not plain (see ``__torch_dispatch__``), and every op while timing."""
         if info.unrecorded or (info.collective and not self._reads_recorded(args, kwargs)):
             return func(*args, **kwargs)
         if info.identity:
@@ -300,44 +339,6 @@ class Recorder(TorchDispatchMode):
     def _info(self, func: Any) -> OpInfo:
         info = self.infos[id(func)] = op_info(func)
         return info
-
-    def _record_plain(self, func: Any, info: OpInfo, args: tuple, kwargs: dict) -> Any:
-        """The common case on the hot path: an op with a fresh tensor output and nothing to capture,
-        copy or refuse. Records what ``__torch_dispatch__`` would, with fewer calls."""
-        inputs: list[int] = []
-        targs = []
-        by_id, values = self.by_id, self.values
-        for a in args:  # _template, unrolled for plain tensor arguments
-            if isinstance(a, Tensor):
-                entry = by_id.get(id(a))
-                if entry is not None and entry[0]() is a and values[entry[1]].version == a._version:
-                    inputs.append(entry[1])
-                else:
-                    inputs.append(self.vid_of(a))
-                n = len(inputs) - 1
-                targs.append(_SLOTS[n] if n < 64 else Slot(n))
-            else:
-                targs.append(self._template(a, inputs) if type(a) in (list, tuple) else a)
-        targs = tuple(targs)
-        tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
-        out = func(*args, **kwargs)
-        block = self.block
-        if type(out) is not Tensor or block.plan_coords:
-            self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
-            return out
-        nodes, calls, name = block.nodes, self.calls, info.name
-        index, vid, key = len(nodes), len(values), id(out)
-        k = calls.get(name, 0)
-        calls[name] = k + 1
-        storage = out.untyped_storage()
-        sid = len(block.storage_bytes)
-        block.storage_bytes.append(storage.nbytes())
-        values.append(_new_tuple(Value, (vid, index, 0, sid, 0, None, out._version, OP, None)))
-        self.ptrs.append(storage.data_ptr())
-        self.by_id[key] = (weakref.ref(out), vid)
-        nodes.append(_new_tuple(Node, (index, func, name, k, targs, tkwargs, inputs, inputs, [vid],
-                                       (), (), None, False, block.current_module)))
-        return out
 
     def _keep_meta(self, vid: int, t: Tensor) -> None:
         """A metadata-only op's input: its layout is what replay rebuilds from."""
