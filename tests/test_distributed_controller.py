@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import tempfile
 
 import torch
@@ -40,8 +39,10 @@ class RankMeter:
         return MemoryReading(peak=peak, current=self.base, reserved=peak, total=64 * GiB, free=GiB)
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _worker(rank: int, out: str) -> None:
+    # A file store: no TCP port to race other processes for.
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
+                            world_size=2)
     torch.manual_seed(0)
     model = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                                   intermediate_size=64, num_layers=3))
@@ -64,15 +65,9 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ranks_agree_on_one_plan_for_the_larger_count_and_the_smaller_capacity() -> None:
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+        mp.spawn(_worker, args=(out,), nprocs=2, join=True)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
     steps0, steps1 = ranks[0]["steps"], ranks[1]["steps"]
     assert [s["mode"] for s in steps0] == [s["mode"] for s in steps1]
