@@ -49,6 +49,7 @@ class OpInfo:
     identity: bool
     holds_outputs: bool  # outputs may be mandatory (collectives, data-dependent shapes)
     plain: bool          # none of the above: fresh outputs, nothing to capture or refuse
+    simple_view: bool    # a view op, otherwise plain: its output shares its first input's storage
 
 
 @functools.cache
@@ -62,6 +63,10 @@ def op_info(op: Any) -> OpInfo:
     mutated = tuple((i, a.name) for i, a in enumerate(schema.arguments)
                     if a.alias_info is not None and a.alias_info.is_write)
     view = not mutated and any(r.alias_info is not None for r in schema.returns)
+    special = (namespace in UNRECORDED_NAMESPACES or namespace in COLLECTIVE_NAMESPACES
+               or bool(mutated) or packet in _IDENTITY or torch.Tag.nondeterministic_seeded in tags
+               or torch.Tag.dynamic_output_shape in tags or packet in _ALLOCATIONS
+               or packet in _FILL or packet in _FILL_FROM_ARG or packet in _RANDOM_LIKE)
     dropout_arg = next(((i, a.name, float(a.default_value or 0.0))
                         for i, a in enumerate(schema.arguments) if a.name == "dropout_p"), None)
     return OpInfo(
@@ -78,11 +83,8 @@ def op_info(op: Any) -> OpInfo:
         allocation=packet in _ALLOCATIONS,
         identity=packet in _IDENTITY and namespace == "aten",
         holds_outputs=namespace in COLLECTIVE_NAMESPACES or torch.Tag.dynamic_output_shape in tags,
-        plain=not (namespace in UNRECORDED_NAMESPACES or namespace in COLLECTIVE_NAMESPACES
-                   or mutated or view or packet in _UNANNOTATED_VIEWS or packet in _IDENTITY
-                   or torch.Tag.nondeterministic_seeded in tags
-                   or torch.Tag.dynamic_output_shape in tags or packet in _ALLOCATIONS
-                   or packet in _FILL or packet in _FILL_FROM_ARG or packet in _RANDOM_LIKE),
+        plain=not (special or view or packet in _UNANNOTATED_VIEWS),
+        simple_view=view and not special,
     )
 
 

@@ -102,7 +102,7 @@ class Recorder(TorchDispatchMode):
         self.uninitialised: set[int] = set()
         self.epochs: dict[int, int] = {}       # sid -> number of recorded writes into it so far
         self.calls: dict[str, int] = {}
-        self._leaves: dict[int, tuple[str, str]] | None = None  # id(param or buffer) -> (kind, name)
+        self._leaves: dict[int, tuple[str, str]] | None = None  # rebuilt in this block, if it was
         self.timer = block.timer  # set before recording when node times are wanted
         # OpOverload hashes in Python: look ops up by id (they live as long as the process).
         self.infos: dict[int, OpInfo] = {}
@@ -140,7 +140,7 @@ class Recorder(TorchDispatchMode):
     def _unseen(self, t: Tensor) -> int:
         """A tensor object first seen: a parameter or buffer, an alias of a value, or external."""
         self._refuse_subclass(t)
-        leaf = self._leaf_names().get(id(t))
+        leaf = self._leaf_name(t)
         if leaf is not None:
             return self.new_value(t, -1, 0, leaf[0], leaf[1])
         alias = self._same_view(t)
@@ -187,16 +187,28 @@ class Recorder(TorchDispatchMode):
                     return kind, name
         return None
 
-    def _leaf_names(self) -> dict[int, tuple[str, str]]:
-        if self._leaves is None:
-            self._leaves = {}
-            module = self.block.module
-            if module is not None:
-                for kind, named in ((PARAM, module.named_parameters(remove_duplicate=False)),
-                                    (BUFFER, module.named_buffers(remove_duplicate=False))):
-                    for name, p in named:
-                        self._leaves.setdefault(id(p), (kind, name))
-        return self._leaves
+    def _leaf_name(self, t: Tensor) -> tuple[str, str] | None:
+        """A parameter or buffer of the block's module, by identity.
+
+        The map is kept on the module across calls (walking a module with many experts costs
+        more than recording its ops); a miss rebuilds it once per block, since FSDP2 and users
+        may swap parameter objects between steps. Entries hold weak references, so a freed
+        parameter's id taken by a new tensor is not mistaken for it.
+        """
+        module = self.block.module
+        if module is None:
+            return None
+        cached = getattr(module, "_tapesac_leaves", None)
+        entry = cached.get(id(t)) if cached is not None else None
+        if entry is None and self._leaves is None:
+            cached = self._leaves = {}
+            for kind, named in ((PARAM, module.named_parameters(remove_duplicate=False)),
+                                (BUFFER, module.named_buffers(remove_duplicate=False))):
+                for name, p in named:
+                    cached.setdefault(id(p), (weakref.ref(p), kind, name))
+            module._tapesac_leaves = cached
+            entry = cached.get(id(t))
+        return entry[1:] if entry is not None and entry[0]() is t else None
 
     def _reread(self, t: Tensor, stale: int) -> int:
         """``t`` was written through another alias since it was recorded: a new value."""
@@ -257,10 +269,10 @@ class Recorder(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         info = self.infos.get(id(func)) or self._info(func)
-        if not info.plain or self.timer is not None or self.uninitialised:
+        if not (info.plain or info.simple_view) or self.timer is not None or self.uninitialised:
             return self._record(func, info, args, kwargs)
-        # The hot path: an op with a fresh tensor output and nothing to capture, copy or refuse,
-        # recorded as ``_record`` would, with fewer calls.
+        # The hot path: an op with one tensor output, fresh or a view of its first input, and
+        # nothing to capture, copy or refuse, recorded as ``_record`` would, with fewer calls.
         inputs: list[int] = []
         targs = []
         by_id, values = self.by_id, self.values
@@ -282,15 +294,24 @@ class Recorder(TorchDispatchMode):
         if type(out) is not Tensor or block.plan_coords:
             self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
             return out
+        storage = out.untyped_storage()
+        ptr = storage.data_ptr()
+        if info.simple_view:  # it shares its base's storage and, once autograd ran, its version
+            base = inputs[0] if inputs else -1
+            if base < 0 or self.ptrs[base] != ptr:
+                self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
+                return out
+            sid, version = values[base].sid, values[base].version
+            epoch = self.epochs.get(sid, 0) if self.epochs else 0
+        else:
+            sid, version, epoch = len(block.storage_bytes), out._version, 0
+            block.storage_bytes.append(storage.nbytes())
         nodes, calls, name = block.nodes, self.calls, info.name
         index, vid, key = len(nodes), len(values), id(out)
         k = calls.get(name, 0)
         calls[name] = k + 1
-        storage = out.untyped_storage()
-        sid = len(block.storage_bytes)
-        block.storage_bytes.append(storage.nbytes())
-        values.append(_new_tuple(Value, (vid, index, 0, sid, 0, None, out._version, OP, None)))
-        self.ptrs.append(storage.data_ptr())
+        values.append(_new_tuple(Value, (vid, index, 0, sid, epoch, None, version, OP, None)))
+        self.ptrs.append(ptr)
         self.by_id[key] = (weakref.ref(out), vid)
         nodes.append(_new_tuple(Node, (index, func, name, k, targs, tkwargs, inputs, inputs, [vid],
                                        (), (), None, False, block.current_module)))
