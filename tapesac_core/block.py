@@ -75,14 +75,6 @@ class Block:
     # ------------------------------------------------------------------ bookkeeping
 
     @property
-    def replayed(self) -> list[int]:
-        return self.trace.replayed
-
-    @property
-    def node_times(self) -> dict[int, list[Any]]:
-        return self.trace.node_times
-
-    @property
     def alive_taken(self) -> set[int]:
         return self.trace.alive_taken
 

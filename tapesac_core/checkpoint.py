@@ -230,7 +230,7 @@ def _track_submodules(module: torch.nn.Module) -> None:
     for name, sub in module.named_modules():
         if sub is not module:
             sub.register_forward_pre_hook(functools.partial(_enter_submodule, name))
-            sub.register_forward_hook(functools.partial(_exit_submodule, name))
+            sub.register_forward_hook(_exit_submodule)
 
 
 def _enter_submodule(name: str, module: torch.nn.Module, args: Any) -> None:
@@ -239,7 +239,7 @@ def _enter_submodule(name: str, module: torch.nn.Module, args: Any) -> None:
         block.enter_module(name)
 
 
-def _exit_submodule(name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
+def _exit_submodule(module: torch.nn.Module, args: Any, output: Any) -> None:
     block = _RECORDING.get()
     if block is not None:
         block.exit_module()

@@ -1,15 +1,17 @@
 """The step state machine (paper Algorithm 1): warm up, profile, solve per token bucket, apply.
 
 Each training step runs inside ``with controller.step(tokens=n):``. The first ``warmup_steps``
-run must-only; the next ``profile_steps`` time every node of one reference block per region
-type (the first also samples the must-only step's peak memory); then each token bucket gets a
-plan, solved at the bucket's upper edge under the memory limit and cached. A new bucket first
-runs ``control_steps`` plain must-only steps, so planned steps can be compared with them
-(measured speedup). Memory is sampled again when tokens move more than ``resample_tolerance``
-from every sample, a region is profiled again when its tokens exceed ``reprofile_factor`` times
-its reference's, and an observed peak near the limit raises the fragmentation estimate (plans
-only shrink). Under torch.distributed all ranks agree each step on the largest token counts and
-on any flag, rank 0 solves with the smallest budget, and every rank applies the same plan.
+run must-only; the next ``profile_steps`` time every op of every block (the reference block of
+each region type, the first with its most common op sequence, is kept; the first profiling step
+also samples the must-only step's peak memory); then each token bucket gets a plan, solved at the
+bucket's upper edge under the memory limit and cached. A new bucket first runs ``control_steps``
+plain must-only steps, then one every ``control_every`` planned steps, so planned steps can be
+compared with them (measured speedup). A bucket without a plan whose tokens lie more than
+``resample_tolerance`` from every memory sample is sampled first, a region is profiled again when
+its tokens exceed ``reprofile_factor`` times its reference's, and an observed peak near the limit
+raises the fragmentation estimate (plans only shrink). Under torch.distributed all ranks agree
+each step on the largest token counts and on any flag, rank 0 solves with the smallest budget, and
+every rank applies the same plan.
 """
 
 from __future__ import annotations
@@ -94,7 +96,6 @@ class Controller:
         self.planned_times: dict[tuple[int, ...], list[float]] = {}
         self.report: StepReport | None = None
         self._profile_steps_done = 0
-        self._reprofile = False
         self._secondary_max: dict[str, int] = {}
         self._checked: set[tuple[int, ...]] = set()
         self._planned_since_control: dict[tuple[int, ...], int] = {}
@@ -146,10 +147,9 @@ class Controller:
             report.time = time.perf_counter() - start
             reading = meter.reading() if meter is not None else None
         report.block_traces = blocks
-        self._finish(report, reading, static, metered)
+        self._finish(report, reading, static)
 
-    def _finish(self, report: StepReport, reading: MemoryReading | None, static: int,
-                metered: bool) -> None:
+    def _finish(self, report: StepReport, reading: MemoryReading | None, static: int) -> None:
         blocks = report.block_traces
         report.blocks = len(blocks)
         report.replayed_nodes = sum(len(b.replayed) for b in blocks)
@@ -162,15 +162,15 @@ class Controller:
             self._take_profile(blocks, report.tokens)
         if reading is not None and mode in (PROFILE, SAMPLE):
             self.memory.add(MemorySample(tokens=self._primary_tokens(report.tokens), peak=reading.peak,
-                                         static=static, outside=self._outside(reading),
-                                         fragmentation=self._fragmentation(reading)))
+                                         static=static, outside=reading.outside,
+                                         fragmentation=max(0, reading.reserved - reading.peak)))
         if mode == CONTROL or (mode == WARMUP and report.step > 0):
             self._record_time(self.must_only_times, key, report.time)
             self._planned_since_control[key] = 0
         if mode == PLANNED:
             self._planned_since_control[key] = self._planned_since_control.get(key, 0) + 1
-            if metered:
-                self._checked.add(key)
+            if reading is not None and self.device.type == "cpu":
+                self._checked.add(key)  # metering slows a CPU step: checked, not timed
             else:
                 self._record_time(self.planned_times, key, report.time)
             if reading is not None:
@@ -196,11 +196,11 @@ class Controller:
         known = key in self.plans  # solved earlier, or restored from a checkpoint
         grown = any(tokens[r] > self.config.reprofile_factor * p.tokens
                     for r, p in self.profiles.items())
-        needs_profile = self._reprofile or grown or (not self.profiles and not known)
+        needs_profile = grown or (not self.profiles and not known)
         needs_sample = not known and not self.memory.covers(self._primary_tokens(tokens),
                                                             self.config.resample_tolerance)
         if needs_profile and not self._profile_steps_done:
-            self.profiles, self._reprofile = {}, False
+            self.profiles = {}
         profile, sample, raise_by = self._reduce_max([
             int(needs_profile or self._profile_steps_done > 0), int(needs_sample),
             self._raise_fragmentation])
@@ -224,13 +224,13 @@ class Controller:
         self._profile_steps_done += 1
         if self._profile_steps_done >= self.config.profile_steps:
             self._profile_steps_done = 0
-            self.plans.clear()  # new reference: every bucket is solved again
+            self._forget_plans()  # a new reference block
 
     # ------------------------------------------------------------------ plans
 
     def _plan(self, key: tuple[int, ...], tokens: dict[str, int]) -> Plan:
         if key not in self.plans:
-            edges = self._edges(key, tokens)
+            edges = self._edges(key)
             capacity = self._capacity()
             base = self.memory.base(self._primary_tokens(edges))
             budget = self._agree_budget(capacity - base)
@@ -267,7 +267,7 @@ class Controller:
         chosen, must-only and full-recomputation points (for plots). Full recomputation's peak is
         taken as the must-only peak."""
         plan = self.plans[key]
-        edges = self._edges(key, {})
+        edges = self._edges(key)
         seconds = self._must_only_time(key, edges)
         curves, full = {}, seconds
         for r, p in self.profiles.items():
@@ -300,17 +300,11 @@ class Controller:
         margin = self.config.margin * (total if limit.fraction is not None else limit.of(total))
         return int(limit.of(total) - self.memory.outside - margin - self.memory.fragmentation)
 
-    def _outside(self, reading: MemoryReading) -> int:
-        return 0 if self.device.type == "cpu" else reading.outside_allocator
-
-    def _fragmentation(self, reading: MemoryReading) -> int:
-        return 0 if self.device.type == "cpu" else max(0, reading.reserved - reading.peak)
-
     def _watch_limit(self, reading: MemoryReading) -> None:
         """A peak near the limit: the fragmentation estimate goes up at the next step (on every
         rank together) and plans are solved again, so they can only shrink."""
         limit = self.limit_bytes()
-        used = max(reading.peak, reading.reserved) + self._outside(reading)
+        used = max(reading.peak, reading.reserved) + reading.outside
         threshold = self.config.near_limit * limit
         if used > threshold:
             self._raise_fragmentation = max(int(used - threshold), int(0.01 * limit))
@@ -322,8 +316,12 @@ class Controller:
     def _apply_fragmentation(self, raise_by: int) -> None:
         if raise_by > 0:
             self.memory.extra_fragmentation += raise_by
-            self.plans.clear()
-            self._checked.clear()
+            self._forget_plans()
+
+    def _forget_plans(self) -> None:
+        """Every bucket is solved again (and its first planned step checked again on CPU)."""
+        self.plans.clear()
+        self._checked.clear()
 
     # ------------------------------------------------------------------ tokens and buckets
 
@@ -359,13 +357,13 @@ class Controller:
                 key.append(bucket(tokens[r], self.config.primary_bucket_factor))
         return tuple(key)
 
-    def _edges(self, key: tuple[int, ...], tokens: dict[str, int]) -> dict[str, int]:
+    def _edges(self, key: tuple[int, ...]) -> dict[str, int]:
         return {r: upper_edge(q, self.config.secondary_bucket_factor
                               if r in self.config.secondary_regions else self.config.primary_bucket_factor)
                 for r, q in zip(self.regions, key)}
 
     def _edge_tokens(self, key: tuple[int, ...]) -> int:
-        return self._primary_tokens(self._edges(key, {}))
+        return self._primary_tokens(self._edges(key))
 
     # ------------------------------------------------------------------ ranks
 
@@ -396,9 +394,16 @@ class Controller:
         if not self._distributed():
             return solve()
         dist = torch.distributed
-        payload = [solve().to_json() if dist.get_rank(self.group) == 0 else None]
+        payload: list[Any] = [None]
+        if dist.get_rank(self.group) == 0:
+            try:
+                payload = [solve().to_json()]
+            except Exception as e:  # the other ranks wait in the broadcast: tell them, then raise
+                payload = [{"error": f"{type(e).__name__}: {e}"}]
         dist.broadcast_object_list(payload, src=dist.get_global_rank(self.group, 0)
                                    if self.group is not None else 0, group=self.group)
+        if isinstance(payload[0], dict):
+            raise TapeSACError(f"TapeSAC: solving the plan failed on rank 0: {payload[0]['error']}")
         return Plan.from_json(payload[0], model=self.model_key)
 
     def _synchronize(self) -> None:

@@ -17,7 +17,6 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Protocol
 
 import torch
@@ -32,14 +31,10 @@ class MemoryReading:
 
     peak: int      # peak in use since the window started (allocated on accelerators; live tensors on CPU)
     current: int   # in use now
-    reserved: int  # held by the caching allocator (equal to ``current`` on CPU)
+    reserved: int  # peak held by the caching allocator in the window (``current`` on CPU)
     total: int     # device memory (physical memory on CPU)
     free: int      # free device memory as the driver/OS reports it
-
-    @property
-    def outside_allocator(self) -> int:
-        """Memory in use outside PyTorch's caching allocator (Eq. 9's non_torch)."""
-        return max(0, self.total - self.free - self.reserved)
+    outside: int = 0  # device memory in use outside PyTorch's caching allocator (Eq. 9's non_torch)
 
 
 class MemoryMeter(Protocol):
@@ -74,10 +69,11 @@ class AcceleratorMeter:
 
     def reading(self) -> MemoryReading:
         free, total = torch.accelerator.get_memory_info(self.device)
+        reserved_now = torch.accelerator.memory_reserved(self.device)
         return MemoryReading(peak=torch.accelerator.max_memory_allocated(self.device),
                              current=torch.accelerator.memory_allocated(self.device),
-                             reserved=torch.accelerator.memory_reserved(self.device),
-                             total=total, free=free)
+                             reserved=torch.accelerator.max_memory_reserved(self.device),
+                             total=total, free=free, outside=max(0, total - free - reserved_now))
 
 
 class _StorageTracker(TorchDispatchMode):
@@ -140,10 +136,6 @@ class LiveTensorMeter:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(*exc)
-
-    def reset_peak(self) -> None:
-        """Start a new peak window from the bytes live now."""
-        self.peak = self.current
 
     def reading(self) -> MemoryReading:
         total, free = physical_memory()

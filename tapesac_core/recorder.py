@@ -46,15 +46,20 @@ def default_generator(device: torch.device) -> torch.Generator:
     return generators[index]
 
 
+def view_on(storage: torch.UntypedStorage, meta: Meta) -> Tensor:
+    """A tensor with layout ``meta`` (offset, shape, strides, dtype) on ``storage``."""
+    view = torch.empty(0, dtype=meta.dtype, device=meta.device)
+    with torch.no_grad():
+        view.set_(storage, meta.offset, meta.shape, meta.stride)
+    return view
+
+
 def on_storage(t: Tensor, storage: torch.UntypedStorage) -> Tensor:
     """``t``'s view (offset, shape, strides) of another storage, e.g. a copy of its own.
 
     Copying whole storages rather than views keeps every alias of a storage addressable.
     """
-    view = torch.empty(0, dtype=t.dtype, device=t.device)
-    with torch.no_grad():
-        view.set_(storage, t.storage_offset(), t.shape, t.stride())
-    return view
+    return view_on(storage, _meta(t))
 
 
 def flat_tensors(out: Any) -> list[Tensor]:
@@ -221,8 +226,11 @@ class Recorder(TorchDispatchMode):
             return vid
         index = len(block.nodes)
         vid = self.new_value(t, index, 0, OP, sid=sid)
-        block.nodes.append(Node(index, None, ALIAS_OP, self._count(ALIAS_OP), (_SLOTS[0],), {},
-                                [write], [write], [vid], (), (), None, False, None))
+        k = self._count(ALIAS_OP)
+        block.nodes.append(Node(index, None, ALIAS_OP, k, (_SLOTS[0],), {}, [write], [write], [vid],
+                                (), (), None, False, block.current_module))
+        if (ALIAS_OP, k, 0) in block.plan_coords:
+            self._hold_planned(ALIAS_OP, k, 0, vid, t)
         return vid
 
     def hold(self, vid: int, t: Tensor, reason: str | None = None) -> None:
@@ -318,7 +326,8 @@ class Recorder(TorchDispatchMode):
         return out
 
     def _record(self, func: Any, info: OpInfo, args: tuple, kwargs: dict) -> Any:
-        """Every op that is not plain (see ``__torch_dispatch__``), and every op while timing."""
+        """Every op the fast path in ``__torch_dispatch__`` does not take: not plain nor a simple
+        view, or any op while timing or while an uninitialised allocation is pending."""
         if info.unrecorded or (info.collective and not self._reads_recorded(args, kwargs)):
             return func(*args, **kwargs)
         if info.identity:

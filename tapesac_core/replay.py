@@ -22,7 +22,7 @@ import torch
 
 from .errors import TapeSACError
 from .ops import rebuild_output
-from .recorder import flat_tensors, on_storage
+from .recorder import flat_tensors, on_storage, view_on
 from .tape import ALIAS_OP, Meta, Node, Slot, producer_closure
 
 
@@ -31,6 +31,8 @@ def _fill(a: Any, tensors: list[Any]) -> Any:
         return tensors[a.i]
     if type(a) in (list, tuple):
         return type(a)([_fill(x, tensors) for x in a])
+    if type(a) is dict:
+        return {k: _fill(v, tensors) for k, v in a.items()}
     return a
 
 
@@ -66,10 +68,7 @@ def replay_mode(device_types: set[str]) -> Iterator[None]:
 
 def view_of_storage(base: torch.Tensor, meta: Meta) -> torch.Tensor:
     """The recorded view ``meta`` of ``base``'s storage: a view read again after a write through an alias."""
-    view = torch.empty(0, dtype=meta.dtype, device=meta.device)
-    with torch.no_grad():
-        view.set_(base.untyped_storage(), meta.offset, meta.shape, meta.stride)
-    return view
+    return view_on(base.untyped_storage(), meta)
 
 
 class Replay:
@@ -190,7 +189,12 @@ class Replay:
                 if t.untyped_storage().data_ptr() == ptr:
                     tensors[i] = on_storage(t, copy)
             return
+        # Values on this storage still read later keep their content on one copy of the whole
+        # storage (a copy of the view alone would lose the layout a later alias read relies on).
         reads_here = Counter(node.deps)
-        for vid, t in list(self.env.items()):
-            if t.untyped_storage().data_ptr() == ptr and self.reads.get(vid, 0) > reads_here[vid]:
-                self.env[vid] = t.clone()
+        keep = [vid for vid, t in self.env.items()
+                if t.untyped_storage().data_ptr() == ptr and self.reads.get(vid, 0) > reads_here[vid]]
+        if keep:
+            copy = tensors[slot].untyped_storage().clone()
+            for vid in keep:
+                self.env[vid] = on_storage(self.env[vid], copy)

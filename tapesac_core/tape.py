@@ -64,7 +64,8 @@ class Value(NamedTuple):
     j: int                # output position in the producer
     sid: int              # storage id (views share their base's)
     epoch: int            # in-place writes into the storage before this value was made
-    meta: Meta | None     # layout: kept for leaves, views read again and metadata-only ops
+    meta: Meta | None     # layout: kept for leaves, externals, views read again after a write,
+                          # and metadata-only ops and their inputs (what replay rebuilds from)
     version: int          # the tensor's version counter for this content
     kind: str             # OP, INPUT, PARAM, BUFFER or EXTERNAL
     name: str | int | None = None  # leaf: input position or parameter/buffer name

@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from .strategy import TapeSACFSDPStrategy
 
 
+class _BatchSkipped(Exception):
+    """Ends the step of a batch Lightning skipped (the module's ``on_train_batch_start`` returned
+    -1, after this callback's hook ran): the step is discarded, as after an exception."""
+
+
 class TapeSACCallback(Callback):
     """Brackets each training batch (forward, backward, optimizer step) with ``controller.step``."""
 
@@ -30,6 +35,7 @@ class TapeSACCallback(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        self._close(_BatchSkipped())
         controller = self.strategy.controller
         self._step = controller.step(tokens=self.strategy.count_tokens(batch))
         self._step.__enter__()
@@ -46,6 +52,14 @@ class TapeSACCallback(Callback):
         if report.plan is not None and report.plan.to_json() not in self._logged_plans:
             self._logged_plans.add(report.plan.to_json())
             log_plan(trainer.logger, controller, report, trainer.global_step)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close(_BatchSkipped())
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close(_BatchSkipped())
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

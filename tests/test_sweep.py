@@ -96,8 +96,10 @@ def test_a_longer_sequence_mid_run_replans_and_stays_under_the_limit(sweep) -> N
         modes.append(report.mode)
     new = report.plan
     assert modes[0] == "sample" and modes[-1] == PLANNED  # 1.5x tokens: memory sampled again
-    assert new.coordinates() != old.coordinates() and new.saved_bytes < old.saved_bytes
-    # Eq. 8 for the old plan at the new token count: it would not have fit.
+    assert new.coordinates() != old.coordinates()
+    # Eq. 8: the new plan fits at the new token count; the old one would not have. (How many
+    # bytes the new plan saves depends on measured op times, so it is not compared.)
+    assert new.base + new.saved_bytes <= new.capacity
     new_tokens = new.regions["DecoderLayer"].tokens
     old_tokens = old.regions["DecoderLayer"].tokens
     assert new.base + old.saved_bytes * new_tokens / old_tokens > new.capacity
