@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,11 +30,21 @@ class BlockTrace:
     alive_taken: set[int] = field(default_factory=set)      # demanded values taken alive, not replayed
     unpacked: set[int] = field(default_factory=set)         # demanded values autograd actually read
     plan_dropped: bool = False  # the plan was solved on another op sequence: must-only instead
+    over_budget: int = 0        # planned values not kept: their bytes exceeded the block's budget
 
     @property
     def saved_bytes(self) -> int:
         """Bytes this block keeps for backward beyond its leaves (storages counted once)."""
         return self.tape.bytes_of(self.saved)
+
+
+class BlockPlan(NamedTuple):
+    """What one block call saves: coordinates, the op sequence they are valid for (None: any),
+    and the bytes they may keep beyond S0 (None: no bound)."""
+
+    coords: frozenset = frozenset()
+    sequence: str | None = None
+    budget: int | None = None
 
 
 def unpack(packed: Packed) -> torch.Tensor:
@@ -45,12 +55,10 @@ def unpack(packed: Packed) -> torch.Tensor:
 class Block:
     """State of one checkpointed block call, from its forward to the end of its backward."""
 
-    def __init__(self, name: str, region: str, module: torch.nn.Module | None,
-                 plan_coords: frozenset, plan_sequence: str | None,
+    def __init__(self, name: str, region: str, module: torch.nn.Module | None, plan: BlockPlan,
                  recording: Callable[[], Any]) -> None:
         self.name, self.region, self.module = name, region, module
-        self.plan_coords = plan_coords
-        self.plan_sequence = plan_sequence
+        self.plan_coords, self.plan_sequence, self.plan_budget = plan
         self.nodes: list[Node] = []
         self.values: list[Value] = []
         self.storage_bytes: list[int] = []
@@ -124,6 +132,8 @@ class Block:
             # tensors (of other sizes) here, so this block keeps only its mandatory set.
             self.trace.plan_dropped = bool(self.planned)
             self.planned = set()
+        if self.plan_budget is not None and tape.saved_bytes(self.planned) > self.plan_budget:
+            self.planned = self._within_budget(tape, self.plan_budget)
         needed = tape.needed_sources(self.planned)
         for vid in [v for v in self.held if v not in needed]:
             del self.held[vid]
@@ -135,6 +145,22 @@ class Block:
         self.device_types = {v.meta.device.type for v in self.values if v.meta is not None}
         self.trace.tape = tape
         self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
+
+    def _within_budget(self, tape: Tape, budget: int) -> set[int]:
+        """The planned values, in forward order, that fit the plan's bytes for this block.
+
+        Sizes that depend on data (tokens routed to one expert) can exceed what the plan was
+        solved for; keeping them all could break the memory limit a later step. Values are held
+        until here, so the excess lives only during this block's forward.
+        """
+        kept: set[int] = set()
+        for vid in sorted(self.planned):
+            if tape.saved_bytes(kept | {vid}) <= budget:
+                kept.add(vid)
+        self.trace.over_budget = len(self.planned) - len(kept)
+        logger.debug("block %r: %d planned values over the plan's %d bytes, not kept",
+                     self.name, self.trace.over_budget, budget)
+        return kept
 
     def enable_timing(self, device: torch.device) -> None:
         """Time every op this block runs, in forward and in replay (events on accelerators)."""

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .block import Block, BlockTrace, unpack
+from .block import Block, BlockPlan, BlockTrace, unpack
 from .errors import TapeSACError
 from .recorder import Recorder
 from .tape import Coord, Tape
@@ -80,18 +80,23 @@ def normalize_plan(plan: PlanSpec) -> dict[str, frozenset[Coord] | list[frozense
 
 class _PlanScope:
     def __init__(self, plan: PlanSpec | Any) -> None:
-        # A solved Plan also names the op sequence its coordinates are valid for.
+        # A solved Plan also names the op sequence its coordinates are valid for, and the
+        # bytes each block's set may keep.
         self.sequences: dict[str, str] = plan.sequences() if hasattr(plan, "sequences") else {}
+        self.budgets: dict[str, list[int]] = plan.budgets() if hasattr(plan, "budgets") else {}
         self.plan = normalize_plan(plan.coordinates() if hasattr(plan, "coordinates") else plan)
         self.blocks: Counter[str] = Counter()
 
-    def coords_for(self, region: str) -> tuple[frozenset[Coord], str | None]:
+    def block_plan(self, region: str) -> BlockPlan:
         entry = self.plan.get(region, frozenset())
+        budget = None
         if isinstance(entry, list):
             i = self.blocks[region]
             self.blocks[region] += 1
             entry = entry[i % len(entry)] if entry else frozenset()
-        return entry, self.sequences.get(region)
+            budgets = self.budgets.get(region)
+            budget = budgets[i % len(budgets)] if budgets else None
+        return BlockPlan(entry, self.sequences.get(region), budget)
 
 
 @contextmanager
@@ -102,7 +107,9 @@ def use_plan(plan: PlanSpec | Any) -> Iterator[None]:
     coordinate collection per block of that region in forward order (block ``i`` uses entry
     ``i mod len(list)``, so one plan serves every micro-batch inside the context). It may also
     be a solved ``Plan``: then a block whose op sequence differs from the one the plan was
-    solved on saves only its mandatory set (its coordinates would name other tensors).
+    solved on saves only its mandatory set (its coordinates would name other tensors), and a
+    block whose planned values take more bytes than the plan gave it (sizes that depend on data)
+    keeps, in forward order, only those that fit.
     """
     token = _PLAN.set(_PlanScope(plan))
     try:
@@ -170,8 +177,8 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
     _refuse_outer_torch_checkpoint(name)
     plan = _PLAN.get()
     scope = _TRACE.get()
-    coords, sequence = plan.coords_for(region) if plan else (frozenset(), None)
-    block = Block(name, region, module, coords, sequence, _RECORDING.get)
+    block = Block(name, region, module, plan.block_plan(region) if plan else BlockPlan(),
+                  _RECORDING.get)
     if scope is not None:
         scope.blocks.append(block.trace)
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

@@ -57,6 +57,7 @@ class StepReport:
     limit: int = 0                         # the memory limit in bytes
     saved_bytes: int = 0                   # bytes blocks kept beyond S0 (all blocks, all micro-batches)
     replayed_nodes: int = 0
+    over_budget: int = 0                   # planned values not kept: over their block's bytes
     blocks: int = 0
     predicted_speedup: float | None = None
     measured_speedup: float | None = None
@@ -153,6 +154,12 @@ class Controller:
         blocks = report.block_traces
         report.blocks = len(blocks)
         report.replayed_nodes = sum(len(b.replayed) for b in blocks)
+        report.over_budget = sum(b.over_budget for b in blocks)
+        if report.over_budget and "over_budget" not in self._warned:
+            self._warned.add("over_budget")
+            logger.info("TapeSAC: %d planned values took more bytes than the plan gave their block "
+                        "(sizes that depend on data, e.g. tokens routed per expert) and were "
+                        "replayed instead, keeping the step under the limit", report.over_budget)
         report.saved_bytes = sum(b.tape.bytes_of(b.saved) - b.tape.bytes_of(b.saved & set(b.tape.mandatory))
                                  for b in blocks)
         key, mode = report.bucket, report.mode

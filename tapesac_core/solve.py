@@ -44,14 +44,17 @@ def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int],
 
 def _region_plan(profile: RegionProfile, points: tuple[Point, ...], chosen: tuple[int, ...],
                  tokens: int) -> RegionPlan:
-    sets = iter([frozenset(name_coord(n) for n in points[i].saved) for i in chosen])
-    blocks = tuple(next(sets) if shares else frozenset() for shares in profile.shares_reference)
+    sets = iter([(frozenset(name_coord(n) for n in points[i].saved), points[i].bytes)
+                 for i in chosen])
+    picks = [next(sets) if shares else (frozenset(), 0) for shares in profile.shares_reference]
+    blocks = tuple(coords for coords, _ in picks)
     others = len(blocks) - profile.blocks
     note = (f"{others} of {len(blocks)} blocks ran another op sequence (data-dependent control "
             "flow) and save only their mandatory set" if others else "")
     largest = points[max(chosen)] if chosen else points[0]
     return RegionPlan(sequence=profile.sequence, blocks=blocks, tokens=tokens,
-                      saved=_describe(profile, largest, tokens / profile.tokens), note=note)
+                      saved=_describe(profile, largest, tokens / profile.tokens), note=note,
+                      block_bytes=tuple(size for _, size in picks))
 
 
 def _describe(profile: RegionProfile, point: Point, factor: float) -> tuple[Saved, ...]:

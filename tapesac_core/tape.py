@@ -163,6 +163,11 @@ class Tape:
             needed.update(self.nodes[index].deps)
         return frozenset(needed & available)
 
+    def saved_bytes(self, saved: Iterable[int]) -> int:
+        """Bytes keeping ``saved`` costs beyond S0 and the leaves (the planner's measure)."""
+        always = self.always_available
+        return self.bytes_of(always | frozenset(saved)) - self.bytes_of(always)
+
     @property
     def rng_bytes(self) -> int:
         """Bytes of the generator states kept to replay random ops."""

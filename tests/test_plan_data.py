@@ -13,7 +13,8 @@ def _plan() -> Plan:
     saved = (Saved(coord=("aten.mm.default", 0, 0), module="self_attn.q_proj", bytes=3 * MiB,
                    time_removed=0.0021),)
     region = RegionPlan(sequence="abc-90", tokens=4096, saved=saved,
-                        blocks=(frozenset(), frozenset({("aten.mm.default", 0, 0)})))
+                        blocks=(frozenset(), frozenset({("aten.mm.default", 0, 0)})),
+                        block_bytes=(0, 3 * MiB))
     return Plan(model="DecoderLayer", regions={"DecoderLayer": region}, capacity=20 * GiB,
                 base=12 * GiB, saved_bytes=3 * MiB, predicted_speedup=1.08,
                 predicted_speedup_vs_full=1.21)
@@ -25,6 +26,7 @@ def test_plan_json_round_trip() -> None:
     assert json.loads(text)["version"] == 1
     assert Plan.from_json(text, model="DecoderLayer", regions={"DecoderLayer": "abc-90"}) == plan
     assert plan.coordinates() == {"DecoderLayer": [frozenset(), frozenset({("aten.mm.default", 0, 0)})]}
+    assert plan.budgets() == {"DecoderLayer": [0, 3 * MiB]}
 
 
 @pytest.mark.parametrize("change, match", [

@@ -104,3 +104,69 @@ def test_blocks_with_data_dependent_op_sequences_save_only_their_mandatory_set()
     assert "data-dependent control flow" in report.plan.explain()
     # At run time a block whose routing changed its op sequence drops the plan for that step.
     assert dropped > 0
+
+
+def _fixed_routing(moe: torch.nn.Module, selected: torch.Tensor) -> None:
+    """Route token t to experts ``selected[t]``, weighted by the router's probabilities."""
+
+    def route(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(moe.router(tokens), dim=-1).gather(1, selected)
+        return probs / probs.sum(dim=-1, keepdim=True), selected
+
+    moe.route = route
+
+
+def test_a_planned_value_that_outgrows_its_block_budget_is_replayed_instead() -> None:
+    from support import assert_bitwise, assert_replayed_as_predicted, step
+
+    from tapesac_core.memory import LiveTensorMeter
+    from tapesac_core.plan.plan import Plan, RegionPlan
+
+    torch.manual_seed(0)
+    config = ModelConfig(moe=True, num_experts=4, top_k=2, hidden_size=32, num_heads=2,
+                         num_kv_heads=1, head_dim=16, moe_intermediate_size=64, dropout=0.0)
+    layer = MoEDecoderLayer(config)
+    x = torch.randn(1, 16, 32, requires_grad=True)
+    cos, sin = rotary_cos_sin(16, 16, config.rope_theta, x)
+    tokens = torch.arange(16)
+    balanced = torch.stack([tokens % 4, (tokens + 1) % 4], dim=1)  # expert 0: 8 tokens
+    skewed = torch.stack([tokens * 0, tokens * 0 + 1], dim=1)       # expert 0: all 16
+    block = tapesac_core.checkpoint_module(MoEDecoderLayer(config))
+    block.load_state_dict(layer.state_dict())
+    _fixed_routing(block.mlp, balanced)
+    with tapesac_core.trace() as traces:
+        block(x, cos, sin).sum().backward()
+    tape = traces[0].tape
+    (up,) = [n for n in tape.nodes
+             if n.module == "mlp.experts.0.up_proj" and n.name == "aten.mm.default"]
+    coord = (up.name, up.k, 0)
+    budget = tape.saved_bytes(up.outs)
+    assert budget == 8 * 64 * 4  # expert 0's up projection of its 8 tokens, fp32
+    plan = Plan(model="m", capacity=0, base=0, saved_bytes=budget, predicted_speedup=1.0,
+                predicted_speedup_vs_full=1.0,
+                regions={"MoEDecoderLayer": RegionPlan(sequence=tape.fingerprint,
+                                                       blocks=(frozenset({coord}),), tokens=16,
+                                                       block_bytes=(budget,))})
+
+    def forward_bytes(routing: torch.Tensor, planned: bool) -> tuple[int, int]:
+        """Live bytes the forward leaves for backward, and the planned values not kept."""
+        _fixed_routing(block.mlp, routing)
+        with tapesac_core.trace() as traces, LiveTensorMeter() as meter:
+            with tapesac_core.use_plan(plan if planned else {}):
+                out = block(x, cos, sin)
+            left = meter.reading().current - out.untyped_storage().nbytes()
+        out.sum().backward()
+        assert_replayed_as_predicted(traces)
+        return left, traces[0].over_budget
+
+    must_only, _ = forward_bytes(balanced, planned=False)
+    kept, over = forward_bytes(balanced, planned=True)
+    assert (kept - must_only, over) == (budget, 0)
+    must_only, _ = forward_bytes(skewed, planned=False)
+    kept, over = forward_bytes(skewed, planned=True)
+    assert (kept - must_only, over) == (0, 1)  # 16 tokens' worth would have doubled the bytes
+    # Exact either way.
+    _fixed_routing(layer.mlp, skewed)
+    ref = step(layer, lambda: layer(x, cos, sin).sum())
+    with tapesac_core.use_plan(plan):
+        assert_bitwise(ref, step(block, lambda: block(x, cos, sin).sum()))

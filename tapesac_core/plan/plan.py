@@ -31,6 +31,7 @@ class RegionPlan:
     tokens: int                       # token count the sizes are for (the bucket's upper edge)
     saved: tuple[Saved, ...] = ()     # the largest set, described for explain()
     note: str = ""                    # e.g. why some blocks run must-only
+    block_bytes: tuple[int, ...] = () # bytes each block's set may keep (the knapsack's weights)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +52,10 @@ class Plan:
         """The form ``use_plan`` takes: per region, one coordinate set per block."""
         return {r: list(p.blocks) for r, p in self.regions.items()}
 
+    def budgets(self) -> dict[str, list[int]]:
+        """Per region, the bytes each block's set may keep beyond S0 (at ``tokens``)."""
+        return {r: list(p.block_bytes) for r, p in self.regions.items() if p.block_bytes}
+
     def sequences(self) -> dict[str, str]:
         """Per region, the op-sequence fingerprint the coordinates are valid for."""
         return {r: p.sequence for r, p in self.regions.items()}
@@ -69,6 +74,7 @@ class Plan:
             "predicted_speedup_vs_full": self.predicted_speedup_vs_full, "notes": list(self.notes),
             "regions": {r: {"sequence": p.sequence, "tokens": p.tokens, "note": p.note,
                             "blocks": [sorted(map(list, b)) for b in p.blocks],
+                            "block_bytes": list(p.block_bytes),
                             "saved": [{"coord": list(s.coord), "module": s.module, "bytes": s.bytes,
                                        "time_removed": s.time_removed} for s in p.saved]}
                         for r, p in self.regions.items()},
@@ -93,6 +99,7 @@ class Plan:
             regions={r: RegionPlan(
                 sequence=p["sequence"], tokens=p["tokens"], note=p["note"],
                 blocks=tuple(frozenset(_coord(c) for c in b) for b in p["blocks"]),
+                block_bytes=tuple(int(b) for b in p.get("block_bytes", ())),
                 saved=tuple(Saved(coord=_coord(s["coord"]), module=s["module"], bytes=s["bytes"],
                                   time_removed=s["time_removed"]) for s in p["saved"]))
                 for r, p in data["regions"].items()})
