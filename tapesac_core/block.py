@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -29,7 +30,7 @@ class BlockTrace:
     forward_times: dict[int, Any] = field(default_factory=dict)     # node -> its forward timer sample
     alive_taken: set[int] = field(default_factory=set)      # demanded values taken alive, not replayed
     unpacked: set[int] = field(default_factory=set)         # demanded values autograd actually read
-    plan_dropped: bool = False  # the plan was solved on another op sequence: must-only instead
+    sequence_changed: bool = False  # another op sequence than the plan's: anchored coordinates used
     over_budget: int = 0        # planned values not kept: their bytes exceeded the block's budget
 
     @property
@@ -40,11 +41,14 @@ class BlockTrace:
 
 class BlockPlan(NamedTuple):
     """What one block call saves: coordinates, the op sequence they are valid for (None: any),
-    and the bytes they may keep beyond S0 (None: no bound)."""
+    the bytes they may keep beyond S0 (None: no bound), and the same set anchored on submodules
+    with those submodules' op digests (for a block that runs another op sequence)."""
 
     coords: frozenset = frozenset()
     sequence: str | None = None
     budget: int | None = None
+    anchors: frozenset = frozenset()
+    modules: Mapping[str, str] = {}
 
 
 def unpack(packed: Packed) -> torch.Tensor:
@@ -58,7 +62,10 @@ class Block:
     def __init__(self, name: str, region: str, module: torch.nn.Module | None, plan: BlockPlan,
                  recording: Callable[[], Any]) -> None:
         self.name, self.region, self.module = name, region, module
-        self.plan_coords, self.plan_sequence, self.plan_budget = plan
+        self.plan_coords, self.plan_sequence, self.plan_budget, self.plan_anchors, \
+            self.plan_modules = plan
+        self.anchored: set[int] = set()  # held for an anchored coordinate of the plan
+        self.module_calls: dict[tuple[str, str], int] = {}  # (module, op) -> calls so far
         self.nodes: list[Node] = []
         self.values: list[Value] = []
         self.storage_bytes: list[int] = []
@@ -129,16 +136,20 @@ class Block:
         self.demand = tape.demand
         if self.plan_sequence is not None and tape.fingerprint != self.plan_sequence:
             # The plan's coordinates were solved on another op sequence: they may name other
-            # tensors (of other sizes) here, so this block keeps only its mandatory set.
-            self.trace.plan_dropped = bool(self.planned)
-            self.planned = set()
+            # tensors here. Anchored coordinates of submodules whose own ops match still name
+            # the values the plan chose.
+            self.trace.sequence_changed = True
+            digests = tape.module_fingerprints
+            self.planned = {v for v in self.anchored
+                            if digests[tape.anchor(v)[0]] == self.plan_modules.get(tape.anchor(v)[0])}
         if self.plan_budget is not None and tape.saved_bytes(self.planned) > self.plan_budget:
             self.planned = self._within_budget(tape, self.plan_budget)
+        tape.planned = frozenset(self.planned)
         needed = tape.needed_sources(self.planned)
         for vid in [v for v in self.held if v not in needed]:
             del self.held[vid]
         missing = self.plan_coords - self.planned_seen
-        if missing and not self.trace.plan_dropped:
+        if missing and not self.trace.sequence_changed:
             logger.warning("block %r (region %r): the plan names coordinates this block does not "
                            "have, nothing saved for them: %s", self.name, self.region,
                            ", ".join(map(str, sorted(missing))))
@@ -161,6 +172,13 @@ class Block:
         logger.debug("block %r: %d planned values over the plan's %d bytes, not kept",
                      self.name, self.trace.over_budget, budget)
         return kept
+
+    def anchor_call(self, name: str) -> int:
+        """Count a call of op ``name`` by the current submodule: its anchored ``k``."""
+        key = (self.current_module or "", name)
+        k = self.module_calls.get(key, 0)
+        self.module_calls[key] = k + 1
+        return k
 
     def enable_timing(self, device: torch.device) -> None:
         """Time every op this block runs, in forward and in replay (events on accelerators)."""

@@ -84,19 +84,24 @@ class _PlanScope:
         # bytes each block's set may keep.
         self.sequences: dict[str, str] = plan.sequences() if hasattr(plan, "sequences") else {}
         self.budgets: dict[str, list[int]] = plan.budgets() if hasattr(plan, "budgets") else {}
+        self.anchors: dict[str, tuple[list[frozenset], Mapping[str, str]]] = \
+            plan.anchors() if hasattr(plan, "anchors") else {}
         self.plan = normalize_plan(plan.coordinates() if hasattr(plan, "coordinates") else plan)
         self.blocks: Counter[str] = Counter()
 
     def block_plan(self, region: str) -> BlockPlan:
         entry = self.plan.get(region, frozenset())
-        budget = None
-        if isinstance(entry, list):
-            i = self.blocks[region]
-            self.blocks[region] += 1
-            entry = entry[i % len(entry)] if entry else frozenset()
-            budgets = self.budgets.get(region)
-            budget = budgets[i % len(budgets)] if budgets else None
-        return BlockPlan(entry, self.sequences.get(region), budget)
+        if not isinstance(entry, list):
+            return BlockPlan(entry, self.sequences.get(region))
+        i = self.blocks[region]
+        self.blocks[region] += 1
+        if not entry:
+            return BlockPlan()
+        budgets = self.budgets.get(region)
+        anchors, modules = self.anchors.get(region, ([], {}))
+        return BlockPlan(entry[i % len(entry)], self.sequences.get(region),
+                         budgets[i % len(budgets)] if budgets else None,
+                         anchors[i % len(anchors)] if anchors else frozenset(), modules)
 
 
 @contextmanager

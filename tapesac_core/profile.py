@@ -32,8 +32,9 @@ class RegionProfile:
 
     @property
     def blocks(self) -> int:
-        """m_r: the blocks whose op sequence is the reference's."""
-        return sum(self.shares_reference)
+        """m_r: the blocks of the region. Those whose op sequence differs from the reference's
+        save by anchored coordinates, within the same bytes."""
+        return len(self.shares_reference)
 
     @functools.cached_property
     def graph(self) -> PlanGraph:

@@ -229,8 +229,9 @@ class Recorder(TorchDispatchMode):
         k = self._count(ALIAS_OP)
         block.nodes.append(Node(index, None, ALIAS_OP, k, (_SLOTS[0],), {}, [write], [write], [vid],
                                 (), (), None, False, block.current_module))
-        if (ALIAS_OP, k, 0) in block.plan_coords:
-            self._hold_planned(ALIAS_OP, k, 0, vid, t)
+        if block.plan_coords:
+            km = block.anchor_call(ALIAS_OP) if block.plan_anchors else -1
+            self._hold_planned(ALIAS_OP, k, km, 0, vid, t)
         return vid
 
     def hold(self, vid: int, t: Tensor, reason: str | None = None) -> None:
@@ -489,12 +490,13 @@ class Recorder(TorchDispatchMode):
         k = calls.get(name, 0)
         calls[name] = k + 1
         plan_coords = block.plan_coords
+        km = block.anchor_call(name) if block.plan_anchors else -1
         outs: list[int] = []
         for j, t in enumerate(returned):
             vid = self._new_output(t, index, j, info, inputs, outs, before_write)
             outs.append(vid)
             if info.holds_outputs or plan_coords:
-                self._maybe_hold(func, info, name, k, j, vid, t, args, kwargs)
+                self._maybe_hold(func, info, name, k, km, j, vid, t, args, kwargs)
         block.nodes.append(_new_tuple(Node, (
             index, func, name, k, targs, tkwargs, inputs, [] if info.metadata_only else inputs,
             outs, writes, extra, rng, info.metadata_only, block.current_module)))
@@ -545,19 +547,27 @@ class Recorder(TorchDispatchMode):
         self.by_id[key] = (weakref.ref(t), vid)
         return vid
 
-    def _maybe_hold(self, func: Any, info: OpInfo, name: str, k: int, j: int, vid: int, t: Tensor,
-                    args: tuple, kwargs: dict) -> None:
+    def _maybe_hold(self, func: Any, info: OpInfo, name: str, k: int, km: int, j: int, vid: int,
+                    t: Tensor, args: tuple, kwargs: dict) -> None:
         if info.collective:
             self.hold(vid, t, COLLECTIVE)
         elif info.dynamic_shape and has_dynamic_shape(func, info, args, kwargs):
             self.hold(vid, t, DYNAMIC_SHAPE)
-        elif (name, k, j) in self.block.plan_coords:
-            self._hold_planned(name, k, j, vid, t)
+        elif self.block.plan_coords:
+            self._hold_planned(name, k, km, j, vid, t)
 
-    def _hold_planned(self, name: str, k: int, j: int, vid: int, t: Tensor) -> None:
+    def _hold_planned(self, name: str, k: int, km: int, j: int, vid: int, t: Tensor) -> None:
+        """Hold a value the plan names by coordinate ``(name, k, j)`` or, for a block whose op
+        sequence turns out to differ (known only at its end), by anchored coordinate."""
         block = self.block
-        block.planned_seen.add((name, k, j))
-        if self.values[vid].sid in self.leaf_sids:
+        by_coord = (name, k, j) in block.plan_coords
+        by_anchor = km >= 0 and (block.current_module or "", name, km, j) in block.plan_anchors
+        if by_coord:
+            block.planned_seen.add((name, k, j))
+        if not (by_coord or by_anchor) or self.values[vid].sid in self.leaf_sids:
             return  # a view of a leaf is replayed for free; saving it could pin an FSDP parameter
         self.hold(vid, t)
-        block.planned.add(vid)
+        if by_coord:
+            block.planned.add(vid)
+        if by_anchor:
+            block.anchored.add(vid)

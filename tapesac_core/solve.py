@@ -44,17 +44,20 @@ def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int],
 
 def _region_plan(profile: RegionProfile, points: tuple[Point, ...], chosen: tuple[int, ...],
                  tokens: int) -> RegionPlan:
-    sets = iter([(frozenset(name_coord(n) for n in points[i].saved), points[i].bytes)
-                 for i in chosen])
-    picks = [next(sets) if shares else (frozenset(), 0) for shares in profile.shares_reference]
-    blocks = tuple(coords for coords, _ in picks)
-    others = len(blocks) - profile.blocks
+    tape = profile.tape
+    vids = {tape.coord(v.vid): v.vid for v in tape.values if v.node >= 0}
+    blocks = tuple(frozenset(name_coord(n) for n in points[i].saved) for i in chosen)
+    anchors = tuple(frozenset(tape.anchor(vids[c]) for c in b) for b in blocks)
+    modules = {m: tape.module_fingerprints[m] for b in anchors for m, *_ in b}
+    others = len(blocks) - sum(profile.shares_reference)
     note = (f"{others} of {len(blocks)} blocks ran another op sequence (data-dependent control "
-            "flow) and save only their mandatory set" if others else "")
+            "flow): they save what the plan names in submodules whose ops match the reference "
+            "block's (anchored coordinates)" if others else "")
     largest = points[max(chosen)] if chosen else points[0]
     return RegionPlan(sequence=profile.sequence, blocks=blocks, tokens=tokens,
                       saved=_describe(profile, largest, tokens / profile.tokens), note=note,
-                      block_bytes=tuple(size for _, size in picks))
+                      block_bytes=tuple(points[i].bytes for i in chosen), anchors=anchors,
+                      modules=modules)
 
 
 def _describe(profile: RegionProfile, point: Point, factor: float) -> tuple[Saved, ...]:

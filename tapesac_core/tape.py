@@ -21,6 +21,10 @@ from typing import Any, NamedTuple
 import torch
 
 Coord = tuple[str, int, int]
+# A coordinate anchored on the submodule that issued the op: (module path, op name, how many
+# calls of that op the module made before it, output). Loops elsewhere in the block (experts
+# that ran or not) leave it unchanged.
+Anchor = tuple[str, str, int, int]
 """A plan coordinate ``(op_name, k, j)``: output ``j`` of the ``k``-th call of ``op_name`` in a block."""
 
 # Value kinds. Leaves are kept (inputs) or fetched again by name (parameters, buffers).
@@ -134,6 +138,34 @@ class Tape:
             return None
         node = self.nodes[v.node]
         return (node.name, node.k, v.j)
+
+    @functools.cached_property
+    def _anchor_calls(self) -> list[int]:
+        calls: dict[tuple[str, str], int] = {}
+        out = []
+        for node in self.nodes:
+            key = (node.module or "", node.name)
+            out.append(calls.get(key, 0))
+            calls[key] = out[-1] + 1
+        return out
+
+    def anchor(self, vid: int) -> Anchor | None:
+        """The anchored coordinate of a value, or None for leaves."""
+        v = self.values[vid]
+        if v.node < 0:
+            return None
+        node = self.nodes[v.node]
+        return (node.module or "", node.name, self._anchor_calls[v.node], v.j)
+
+    @functools.cached_property
+    def module_fingerprints(self) -> dict[str, str]:
+        """Per submodule path ("" for the block's own ops), a digest of the ops it issued itself:
+        where two blocks' digests agree, that module's anchored coordinates name the same values."""
+        ops: dict[str, list[str]] = {}
+        for node in self.nodes:
+            ops.setdefault(node.module or "", []).append(node.name)
+        return {m: f"{zlib.crc32(chr(10).join(names).encode()):08x}-{len(names)}"
+                for m, names in ops.items()}
 
     def find(self, coord: Coord) -> int | None:
         """The value at a plan coordinate, or None if the block has no such output."""

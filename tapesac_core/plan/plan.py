@@ -10,6 +10,7 @@ from ..units import format_bytes
 
 PLAN_VERSION = 1
 Coord = tuple[str, int, int]
+Anchor = tuple[str, str, int, int]  # (module path, op name, call within the module, output)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +33,8 @@ class RegionPlan:
     saved: tuple[Saved, ...] = ()     # the largest set, described for explain()
     note: str = ""                    # e.g. why some blocks run must-only
     block_bytes: tuple[int, ...] = () # bytes each block's set may keep (the knapsack's weights)
+    anchors: tuple[frozenset[Anchor], ...] = ()  # each block's set anchored on submodules
+    modules: Mapping[str, str] = field(default_factory=dict)  # their op digests in the reference
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +59,11 @@ class Plan:
         """Per region, the bytes each block's set may keep beyond S0 (at ``tokens``)."""
         return {r: list(p.block_bytes) for r, p in self.regions.items() if p.block_bytes}
 
+    def anchors(self) -> dict[str, tuple[list[frozenset[Anchor]], Mapping[str, str]]]:
+        """Per region, each block's set anchored on submodules, and the submodules' op digests:
+        what a block whose op sequence differs from the reference's can still match."""
+        return {r: (list(p.anchors), p.modules) for r, p in self.regions.items() if p.anchors}
+
     def sequences(self) -> dict[str, str]:
         """Per region, the op-sequence fingerprint the coordinates are valid for."""
         return {r: p.sequence for r, p in self.regions.items()}
@@ -75,6 +83,8 @@ class Plan:
             "regions": {r: {"sequence": p.sequence, "tokens": p.tokens, "note": p.note,
                             "blocks": [sorted(map(list, b)) for b in p.blocks],
                             "block_bytes": list(p.block_bytes),
+                            "anchors": [sorted(map(list, b)) for b in p.anchors],
+                            "modules": dict(p.modules),
                             "saved": [{"coord": list(s.coord), "module": s.module, "bytes": s.bytes,
                                        "time_removed": s.time_removed} for s in p.saved]}
                         for r, p in self.regions.items()},
@@ -100,6 +110,8 @@ class Plan:
                 sequence=p["sequence"], tokens=p["tokens"], note=p["note"],
                 blocks=tuple(frozenset(_coord(c) for c in b) for b in p["blocks"]),
                 block_bytes=tuple(int(b) for b in p.get("block_bytes", ())),
+                anchors=tuple(frozenset(_anchor(a) for a in b) for b in p.get("anchors", ())),
+                modules=dict(p.get("modules", {})),
                 saved=tuple(Saved(coord=_coord(s["coord"]), module=s["module"], bytes=s["bytes"],
                                   time_removed=s["time_removed"]) for s in p["saved"]))
                 for r, p in data["regions"].items()})
@@ -126,6 +138,10 @@ class Plan:
                              f"{s.time_removed * 1e3:>10.3f} ms")
         lines.extend(self.notes)
         return "\n".join(lines)
+
+
+def _anchor(a: list) -> Anchor:
+    return (str(a[0]), str(a[1]), int(a[2]), int(a[3]))
 
 
 def _coord(c: list) -> Coord:
