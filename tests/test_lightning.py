@@ -136,10 +136,9 @@ def test_a_policy_matching_no_module_fails_at_setup(tmp_path) -> None:
 
 
 def test_a_model_sharded_in_configure_model_gets_tapesac_only_and_options_apply(tmp_path) -> None:
-    import lightning.pytorch as pl
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from examples.models import DecoderLayer, ModelConfig
+    from examples.models import DecoderLayer
     from examples.train_lightning import LitDecoder
     from tapesac_lightning import TapeSACFSDPStrategy
 
@@ -158,19 +157,7 @@ def test_a_model_sharded_in_configure_model_gets_tapesac_only_and_options_apply(
     strategy = TapeSACFSDPStrategy("64MiB", activation_checkpointing_policy={DecoderLayer},
                                    regions={DecoderLayer: "attention_block"}, tokens=tokens,
                                    warmup_steps=1, profile_steps=1, control_steps=1)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, strategy=strategy,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path)
-    torch.manual_seed(0)
-    module = SelfSharded(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                                     intermediate_size=64, num_layers=2))
-    data = torch.utils.data.DataLoader([torch.randint(0, 256, (2, 16)) for _ in range(5)],
-                                       batch_size=None)
-    try:
-        trainer.fit(module, data)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    module = _fit_tiny(tmp_path, SelfSharded, strategy, batches=5, max_steps=5)
     controller = strategy.controller
     assert controller.regions == ["attention_block"] and len(counted) == 5
     assert controller.report.mode == "planned" and not controller.report.plan.empty
@@ -179,13 +166,9 @@ def test_a_model_sharded_in_configure_model_gets_tapesac_only_and_options_apply(
 
 
 def test_a_batch_skipped_by_the_module_discards_its_step_and_training_goes_on(tmp_path) -> None:
-    import lightning.pytorch as pl
-
-    from examples.models import ModelConfig
     from examples.train_lightning import LitDecoder
-    from tapesac_lightning import TapeSACFSDPStrategy
-
     from tapesac_core.checkpoint import _TRACE
+    from tapesac_lightning import TapeSACFSDPStrategy
 
     open_steps = []
 
@@ -197,19 +180,29 @@ def test_a_batch_skipped_by_the_module_discards_its_step_and_training_goes_on(tm
             open_steps.append(_TRACE.get() is not None)
 
     strategy = TapeSACFSDPStrategy("64MiB", warmup_steps=1, profile_steps=1, control_steps=1)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False,
-                         strategy=strategy, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path)
+    _fit_tiny(tmp_path, SkipsOnce, strategy, batches=4, max_epochs=2)
+    # 2 batches in epoch 0, 4 in epoch 1; the skipped batch's step left nothing behind.
+    assert strategy.controller.steps == 6 and strategy.controller.report.mode == "planned"
+    assert open_steps == [False, False]
+
+
+def _fit_tiny(tmp_path, module_class, strategy, batches: int, **trainer_args):
+    """Fit a 2-layer ``module_class`` in this process (one rank) on ``batches`` random batches."""
+    import lightning.pytorch as pl
+
+    from examples.models import ModelConfig
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, strategy=strategy,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, **trainer_args)
     torch.manual_seed(0)
-    module = SkipsOnce(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                                   intermediate_size=64, num_layers=2))
-    data = torch.utils.data.DataLoader([torch.randint(0, 256, (2, 16)) for _ in range(4)],
+    module = module_class(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                      intermediate_size=64, num_layers=2))
+    data = torch.utils.data.DataLoader([torch.randint(0, 256, (2, 16)) for _ in range(batches)],
                                        batch_size=None)
     try:
         trainer.fit(module, data)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    # 2 batches in epoch 0, 4 in epoch 1; the skipped batch's step left nothing behind.
-    assert strategy.controller.steps == 6 and strategy.controller.report.mode == "planned"
-    assert open_steps == [False, False]
+    return module
