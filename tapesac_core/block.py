@@ -135,13 +135,8 @@ class Block:
                     frozenset(self.pack_count), dict(self.mandatory), frozenset(self.planned), outputs)
         self.demand = tape.demand
         if self.plan_sequence is not None and tape.fingerprint != self.plan_sequence:
-            # The plan's coordinates were solved on another op sequence: they may name other
-            # tensors here. Anchored coordinates of submodules whose own ops match still name
-            # the values the plan chose.
             self.trace.sequence_changed = True
-            digests = tape.module_fingerprints
-            self.planned = {v for v in self.anchored
-                            if digests[tape.anchor(v)[0]] == self.plan_modules.get(tape.anchor(v)[0])}
+            self.planned = self._matching_anchors(tape)
         if self.plan_budget is not None and tape.saved_bytes(self.planned) > self.plan_budget:
             self.planned = self._within_budget(tape, self.plan_budget)
         tape.planned = frozenset(self.planned)
@@ -157,11 +152,19 @@ class Block:
         self.trace.tape = tape
         self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
 
+    def _matching_anchors(self, tape: Tape) -> set[int]:
+        """The plan's coordinates were solved on another op sequence and may name other tensors
+        here; its anchored coordinates in submodules whose own ops match the reference's still
+        name the values the plan chose."""
+        digests = tape.module_fingerprints
+        modules = {v: tape.anchor(v)[0] for v in self.anchored}
+        return {v for v, m in modules.items() if digests[m] == self.plan_modules.get(m)}
+
     def _within_budget(self, tape: Tape, budget: int) -> set[int]:
         """The planned values, in forward order, that fit the plan's bytes for this block.
 
         Sizes that depend on data (tokens routed to one expert) can exceed what the plan was
-        solved for; keeping them all could break the memory limit a later step. Values are held
+        solved for; keeping them all could break the memory limit. Values are held
         until here, so the excess lives only during this block's forward.
         """
         kept: set[int] = set()
