@@ -112,9 +112,10 @@ def use_plan(plan: PlanSpec | Any) -> Iterator[None]:
     coordinate collection per block of that region in forward order (block ``i`` uses entry
     ``i mod len(list)``, so one plan serves every micro-batch inside the context). It may also
     be a solved ``Plan``: then a block whose op sequence differs from the one the plan was
-    solved on saves only its mandatory set (its coordinates would name other tensors), and a
-    block whose planned values take more bytes than the plan gave it (sizes that depend on data)
-    keeps, in forward order, only those that fit.
+    solved on (its coordinates would name other tensors) saves the planned values of submodules
+    whose own ops match the reference block's (anchored coordinates), and a block whose planned
+    values take more bytes than the plan gave it (sizes that depend on data) keeps, in forward
+    order, only those that fit.
     """
     token = _PLAN.set(_PlanScope(plan))
     try:

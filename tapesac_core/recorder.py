@@ -231,10 +231,7 @@ class Recorder(TorchDispatchMode):
                                 (), (), None, False, block.current_module))
         if block.plan_coords:
             km = block.anchor_call(ALIAS_OP) if block.plan_anchors else -1
-            by_coord = (ALIAS_OP, k, 0) in block.plan_coords
-            by_anchor = (block.current_module or "", ALIAS_OP, km, 0) in block.plan_anchors
-            if by_coord or by_anchor:
-                self._hold_planned(ALIAS_OP, k, 0, by_coord, by_anchor, vid, t)
+            self._hold_if_planned(ALIAS_OP, k, km, 0, vid, t)
         return vid
 
     def hold(self, vid: int, t: Tensor, reason: str | None = None) -> None:
@@ -557,17 +554,17 @@ class Recorder(TorchDispatchMode):
         elif info.dynamic_shape and has_dynamic_shape(func, info, args, kwargs):
             self.hold(vid, t, DYNAMIC_SHAPE)
         else:
-            block = self.block
-            by_coord = (name, k, j) in block.plan_coords
-            by_anchor = km >= 0 and (block.current_module or "", name, km, j) in block.plan_anchors
-            if by_coord or by_anchor:
-                self._hold_planned(name, k, j, by_coord, by_anchor, vid, t)
+            self._hold_if_planned(name, k, km, j, vid, t)
 
-    def _hold_planned(self, name: str, k: int, j: int, by_coord: bool, by_anchor: bool, vid: int,
-                      t: Tensor) -> None:
+    def _hold_if_planned(self, name: str, k: int, km: int, j: int, vid: int, t: Tensor) -> None:
         """Hold a value the plan names by coordinate ``(name, k, j)`` or, for a block whose op
-        sequence turns out to differ (known only at its end), by anchored coordinate."""
+        sequence turns out to differ (known only at its end), by anchored coordinate (``km``:
+        the call of ``name`` within the current submodule, -1 when the plan has no anchors)."""
         block = self.block
+        by_coord = (name, k, j) in block.plan_coords
+        by_anchor = km >= 0 and (block.current_module or "", name, km, j) in block.plan_anchors
+        if not (by_coord or by_anchor):
+            return
         if by_coord:
             block.planned_seen.add((name, k, j))
         if self.values[vid].sid in self.leaf_sids:

@@ -45,9 +45,8 @@ def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int],
 def _region_plan(profile: RegionProfile, points: tuple[Point, ...], chosen: tuple[int, ...],
                  tokens: int) -> RegionPlan:
     tape = profile.tape
-    vids = {tape.coord(v.vid): v.vid for v in tape.values if v.node >= 0}
     blocks = tuple(frozenset(name_coord(n) for n in points[i].saved) for i in chosen)
-    anchors = tuple(frozenset(tape.anchor(vids[c]) for c in b) for b in blocks)
+    anchors = tuple(frozenset(tape.anchor(tape.find(c)) for c in b) for b in blocks)
     modules = {m: tape.module_fingerprints[m] for b in anchors for m, *_ in b}
     others = len(blocks) - sum(profile.shares_reference)
     note = (f"{others} of {len(blocks)} blocks ran another op sequence (data-dependent control "
