@@ -126,83 +126,92 @@ def _fixed_routing(moe: torch.nn.Module, selected: torch.Tensor) -> None:
     moe.route = route
 
 
-def test_a_planned_value_that_outgrows_its_block_budget_is_replayed_instead() -> None:
-    from support import assert_bitwise, assert_replayed_as_predicted, step
+_TOKENS = torch.arange(16)
+ROUND_ROBIN = torch.stack([_TOKENS % 4, (_TOKENS + 1) % 4], dim=1)  # every expert: 8 tokens
+TO_EXPERTS_0_AND_1 = torch.stack([_TOKENS * 0, _TOKENS * 0 + 1], dim=1)  # experts 2, 3 idle
 
-    from tapesac_core.memory import LiveTensorMeter
+
+def _routed_moe(skip_empty_experts: bool) -> tuple[torch.nn.Module, torch.nn.Module, tuple]:
+    """A 4-expert top-2 MoE layer, the same layer checkpointed, and its inputs (16 tokens)."""
+    torch.manual_seed(0)
+    config = ModelConfig(moe=True, skip_empty_experts=skip_empty_experts, num_experts=4,
+                         top_k=2, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                         moe_intermediate_size=64, dropout=0.0)
+    plain = MoEDecoderLayer(config)
+    block = tapesac_core.checkpoint_module(copy.deepcopy(plain))
+    x = torch.randn(1, 16, 32)
+    return plain, block, (x, *rotary_cos_sin(16, 16, config.rope_theta, x))
+
+
+def _reference_tape(block: torch.nn.Module, args: tuple) -> tapesac_core.Tape:
+    with tapesac_core.trace() as traces:
+        block(*args).sum().backward()
+    return traces[0].tape
+
+
+def _one_region_plan(tape: tapesac_core.Tape, saved: set[int], **region: object):
+    """A solved-plan stand-in saving ``saved`` in the one block of ``tape``'s region."""
     from tapesac_core.plan.plan import Plan, RegionPlan
 
-    torch.manual_seed(0)
-    config = ModelConfig(moe=True, num_experts=4, top_k=2, hidden_size=32, num_heads=2,
-                         num_kv_heads=1, head_dim=16, moe_intermediate_size=64, dropout=0.0)
-    layer = MoEDecoderLayer(config)
-    x = torch.randn(1, 16, 32, requires_grad=True)
-    cos, sin = rotary_cos_sin(16, 16, config.rope_theta, x)
-    tokens = torch.arange(16)
-    balanced = torch.stack([tokens % 4, (tokens + 1) % 4], dim=1)  # expert 0: 8 tokens
-    skewed = torch.stack([tokens * 0, tokens * 0 + 1], dim=1)       # expert 0: all 16
-    block = tapesac_core.checkpoint_module(MoEDecoderLayer(config))
-    block.load_state_dict(layer.state_dict())
-    _fixed_routing(block.mlp, balanced)
-    with tapesac_core.trace() as traces:
-        block(x, cos, sin).sum().backward()
-    tape = traces[0].tape
+    return Plan(model="m", capacity=0, base=0, saved_bytes=0, predicted_speedup=1.0,
+                predicted_speedup_vs_full=1.0, regions={tape.region: RegionPlan(
+                    sequence=tape.fingerprint, blocks=(frozenset(map(tape.coord, saved)),),
+                    tokens=16, **region)})
+
+
+def _forward_bytes(block: torch.nn.Module, plan, args: tuple
+                   ) -> tuple[int, tapesac_core.BlockTrace]:
+    """Live bytes (measured) the block's forward leaves for backward under ``plan``; its trace."""
+    from support import assert_replayed_as_predicted
+
+    from tapesac_core.memory import LiveTensorMeter
+
+    with tapesac_core.trace() as traces, LiveTensorMeter() as meter:
+        with tapesac_core.use_plan(plan):
+            out = block(*args)
+        left = meter.reading().current - out.untyped_storage().nbytes()
+    out.sum().backward()
+    assert_replayed_as_predicted(traces)
+    return left, traces[0]
+
+
+def test_a_planned_value_that_outgrows_its_block_budget_is_replayed_instead() -> None:
+    from support import assert_bitwise, step
+
+    plain, block, args = _routed_moe(skip_empty_experts=False)
+    _fixed_routing(block.mlp, ROUND_ROBIN)
+    tape = _reference_tape(block, args)
     (up,) = [n for n in tape.nodes
              if n.module == "mlp.experts.0.up_proj" and n.name == "aten.mm.default"]
-    coord = (up.name, up.k, 0)
     budget = tape.saved_bytes(up.outs)
     assert budget == 8 * 64 * 4  # expert 0's up projection of its 8 tokens, fp32
-    plan = Plan(model="m", capacity=0, base=0, saved_bytes=budget, predicted_speedup=1.0,
-                predicted_speedup_vs_full=1.0,
-                regions={"MoEDecoderLayer": RegionPlan(sequence=tape.fingerprint,
-                                                       blocks=(frozenset({coord}),), tokens=16,
-                                                       block_bytes=(budget,))})
+    plan = _one_region_plan(tape, set(up.outs), block_bytes=(budget,))
 
     def forward_bytes(routing: torch.Tensor, planned: bool) -> tuple[int, int]:
         """Live bytes the forward leaves for backward, and the planned values not kept."""
         _fixed_routing(block.mlp, routing)
-        with tapesac_core.trace() as traces, LiveTensorMeter() as meter:
-            with tapesac_core.use_plan(plan if planned else {}):
-                out = block(x, cos, sin)
-            left = meter.reading().current - out.untyped_storage().nbytes()
-        out.sum().backward()
-        assert_replayed_as_predicted(traces)
-        return left, traces[0].over_budget
+        left, trace = _forward_bytes(block, plan if planned else {}, args)
+        return left, trace.over_budget
 
-    must_only, _ = forward_bytes(balanced, planned=False)
-    kept, over = forward_bytes(balanced, planned=True)
+    must_only, _ = forward_bytes(ROUND_ROBIN, planned=False)
+    kept, over = forward_bytes(ROUND_ROBIN, planned=True)
     assert (kept - must_only, over) == (budget, 0)
-    must_only, _ = forward_bytes(skewed, planned=False)
-    kept, over = forward_bytes(skewed, planned=True)
+    must_only, _ = forward_bytes(TO_EXPERTS_0_AND_1, planned=False)
+    kept, over = forward_bytes(TO_EXPERTS_0_AND_1, planned=True)
     assert (kept - must_only, over) == (0, 1)  # 16 tokens' worth would have doubled the bytes
     # Exact either way.
-    _fixed_routing(layer.mlp, skewed)
-    ref = step(layer, lambda: layer(x, cos, sin).sum())
+    _fixed_routing(plain.mlp, TO_EXPERTS_0_AND_1)
+    ref = step(plain, lambda: plain(*args).sum())
     with tapesac_core.use_plan(plan):
-        assert_bitwise(ref, step(block, lambda: block(x, cos, sin).sum()))
+        assert_bitwise(ref, step(block, lambda: block(*args).sum()))
 
 
 def test_anchored_coordinates_keep_the_values_of_submodules_whose_ops_did_not_change() -> None:
     from support import assert_bitwise, step
 
-    from tapesac_core.memory import LiveTensorMeter
-    from tapesac_core.plan.plan import Plan, RegionPlan
-
-    torch.manual_seed(0)
-    config = ModelConfig(moe=True, skip_empty_experts=True, num_experts=4, top_k=2,
-                         hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                         moe_intermediate_size=64, dropout=0.0)
-    plain = MoEDecoderLayer(config)
-    block = tapesac_core.checkpoint_module(copy.deepcopy(plain))
-    x = torch.randn(1, 16, 32)
-    cos, sin = rotary_cos_sin(16, 16, config.rope_theta, x)
-    tokens = torch.arange(16)
-    every_expert = torch.stack([tokens % 4, (tokens + 1) % 4], dim=1)
-    two_experts = torch.stack([tokens * 0, tokens * 0 + 1], dim=1)  # experts 2 and 3 skipped
-    _fixed_routing(block.mlp, every_expert)
-    with tapesac_core.trace() as traces:
-        block(x, cos, sin).sum().backward()
-    tape = traces[0].tape
+    plain, block, args = _routed_moe(skip_empty_experts=True)
+    _fixed_routing(block.mlp, ROUND_ROBIN)
+    tape = _reference_tape(block, args)
 
     def value(module: str, op: str) -> int:
         (node,) = [n for n in tape.nodes if n.module == module and n.name == op]
@@ -214,29 +223,17 @@ def test_anchored_coordinates_keep_the_values_of_submodules_whose_ops_did_not_ch
               value("mlp.shared_expert.up_proj", "aten.mm.default"),
               value("mlp", "aten._softmax.default")}
     anchors = frozenset(tape.anchor(v) for v in chosen)
-    plan = Plan(model="m", capacity=0, base=0, saved_bytes=0, predicted_speedup=1.0,
-                predicted_speedup_vs_full=1.0, regions={"MoEDecoderLayer": RegionPlan(
-                    sequence=tape.fingerprint, blocks=(frozenset(map(tape.coord, chosen)),),
-                    tokens=16, anchors=(anchors,),
-                    modules={m: tape.module_fingerprints[m] for m, *_ in anchors})})
-    _fixed_routing(block.mlp, two_experts)
-
-    def forward(planned: bool) -> tuple[int, tapesac_core.BlockTrace]:
-        with tapesac_core.trace() as traces, LiveTensorMeter() as meter:
-            with tapesac_core.use_plan(plan if planned else {}):
-                out = block(x, cos, sin)
-            left = meter.reading().current - out.untyped_storage().nbytes()
-        out.sum().backward()
-        return left, traces[0]
-
-    must_only, _ = forward(planned=False)
-    kept, trace = forward(planned=True)
+    plan = _one_region_plan(tape, chosen, anchors=(anchors,),
+                            modules={m: tape.module_fingerprints[m] for m, *_ in anchors})
+    _fixed_routing(block.mlp, TO_EXPERTS_0_AND_1)
+    must_only, _ = _forward_bytes(block, {}, args)
+    kept, trace = _forward_bytes(block, plan, args)
     drifted = trace.tape
     assert trace.sequence_changed and drifted.fingerprint != tape.fingerprint
     assert {drifted.anchor(v) for v in drifted.planned} == {
         a for a in anchors if a[0] != "mlp"}
     assert kept - must_only == drifted.saved_bytes(drifted.planned) == 2 * 16 * 64 * 4
-    _fixed_routing(plain.mlp, two_experts)
+    _fixed_routing(plain.mlp, TO_EXPERTS_0_AND_1)
     with tapesac_core.use_plan(plan):
-        assert_bitwise(step(plain, lambda: plain(x, cos, sin).sum()),
-                       step(block, lambda: block(x, cos, sin).sum()))
+        assert_bitwise(step(plain, lambda: plain(*args).sum()),
+                       step(block, lambda: block(*args).sum()))
