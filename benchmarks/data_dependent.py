@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tapesac_core  # noqa: E402
+from benchmarks.sweep import iqr  # noqa: E402
 from examples.models import DecoderLM, ModelConfig, MoEDecoderLayer  # noqa: E402
 from examples.training import train_step  # noqa: E402
 from tapesac_core.controller import PLANNED, Controller  # noqa: E402
@@ -82,11 +83,10 @@ def main() -> None:
             rows[name].append(measure(model, plans[name], ids))
     summary = {}
     for name, steps in rows.items():
-        times = sorted(r["seconds"] * 1e3 for r in steps)
-        q = statistics.quantiles(times, n=4)
+        times = [r["seconds"] * 1e3 for r in steps]
         summary[name] = {key: statistics.mean(r[key] for r in steps)
                          for key in ("changed", "kept_bytes", "replayed", "backward_flops")}
-        summary[name].update(step_ms=statistics.median(times), iqr_ms=q[2] - q[0])
+        summary[name].update(step_ms=statistics.median(times), iqr_ms=iqr(times))
         print(f"{name:13s} blocks changed/step {summary[name]['changed']:.2f}  kept "
               f"{summary[name]['kept_bytes'] / 1024:.1f} KiB  replayed {summary[name]['replayed']:.1f}"
               f"  backward {summary[name]['backward_flops'] / 1e6:.2f} MFLOP  step "

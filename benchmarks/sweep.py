@@ -105,7 +105,7 @@ def main() -> None:
             "measured_speedup": run.controller._measured(run.report.bucket),
             "recomputed_gflop": (statistics.median(run.flops) - plain_flops) / 1e9,
             "planned_step_ms": 1e3 * statistics.median(run.planned),
-            "planned_step_iqr_ms": 1e3 * _iqr(run.planned)})
+            "planned_step_iqr_ms": 1e3 * iqr(run.planned)})
         del run
     print(f"must-only peak {format_bytes(must_only)}, everything worth saving adds "
           f"{format_bytes(everything)}; {args.steps} rounds, {args.threads} thread(s)")
@@ -122,7 +122,8 @@ def main() -> None:
     out.write_text(json.dumps({"must_only": must_only, "everything": everything, "rows": rows}, indent=1))
 
 
-def _iqr(xs: list[float]) -> float:
+def iqr(xs: list[float]) -> float:
+    """Interquartile range (the whole range below four samples)."""
     q = statistics.quantiles(xs, n=4) if len(xs) >= 4 else [min(xs), 0, max(xs)]
     return q[2] - q[0]
 
