@@ -28,6 +28,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from examples.data import batches
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
+from tapesac_core import Controller, StepReport
 from tapesac_core.units import format_bytes
 from tapesac_lightning import TapeSACFSDPStrategy
 
@@ -110,11 +111,7 @@ class Record(pl.Callback):
                                  "global_step": trainer.global_step}
         controller = getattr(trainer.strategy, "controller", None)
         if controller is not None:
-            r = controller.report
-            entry.update(mode=r.mode, replayed=r.replayed_nodes, saved_bytes=r.saved_bytes,
-                         peak=r.peak, limit=r.limit, plan_empty=r.plan.empty if r.plan else None,
-                         predicted=r.predicted_speedup, measured=r.measured_speedup,
-                         plan=r.plan.to_json() if r.plan else None)
+            entry.update(step_record(controller.report))
         self.steps.append(entry)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -124,12 +121,19 @@ class Record(pl.Callback):
             path.write_text(json.dumps({"steps": self.steps}))
 
 
-def summary(trainer: pl.Trainer, record: Record) -> str:
+def step_record(r: StepReport) -> dict[str, Any]:
+    """A step's TapeSAC counters as JSON-ready values."""
+    return dict(mode=r.mode, replayed=r.replayed_nodes, saved_bytes=r.saved_bytes, peak=r.peak,
+                limit=r.limit, plan_empty=r.plan.empty if r.plan else None,
+                predicted=r.predicted_speedup, measured=r.measured_speedup,
+                plan=r.plan.to_json() if r.plan else None)
+
+
+def summary(controller: Controller, records: list[dict[str, Any]]) -> str:
     """The plan per region, predicted vs measured speedup, peak memory against the limit."""
-    controller = trainer.strategy.controller
-    steps = [s for s in record.steps if s.get("mode") == "planned"]
-    peaks = [s["peak"] for s in record.steps if s.get("peak")]
-    lines = [f"TapeSAC: {len(record.steps)} steps, {len(steps)} planned, "
+    steps = [s for s in records if s.get("mode") == "planned"]
+    peaks = [s["peak"] for s in records if s.get("peak")]
+    lines = [f"TapeSAC: {len(records)} steps, {len(steps)} planned, "
              f"{len(controller.plans)} token buckets solved"]
     if controller.report and controller.report.plan:
         lines.append(controller.report.plan.explain())
@@ -207,7 +211,7 @@ def run(args: argparse.Namespace, module: pl.LightningModule | None = None,
                          log_every_n_steps=1, num_sanity_val_steps=0, use_distributed_sampler=False)
     trainer.fit(module, loader, loader if validate else None, ckpt_path=args.resume)
     if trainer.is_global_zero and args.baseline == "none":
-        print(summary(trainer, record))
+        print(summary(trainer.strategy.controller, record.steps))
 
 
 def main() -> None:

@@ -2,5 +2,6 @@
 
 from .callback import TapeSACCallback
 from .strategy import TapeSACFSDPStrategy
+from .accelerate import TapeSACAccelerator, TapeSACPlugin
 
-__all__ = ["TapeSACCallback", "TapeSACFSDPStrategy"]
+__all__ = ["TapeSACAccelerator", "TapeSACCallback", "TapeSACFSDPStrategy", "TapeSACPlugin"]

@@ -8,24 +8,23 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from .logging import log_plan, log_step
+from .driver import StepDiscarded
+from .logging import Publisher
 
 if TYPE_CHECKING:
     from .strategy import TapeSACFSDPStrategy
 
 
-class _BatchSkipped(Exception):
-    """Ends the step of a batch Lightning skipped (the module's ``on_train_batch_start`` returned
-    -1, after this callback's hook ran): the step is discarded, as after an exception."""
-
-
 class TapeSACCallback(Callback):
-    """Brackets each training batch (forward, backward, optimizer step) with ``controller.step``."""
+    """Brackets each training batch (forward, backward, optimizer step) with ``controller.step``.
+
+    A batch the module skips (``on_train_batch_start`` returning -1, after this hook ran) leaves
+    its step open: it is discarded at the next batch, the epoch's end or teardown.
+    """
 
     def __init__(self, strategy: TapeSACFSDPStrategy) -> None:
         self.strategy = strategy
-        self._step: Any = None
-        self._logged_plans: set[str] = set()
+        self._publisher = Publisher()
 
     @property
     @override
@@ -35,44 +34,33 @@ class TapeSACCallback(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._close(_BatchSkipped())
-        controller = self.strategy.controller
-        self._step = controller.step(tokens=self.strategy.count_tokens(batch))
-        self._step.__enter__()
+        self.strategy.driver.open(batch)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        self._close(None)
-        controller = self.strategy.controller
-        report = controller.report
-        if trainer.logger is None or not trainer.is_global_zero:
+        report = self.strategy.driver.close()
+        if report is None or trainer.logger is None or not trainer.is_global_zero:
             return
-        log_step(trainer.logger, report, trainer.global_step)
-        if report.plan is not None and report.plan.to_json() not in self._logged_plans:
-            self._logged_plans.add(report.plan.to_json())
-            log_plan(trainer.logger, controller, report, trainer.global_step)
+        logger = trainer.logger
+        self._publisher.publish(self.strategy.controller, report, trainer.global_step,
+                                lambda metrics, step: logger.log_metrics(metrics, step=step),
+                                getattr(logger, "experiment", None))
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._close(_BatchSkipped())
+        self.strategy.driver.discard(StepDiscarded("the batch was skipped"))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._close(_BatchSkipped())
+        if self.strategy.driver is not None:
+            self.strategy.driver.discard(StepDiscarded("the batch was skipped"))
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        self._close(exception)
-
-    def _close(self, exception: BaseException | None) -> None:
-        step, self._step = self._step, None
-        if step is not None:
-            if exception is None:
-                step.__exit__(None, None, None)
-            else:
-                step.__exit__(type(exception), exception, exception.__traceback__)
+        if self.strategy.driver is not None:
+            self.strategy.driver.discard(exception)
 
     @override
     def state_dict(self) -> dict[str, Any]:

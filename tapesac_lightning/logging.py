@@ -1,7 +1,9 @@
-"""TapeSAC metrics for the Lightning logger: scalars every step, the plan and its frontier when solved."""
+"""TapeSAC metrics for any tracker (Lightning loggers, Accelerate trackers): scalars every step, the
+plan and its frontier when solved. One definition of names and meanings for both integrations."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -10,28 +12,38 @@ from PIL import Image, ImageDraw
 from tapesac_core import Controller, StepReport
 from tapesac_core.units import format_bytes
 
-
-def log_step(logger: Any, report: StepReport, step: int) -> None:
-    """The step's scalars: ``tapesac/*`` (speedups once known, peak when measured)."""
-    metrics = {"tapesac/step_time_ms": report.time * 1e3,
-               "tapesac/memory_limit_bytes": float(report.limit),
-               "tapesac/saved_bytes": float(report.saved_bytes),
-               "tapesac/replayed_nodes": float(report.replayed_nodes)}
-    optional = {"tapesac/peak_memory_bytes": report.peak,
-                "tapesac/predicted_speedup": report.predicted_speedup,
-                "tapesac/measured_speedup": report.measured_speedup}
-    metrics.update({k: float(v) for k, v in optional.items() if v is not None})
-    logger.log_metrics(metrics, step=step)
+SCALARS = ("tapesac/step_time_ms", "tapesac/memory_limit_bytes", "tapesac/saved_bytes",
+           "tapesac/replayed_nodes", "tapesac/peak_memory_bytes", "tapesac/predicted_speedup",
+           "tapesac/measured_speedup")
 
 
-def log_plan(logger: Any, controller: Controller, report: StepReport, step: int) -> None:
-    """A new plan: its ``explain()`` table as text and its frontier as an image (TensorBoard)."""
-    writer = getattr(logger, "experiment", None)
-    if writer is None or not hasattr(writer, "add_text"):
-        return
-    writer.add_text("tapesac/plan", "```\n" + report.plan.explain() + "\n```", step)
-    figure = frontier_image(controller.step_frontier(report.bucket))
-    writer.add_image("tapesac/frontier", figure, step, dataformats="HWC")
+def step_metrics(report: StepReport) -> dict[str, float]:
+    """The step's ``tapesac/*`` scalars (speedups once known, peak when measured)."""
+    values = (report.time * 1e3, report.limit, report.saved_bytes, report.replayed_nodes,
+              report.peak, report.predicted_speedup, report.measured_speedup)
+    return {name: float(v) for name, v in zip(SCALARS, values) if v is not None}
+
+
+class Publisher:
+    """Sends finished steps to a tracker: scalars every step; a new plan's ``explain()`` table as
+    text and its frontier as an image where the tracker takes them (a TensorBoard writer)."""
+
+    def __init__(self) -> None:
+        self._logged_plans: set[str] = set()
+
+    def publish(self, controller: Controller, report: StepReport, step: int,
+                log_scalars: Callable[[dict[str, float], int], None], writer: Any) -> None:
+        """Log ``report`` at ``step`` through ``log_scalars``; text and image through ``writer``."""
+        log_scalars(step_metrics(report), step)
+        plan = report.plan
+        if plan is None or plan.to_json() in self._logged_plans:
+            return
+        self._logged_plans.add(plan.to_json())
+        if writer is None or not hasattr(writer, "add_text"):
+            return
+        writer.add_text("tapesac/plan", "```\n" + plan.explain() + "\n```", step)
+        figure = frontier_image(controller.step_frontier(report.bucket))
+        writer.add_image("tapesac/frontier", figure, step, dataformats="HWC")
 
 
 def frontier_image(frontier: dict[str, Any], size: tuple[int, int] = (640, 400)) -> np.ndarray:

@@ -12,36 +12,15 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies import model_parallel as _model_parallel
-from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
 from tapesac_core import Controller, TapeSACConfig, TapeSACError
 from tapesac_core.checkpoint import Policy, Regions, checkpoint_modules, module_selector, region_namer
 
 from .callback import TapeSACCallback
+from .driver import StepDriver, TokenCounter, repeated_blocks, tokens_in
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
-
-
-def repeated_blocks(root: torch.nn.Module) -> Callable[[torch.nn.Module], bool]:
-    """The default policy: modules held in a ModuleList beside others of their class (layer stacks)."""
-    repeated = set()
-    for child in root.modules():
-        if isinstance(child, torch.nn.ModuleList):
-            classes = [type(m) for m in child]
-            repeated.update(id(m) for m in child if classes.count(type(m)) > 1)
-    return lambda m: id(m) in repeated
-
-
-def tokens_in(batch: Any) -> int:
-    """Tokens of a batch: elements of its first integer tensor, else of its first tensor."""
-    tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    if not tensors:
-        raise TapeSACError("the batch holds no tensor to count tokens from. Fix: pass "
-                           "TapeSACFSDPStrategy(tokens=lambda batch: ...) returning the token count")
-    integer = [t for t in tensors if not t.is_floating_point() and not t.is_complex()
-               and t.dtype != torch.bool]
-    return (integer or tensors)[0].numel()
 
 
 @contextmanager
@@ -74,7 +53,7 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
     def __init__(self, memory_limit: float | int | str = 0.9, *,
                  activation_checkpointing_policy: Policy | None = None,
                  auto_wrap_policy: Policy | None = None, regions: Regions | None = None,
-                 tokens: Callable[[Any], int | Mapping[str, int]] | None = None,
+                 tokens: TokenCounter | None = None,
                  data_parallel_size: Literal["auto"] | int = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **settings: Any) -> None:
@@ -92,6 +71,7 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
         self._regions = regions
         self._tokens = tokens or tokens_in
         self.controller: Controller | None = None
+        self.driver: StepDriver | None = None
 
     @override
     def setup_environment(self) -> None:
@@ -107,6 +87,7 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
         with _configure_model_not_required():
             super().setup(trainer)
         self.controller = Controller(module, config=self.tapesac_config, device=self.root_device)
+        self.driver = StepDriver(self.controller, self._tokens)
         if not any(isinstance(c, TapeSACCallback) for c in trainer.callbacks):
             # First, so the step is closed (and its report ready) before other callbacks run.
             trainer.callbacks.insert(0, TapeSACCallback(self))
@@ -132,7 +113,3 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
         for name in STEP_METHODS:
             if callable(getattr(module, name, None)):
                 register_fsdp_forward_method(module, name)
-
-    def count_tokens(self, batch: Any) -> int | Mapping[str, int]:
-        """Token count of a batch (per region type, or one count for all)."""
-        return self._tokens(batch)

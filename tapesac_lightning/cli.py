@@ -1,0 +1,69 @@
+"""The ``tapesac`` console script. ``tapesac launch``: Accelerate's own launcher, taking exactly
+``accelerate launch``'s arguments, with TapeSAC's ``tapesac_*`` keys taken out of the config YAML
+and carried to the workers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+
+import yaml
+from accelerate.commands.config import default_config_file
+from accelerate.commands.launch import launch_command, launch_command_parser
+from accelerate.commands.utils import CustomArgumentParser
+
+from tapesac_core import TapeSACError
+
+from .accelerate import SETTINGS_ENV, TapeSACPlugin, check_fsdp2, split_config
+
+
+def launch(args: argparse.Namespace) -> None:
+    """Validate and export the ``tapesac_*`` settings, then run ``accelerate launch`` on the rest."""
+    path = args.config_file or default_config_file
+    with open(path, encoding="utf-8") as f:
+        config = yaml.safe_load(f) or {}
+    rest, ours = split_config(config)
+    if ours:
+        TapeSACPlugin.from_keys(ours)  # fails here, before any worker starts
+        check_fsdp2(rest)
+        os.environ[SETTINGS_ENV] = json.dumps(ours)
+    else:
+        os.environ.pop(SETTINGS_ENV, None)
+    if rest.get("use_cpu"):
+        # Accelerate's multi-process launcher does not tell CPU workers they are CPU workers:
+        # without this each comes up as a single non-distributed process.
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(rest, f)
+    try:
+        args.config_file = f.name
+        args.nondefault = getattr(args, "nondefault", set()) | {"config_file"}
+        launch_command(args)
+    finally:
+        os.unlink(f.name)
+
+
+def parser() -> argparse.ArgumentParser:
+    """``tapesac`` and its subcommands."""
+    # Accelerate's parser class: its actions record which options were given, which its launcher
+    # reads to decide what the config file fills in.
+    p = CustomArgumentParser(prog="tapesac", description="TapeSAC command line")
+    commands = p.add_subparsers(dest="command", required=True)
+    launch_parser = launch_command_parser(commands)
+    launch_parser.description = ("Accelerate's `accelerate launch` (same arguments), with the "
+                                 "tapesac_* keys of the config's fsdp_config carried to the workers")
+    launch_parser.set_defaults(func=launch)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``tapesac`` console script."""
+    args = parser().parse_args(argv)
+    try:
+        args.func(args)
+    except TapeSACError as e:
+        sys.exit(f"tapesac {args.command}: {e}")

@@ -1,0 +1,84 @@
+"""What both integrations share: block selection, token counting and the per-micro-batch step driver.
+
+One controller step is one micro-batch: its forward and backward, plus the optimizer step when
+one follows. The Lightning callback and the Accelerate hooks only decide *when* a step opens and
+closes; what opening and closing mean lives here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from tapesac_core import Controller, StepReport, TapeSACError
+
+TokenCounter = Callable[[Any], "int | Mapping[str, int]"]
+
+
+def repeated_blocks(root: torch.nn.Module) -> Callable[[torch.nn.Module], bool]:
+    """The default policy: modules held in a ModuleList beside others of their class (layer stacks)."""
+    repeated = set()
+    for child in root.modules():
+        if isinstance(child, torch.nn.ModuleList):
+            classes = [type(m) for m in child]
+            repeated.update(id(m) for m in child if classes.count(type(m)) > 1)
+    return lambda m: id(m) in repeated
+
+
+def repeated_block_classes(root: torch.nn.Module) -> list[str]:
+    """Names of the classes ``repeated_blocks`` selects, for messages that suggest a policy."""
+    selected = repeated_blocks(root)
+    return sorted({type(m).__name__ for m in root.modules() if selected(m)})
+
+
+def tokens_in(batch: Any) -> int:
+    """Tokens of a batch: elements of its first integer tensor, else of its first tensor."""
+    tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise TapeSACError("the batch holds no tensor to count tokens from. Fix: pass "
+                           "tokens=lambda batch: ... returning the token count")
+    integer = [t for t in tensors if not t.is_floating_point() and not t.is_complex()
+               and t.dtype != torch.bool]
+    return (integer or tensors)[0].numel()
+
+
+class StepDiscarded(Exception):
+    """Ends a step whose micro-batch never finished (skipped, or a new one began first): the
+    controller drops it, as after an exception, so it sets no time and no peak."""
+
+
+class StepDriver:
+    """Opens and closes ``controller.step`` around micro-batches, for integrations that see a
+    training loop only through hooks (no ``with`` block spans the micro-batch)."""
+
+    def __init__(self, controller: Controller, count_tokens: TokenCounter) -> None:
+        self.controller = controller
+        self.count_tokens = count_tokens
+        self._step: Any = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._step is not None
+
+    def open(self, batch: Any) -> None:
+        """Start the step of a micro-batch; a step still open is discarded first."""
+        self.discard(StepDiscarded("a new micro-batch began before this one finished"))
+        self._step = self.controller.step(tokens=self.count_tokens(batch))
+        self._step.__enter__()
+
+    def close(self) -> StepReport | None:
+        """Finish the open step; its report (None if no step was open)."""
+        step, self._step = self._step, None
+        if step is None:
+            return None
+        step.__exit__(None, None, None)
+        return self.controller.report
+
+    def discard(self, exception: BaseException) -> None:
+        """End the open step with ``exception``: nothing it measured is kept."""
+        step, self._step = self._step, None
+        if step is not None:
+            step.__exit__(type(exception), exception, exception.__traceback__)
