@@ -98,7 +98,8 @@ class TapeSACPlugin:
             return cls(**fields)
         except (TypeError, ValueError) as e:
             written = ", ".join(f"{PREFIX}{k.removeprefix(PREFIX)}: {v!r}" for k, v in keys.items())
-            raise TapeSACError(f"fsdp_config in the accelerate config ({written}): {e}") from None
+            raise TapeSACError(f"the accelerate config's fsdp_config ({written}) is not valid. "
+                               f"Fix: {e}") from None
 
     @classmethod
     def from_environment(cls) -> TapeSACPlugin | None:

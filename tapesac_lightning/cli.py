@@ -67,3 +67,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.func(args)
     except TapeSACError as e:
         sys.exit(f"tapesac {args.command}: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""TapeSACAccelerator end to end: `tapesac launch` of the example job on 2 CPU processes (gloo)."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from examples.data import batches
+from tapesac_core import TapeSACError
+from tapesac_lightning.accelerate import SETTINGS_ENV, TapeSACAccelerator, TapeSACPlugin
+from tapesac_lightning.logging import SCALARS
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "accelerate_tapesac.yaml").read_text())
+SHORT = ("--steps", "10", "--min-len", "96", "--max-len", "96")
+
+
+def config(tmp: Path, tapesac: bool = True, **changes) -> Path:
+    """The example YAML, with or without its tapesac_* keys, fsdp_config entries changed."""
+    data = json.loads(json.dumps(EXAMPLE))
+    fsdp = data["fsdp_config"]
+    if not tapesac:
+        fsdp = {k: v for k, v in fsdp.items() if not k.startswith("tapesac_")}
+    fsdp.update({k: v for k, v in changes.items() if k.startswith(("fsdp_", "tapesac_"))})
+    data.update({k: v for k, v in changes.items() if not k.startswith(("fsdp_", "tapesac_"))})
+    data["fsdp_config"] = fsdp
+    path = tmp / f"config{len(list(tmp.glob('config*')))}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def launch(yaml_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != SETTINGS_ENV}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "tapesac_lightning.cli", "launch", "--config_file",
+               str(yaml_path), "-m", "examples.train_accelerate", *args]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if check:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def fit(tmp: Path, name: str, yaml_path: Path, *args: str) -> list[dict]:
+    """Each rank's JSON: what the run was made of and its per-step records."""
+    out = tmp / name
+    launch(yaml_path, *args, "--out", str(out), "--logdir", str(out / "runs"))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def losses(ranks: list[dict]) -> list[list[float]]:
+    return [[s["loss"] for s in rank["steps"]] for rank in ranks]
+
+
+def torch_baseline(tmp: Path, *args: str, **changes) -> list[dict]:
+    """Plain Accelerator, same FSDP2 path, torch.utils.checkpoint (RNG preserved) on every block."""
+    yaml_path = config(tmp, tapesac=False, fsdp_activation_checkpointing=False, **changes)
+    return fit(tmp, "torch", yaml_path, *args, "--baseline", "torch")
+
+
+def assert_really_tapesac(ranks: list[dict]) -> None:
+    """Planned steps ran non-empty plans with fewer replayed nodes, the same plan on both ranks."""
+    steps = ranks[0]["steps"]
+    planned = [s for s in steps if s["mode"] == "planned"]
+    assert planned and all(not s["plan_empty"] and s["saved_bytes"] > 0 for s in planned)
+    must_only = [s["replayed"] for s in steps if s["mode"] != "planned"]
+    assert max(s["replayed"] for s in planned) < min(must_only)
+    assert [s["plan"] for s in steps] == [s["plan"] for s in ranks[1]["steps"]]
+
+
+def test_launch_shards_the_run_is_bitwise_torch_checkpoint_and_logs_from_rank_0(tmp_path) -> None:
+    tapesac = fit(tmp_path, "tapesac", config(tmp_path), *SHORT)
+    assert losses(tapesac) == losses(torch_baseline(tmp_path, *SHORT))
+    assert_really_tapesac(tapesac)
+    for rank, result in enumerate(tapesac):
+        assert result["run"] == {"rank": rank, "num_processes": 2, "process_index": rank,
+                                 "is_main": rank == 0, "is_fsdp2": True, "dtensor_params": True,
+                                 "tapesac_blocks": 4, "checkpoint_wrappers": 0,
+                                 "same_state_dict_keys": True}
+    # Each rank trained its own shard of the loader: together, every batch once.
+    source = batches(batch_size=4, max_len=96, min_len=96, seed=0)
+    every = [zlib.crc32(next(source).numpy().tobytes()) for _ in range(20)]
+    assert [s["batch"] for s in tapesac[0]["steps"]] == every[0::2]
+    assert [s["batch"] for s in tapesac[1]["steps"]] == every[1::2]
+    # Tracker files come from rank 0 alone, with the Lightning strategy's tags.
+    (events,) = glob.glob(str(tmp_path / "tapesac" / "runs" / "**" / "events*"), recursive=True)
+    acc = EventAccumulator(events, size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == set(SCALARS)
+    assert acc.Tags()["images"] == ["tapesac/frontier"]
+    assert acc.Tags()["tensors"] == ["tapesac/plan/text_summary"]
+
+
+def test_plain_accelerator_on_the_same_path_wraps_blocks_in_its_checkpoint_wrapper(tmp_path) -> None:
+    plain = fit(tmp_path, "plain", config(tmp_path, tapesac=False), "--steps", "1",
+                "--baseline", "accelerate")
+    assert [r["run"]["checkpoint_wrappers"] for r in plain] == [4, 4]
+    assert [r["run"]["tapesac_blocks"] for r in plain] == [0, 0]
+    assert all(r["run"]["is_fsdp2"] for r in plain)
+
+
+def test_hugging_face_qwen3_named_by_class_in_the_yaml(tmp_path) -> None:
+    args = (*SHORT, "--hf")
+    yaml_path = config(tmp_path, fsdp_transformer_layer_cls_to_wrap="Qwen3DecoderLayer")
+    tapesac = fit(tmp_path, "tapesac", yaml_path, *args)
+    baseline = torch_baseline(tmp_path, *args,
+                              fsdp_transformer_layer_cls_to_wrap="Qwen3DecoderLayer")
+    assert losses(tapesac) == losses(baseline)
+    assert_really_tapesac(tapesac)
+    assert tapesac[0]["run"]["tapesac_blocks"] == 2 and tapesac[0]["run"]["same_state_dict_keys"]
+
+
+def test_bf16_mixed_precision_is_bitwise_torch_checkpoint(tmp_path) -> None:
+    tapesac = fit(tmp_path, "tapesac", config(tmp_path, mixed_precision="bf16"), *SHORT)
+    assert losses(tapesac) == losses(torch_baseline(tmp_path, *SHORT, mixed_precision="bf16"))
+    assert_really_tapesac(tapesac)
+
+
+def test_accumulation_and_no_grad_evaluation_count_one_step_per_micro_batch(tmp_path) -> None:
+    args = (*SHORT, "--accumulate", "2", "--eval-every", "3")
+    tapesac = fit(tmp_path, "tapesac", config(tmp_path), *args)
+    baseline = torch_baseline(tmp_path, *args)
+    assert losses(tapesac) == losses(baseline)
+    assert [[s["eval_loss"] for s in r["steps"] if "eval_loss" in s] for r in tapesac] == \
+        [[s["eval_loss"] for s in r["steps"] if "eval_loss" in s] for r in baseline]
+    assert [s["controller_steps"] for s in tapesac[0]["steps"]] == list(range(1, 11))
+    assert_really_tapesac(tapesac)
+
+
+def test_save_state_load_state_round_trips_the_plan_cache(tmp_path) -> None:
+    yaml_path = config(tmp_path)
+    common = ("--steps", "12", "--min-len", "96", "--max-len", "96", "--dropout", "0.0")
+    whole = fit(tmp_path, "whole", yaml_path, *common, "--save-at", "6",
+                "--save-dir", str(tmp_path / "state"))
+    resumed = fit(tmp_path, "resumed", yaml_path, *common, "--resume", str(tmp_path / "state"),
+                  "--save-at", "6")
+    assert losses(resumed) == [l[6:] for l in losses(whole)]
+    assert [s["mode"] for s in resumed[0]["steps"]] == ["planned"] * 6  # no warm-up, no profiling
+    assert resumed[0]["steps"][0]["plan"] == whole[0]["steps"][5]["plan"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"tapesac_memory_limit": 1.5}, "tapesac_memory_limit: 1.5"),
+    ({"tapesac_warmup_step": 2}, "unknown key fsdp_config.tapesac_warmup_step"),
+    ({"fsdp_version": 1}, "fsdp_config.fsdp_version: 2"),
+    ({"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"},
+     "fsdp_transformer_layer_cls_to_wrap names 'LlamaDecoderLayer'"),
+], ids=["limit", "unknown_key", "fsdp1", "unknown_class"])
+def test_bad_yaml_fails_at_start_naming_the_key_and_the_fix(tmp_path, change, message) -> None:
+    done = launch(config(tmp_path, **change), "--steps", "2", check=False)
+    assert done.returncode != 0
+    assert message in done.stderr and "Fix:" in done.stderr
+
+
+def test_plugin_from_yaml_keys_and_explicit_fields_win() -> None:
+    yaml_plugin = TapeSACPlugin.from_keys({"tapesac_memory_limit": "20GiB",
+                                           "tapesac_warmup_steps": 3})
+    assert yaml_plugin.config().memory_limit.bytes == 20 * 2**30
+    merged = TapeSACPlugin(memory_limit=0.5, settings={"profile_steps": 4}).over(yaml_plugin)
+    assert merged.config().memory_limit.fraction == 0.5
+    assert (merged.config().warmup_steps, merged.config().profile_steps) == (3, 4)
+    with pytest.raises(TapeSACError, match="unknown TapeSAC setting 'warmup'"):
+        TapeSACPlugin(settings={"warmup": 1})
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps its state in process-wide singletons: reset them around the test."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_without_settings_it_is_plain_accelerate(monkeypatch, fresh_accelerate_state) -> None:
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
+    accelerator = TapeSACAccelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.backward(model(torch.ones(2, 4)).sum())
+    optimizer.step()
+    assert accelerator.tapesac_plugin is None and accelerator.tapesac_controller is None
+    assert not any(hasattr(m, "_tapesac") for m in model.modules())
+    assert not model._forward_pre_hooks
