@@ -39,7 +39,8 @@ def config(tmp: Path, tapesac: bool = True, **changes) -> Path:
 
 def launch(yaml_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != SETTINGS_ENV}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])]),
+               OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "tapesac_lightning.cli", "launch", "--config_file",
                str(yaml_path), "-m", "examples.train_accelerate", *args]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
