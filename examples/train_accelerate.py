@@ -107,6 +107,8 @@ def describe(accelerator: Accelerator, model: torch.nn.Module, plain_keys: list[
             "is_fsdp2": accelerator.is_fsdp2,
             "dtensor_params": all(isinstance(p, DTensor) for p in model.parameters()),
             "tapesac_blocks": sum(hasattr(m, "_tapesac") for m in model.modules()),
+            "tapesac_classes": sorted({type(m).__name__.removeprefix("FSDP")
+                                       for m in model.modules() if hasattr(m, "_tapesac")}),
             "checkpoint_wrappers": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
             "same_state_dict_keys": sorted(model.state_dict()) == plain_keys}
 

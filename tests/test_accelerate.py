@@ -83,7 +83,8 @@ def test_launch_shards_the_run_is_bitwise_torch_checkpoint_and_logs_from_rank_0(
     for rank, result in enumerate(tapesac):
         assert result["run"] == {"rank": rank, "num_processes": 2, "process_index": rank,
                                  "is_main": rank == 0, "is_fsdp2": True, "dtensor_params": True,
-                                 "tapesac_blocks": 4, "checkpoint_wrappers": 0,
+                                 "tapesac_blocks": 4, "tapesac_classes": ["DecoderLayer"],
+                                 "checkpoint_wrappers": 0,
                                  "same_state_dict_keys": True}
     # Each rank trained its own shard of the loader: together, every batch once.
     source = batches(batch_size=4, max_len=96, min_len=96, seed=0)
@@ -107,6 +108,13 @@ def test_plain_accelerator_on_the_same_path_wraps_blocks_in_its_checkpoint_wrapp
     assert all(r["run"]["is_fsdp2"] for r in plain)
 
 
+def test_tapesac_checkpoint_modules_names_other_blocks_than_fsdp_wraps(tmp_path) -> None:
+    yaml_path = config(tmp_path, tapesac_checkpoint_modules=["GatedMLP"])
+    ranks = fit(tmp_path, "mlp", yaml_path, "--steps", "1")
+    assert [r["run"]["tapesac_classes"] for r in ranks] == [["GatedMLP"], ["GatedMLP"]]
+    assert [r["run"]["tapesac_blocks"] for r in ranks] == [4, 4]
+
+
 def test_hugging_face_qwen3_named_by_class_in_the_yaml(tmp_path) -> None:
     args = (*SHORT, "--hf")
     yaml_path = config(tmp_path, fsdp_transformer_layer_cls_to_wrap="Qwen3DecoderLayer")
@@ -115,6 +123,7 @@ def test_hugging_face_qwen3_named_by_class_in_the_yaml(tmp_path) -> None:
                               fsdp_transformer_layer_cls_to_wrap="Qwen3DecoderLayer")
     assert losses(tapesac) == losses(baseline)
     assert_really_tapesac(tapesac)
+    assert tapesac[0]["run"]["tapesac_classes"] == ["Qwen3DecoderLayer"]
     assert tapesac[0]["run"]["tapesac_blocks"] == 2 and tapesac[0]["run"]["same_state_dict_keys"]
 
 
@@ -153,7 +162,8 @@ def test_save_state_load_state_round_trips_the_plan_cache(tmp_path) -> None:
     ({"fsdp_version": 1}, "fsdp_config.fsdp_version: 2"),
     ({"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"},
      "fsdp_transformer_layer_cls_to_wrap names 'LlamaDecoderLayer'"),
-], ids=["limit", "unknown_key", "fsdp1", "unknown_class"])
+    ({"dynamo_config": {"dynamo_backend": "INDUCTOR"}}, "does not run with dynamo_backend"),
+], ids=["limit", "unknown_key", "fsdp1", "unknown_class", "dynamo"])
 def test_bad_yaml_fails_at_start_naming_the_key_and_the_fix(tmp_path, change, message) -> None:
     done = launch(config(tmp_path, **change), "--steps", "2", check=False)
     assert done.returncode != 0
