@@ -364,6 +364,10 @@ class Controller:
                 key.append(bucket(tokens[r], self.config.primary_bucket_factor))
         return tuple(key)
 
+    def bucket_tokens(self, key: tuple[int, ...]) -> dict[str, int]:
+        """Per region, the upper token edge of bucket ``key``: the counts its plan is solved for."""
+        return self._edges(key)
+
     def _edges(self, key: tuple[int, ...]) -> dict[str, int]:
         return {r: upper_edge(q, self.config.secondary_bucket_factor
                               if r in self.config.secondary_regions else self.config.primary_bucket_factor)

@@ -257,9 +257,9 @@ class TapeSACAccelerator(Accelerator):
         self._backward_done = False
         if report is None or not self.is_main_process:
             return
-        writer = next((t.writer for t in self.trackers if t.name == "tensorboard"), None)
         self._publisher.publish(self.tapesac_controller, report, report.step,
-                                lambda metrics, step: self.log(metrics, step=step), writer)
+                                lambda metrics, step: self.log(metrics, step=step),
+                                self._tensorboard())
 
     @override
     def end_training(self) -> None:
@@ -267,4 +267,11 @@ class TapeSACAccelerator(Accelerator):
             self._finish_step()
         elif self._driver is not None:
             self._driver.discard(StepDiscarded("training ended before its backward"))
+        if self._driver is not None and self.is_main_process:
+            self._publisher.finish(self.tapesac_controller, self.tapesac_controller.steps,
+                                   self._tensorboard())
         super().end_training()
+
+    def _tensorboard(self) -> Any:
+        """The TensorBoard tracker's writer, if the run logs to TensorBoard."""
+        return next((t.writer for t in self.trackers if t.name == "tensorboard"), None)

@@ -43,9 +43,15 @@ class TapeSACCallback(Callback):
         if report is None or trainer.logger is None or not trainer.is_global_zero:
             return
         logger = trainer.logger
-        self._publisher.publish(self.strategy.controller, report, trainer.global_step,
+        self._publisher.publish(self.strategy.controller, report, _log_step(trainer),
                                 lambda metrics, step: logger.log_metrics(metrics, step=step),
                                 getattr(logger, "experiment", None))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.logger is not None and trainer.is_global_zero:
+            self._publisher.finish(self.strategy.controller, _log_step(trainer),
+                                   getattr(trainer.logger, "experiment", None))
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -71,3 +77,10 @@ class TapeSACCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             self.strategy.controller.load_state_dict(state_dict)
+
+
+def _log_step(trainer: pl.Trainer) -> int:
+    """The step Lightning logs ``self.log`` metrics of this batch at (optimizer steps completed
+    before it), so ``tapesac/*`` scalars line up with ``train_loss``. Lightning keeps that count
+    in a private attribute of its epoch loop; ``global_step`` is one ahead after an optimizer step."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped

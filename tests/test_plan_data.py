@@ -54,6 +54,22 @@ def test_explain_is_a_table_with_bytes_time_and_speedups() -> None:
     assert "values saved per block: [0, 1]" in text
     assert "aten.mm.default #0 out 0" in text and "self_attn.q_proj" in text
     assert "3.00 MiB" in text and "2.100 ms" in text
+    assert text.startswith("TapeSAC plan for up to 4096 (DecoderLayer) tokens:")
+
+
+def test_explain_keeps_columns_aligned_and_shows_an_ops_time_once() -> None:
+    long_op = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    saved = (Saved(coord=(long_op, 0, 0), module="self_attn", bytes=100 * 1024, time_removed=0.0012),
+             Saved(coord=(long_op, 0, 1), module="self_attn", bytes=6 * 1024, time_removed=0.0012),
+             Saved(coord=("aten.mm.default", 3, 0), module="mlp.very_long_module_name.down_proj",
+                   bytes=MiB, time_removed=0.0004))
+    region = RegionPlan(sequence="s", tokens=512, saved=saved, blocks=(frozenset(),))
+    plan = Plan(model="m", regions={"DecoderLayer": region}, capacity=GiB, base=MiB,
+                saved_bytes=MiB, predicted_speedup=1.0, predicted_speedup_vs_full=1.0)
+    table = [line for line in plan.explain().splitlines() if line.startswith("  ")]
+    assert len(table) == 4 and len({len(line) for line in table}) == 1
+    assert [line.split()[-1] for line in table] == ["removed", "ms", "op)", "ms"]
+    assert table[1].count("1.200 ms") == 1 and "(same op)" in table[2]
 
 
 @pytest.mark.parametrize("value, expected", [

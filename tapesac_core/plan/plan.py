@@ -121,23 +121,39 @@ class Plan:
         return plan
 
     def explain(self) -> str:
-        """A readable table per region type: what is saved, its bytes and the time it removes."""
-        lines = [f"TapeSAC plan: capacity {format_bytes(self.capacity)}, must-only peak {format_bytes(self.base)}, "
-                 f"saves {format_bytes(self.saved_bytes)} more; predicted speedup "
-                 f"{self.predicted_speedup:.3f}x vs must-only, "
+        """A readable table per region type: what is saved, its bytes and the replay time it
+        removes. Outputs of one op saved together remove that op's time once: it is shown on
+        the first of them."""
+        tokens = ", ".join(f"{p.tokens} ({r})" for r, p in sorted(self.regions.items()))
+        lines = [f"TapeSAC plan for up to {tokens} tokens: capacity {format_bytes(self.capacity)}, "
+                 f"must-only peak {format_bytes(self.base)}, saves {format_bytes(self.saved_bytes)} "
+                 f"more; predicted speedup {self.predicted_speedup:.3f}x vs must-only, "
                  f"{self.predicted_speedup_vs_full:.3f}x vs full recomputation"]
         for region, p in sorted(self.regions.items()):
             sizes = [len(b) for b in p.blocks]
             lines.append(f"region {region} ({len(p.blocks)} blocks at {p.tokens} tokens; values "
                          f"saved per block: {sizes})" + (f" - {p.note}" if p.note else ""))
-            if p.saved:
-                lines.append(f"  {'coordinate':44s} {'module':28s} {'bytes':>10s} {'time removed':>13s}")
-            for s in p.saved:
-                coord = f"{s.coord[0]} #{s.coord[1]} out {s.coord[2]}"
-                lines.append(f"  {coord:44s} {s.module or '-':28s} {format_bytes(s.bytes):>10s} "
-                             f"{s.time_removed * 1e3:>10.3f} ms")
+            lines.extend(_table(p.saved))
         lines.extend(self.notes)
         return "\n".join(lines)
+
+
+def _table(saved: tuple[Saved, ...]) -> list[str]:
+    """Rows of saved values, columns as wide as their longest entry."""
+    if not saved:
+        return []
+    rows, previous = [], None
+    for s in saved:
+        op_call = s.coord[:2]
+        time = ("(same op)" if op_call == previous
+                else f"{s.time_removed * 1e3:.3f} ms")
+        rows.append((f"{s.coord[0]} #{s.coord[1]} out {s.coord[2]}", s.module or "-",
+                     format_bytes(s.bytes), time))
+        previous = op_call
+    header = ("coordinate", "module", "bytes", "time removed")
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(4)]
+    return [f"  {c:{widths[0]}s}  {m:{widths[1]}s}  {b:>{widths[2]}s}  {t:>{widths[3]}s}"
+            for c, m, b, t in (header, *rows)]
 
 
 def _anchor(a: list) -> Anchor:

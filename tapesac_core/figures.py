@@ -1,0 +1,90 @@
+"""Figures drawn with matplotlib: the memory-time frontier of a plan, and image arrays for trackers.
+
+One figure code for TensorBoard, ``tapesac report`` and the benchmarks. Figures are drawn on
+matplotlib's Agg canvas without pyplot (no display, no global figure state); matplotlib is
+imported inside the functions, so importing ``tapesac_core`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .units import MiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredPoint:
+    """Steps measured in one mode: their peak (None when not metered) and median seconds with
+    the interquartile range, over ``count`` steps."""
+
+    label: str
+    peak: int | None
+    seconds: float
+    q1: float
+    q3: float
+    count: int
+
+    @classmethod
+    def of(cls, label: str, seconds: Sequence[float], peak: int | None = None) -> MeasuredPoint:
+        """Median and quartiles of ``seconds`` (at least one)."""
+        q1, median, q3 = (statistics.quantiles(seconds, n=4, method="inclusive")
+                          if len(seconds) > 1 else [seconds[0]] * 3)
+        return cls(label=label, peak=peak, seconds=median, q1=q1, q3=q3, count=len(seconds))
+
+
+def frontier_figure(frontier: Mapping[str, Any], measured: Sequence[MeasuredPoint] = (),
+                    title: str = "TapeSAC plan") -> Any:
+    """Predicted step time against predicted step peak: one curve per region type, the chosen
+    plan, must-only, full recomputation and the capacity; measured steps drawn on top (a
+    measured point without a metered peak sits at its mode's predicted peak)."""
+    figure, axes = _axes()
+    for region, curve in frontier["curves"].items():
+        xs, ys = zip(*curve)
+        axes.plot(np.array(xs) / MiB, np.array(ys) * 1e3, "-o", color="0.6", markersize=3,
+                  label=f"frontier ({region})")
+    marks = (("full", "full recomputation (predicted)", "s", "black"),
+             ("must_only", "must-only (predicted)", "o", "tab:blue"),
+             ("chosen", "chosen plan (predicted)", "*", "tab:red"))
+    for key, label, marker, color in marks:
+        x, y = frontier[key]
+        axes.plot(x / MiB, y * 1e3, marker, color=color, markersize=10 if marker == "*" else 7,
+                  linestyle="none", label=label)
+    axes.axvline(frontier["capacity"] / MiB, color="tab:orange", linestyle="--",
+                 label="capacity (limit after margins)")
+    predicted_peak = {"planned": frontier["chosen"][0], "must-only": frontier["must_only"][0],
+                      "full": frontier["full"][0]}
+    colors = {"planned": "tab:red", "must-only": "tab:blue", "full": "black"}
+    for point in measured:
+        x = (point.peak if point.peak is not None else predicted_peak.get(point.label, np.nan)) / MiB
+        spread = np.array([[point.seconds - point.q1], [point.q3 - point.seconds]]) * 1e3
+        axes.errorbar(x, point.seconds * 1e3, yerr=spread, fmt="D", markerfacecolor="none",
+                      color=colors.get(point.label), capsize=4,
+                      label=f"{point.label} measured (median, IQR, n={point.count})")
+    axes.set_xlabel("step peak memory (MiB)")
+    axes.set_ylabel("step time (ms)")
+    axes.set_title(title)
+    axes.legend(fontsize=7, loc="best")
+    figure.tight_layout()
+    return figure
+
+
+def image_array(figure: Any) -> np.ndarray:
+    """The figure as an RGB ``uint8`` array (height, width, 3), for ``add_image(..., "HWC")``."""
+    figure.canvas.draw()
+    return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
+
+
+def _axes() -> tuple[Any, Any]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    axes.grid(True, alpha=0.3)
+    return figure, axes
