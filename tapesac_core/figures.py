@@ -73,6 +73,57 @@ def frontier_figure(frontier: Mapping[str, Any], measured: Sequence[MeasuredPoin
     return figure
 
 
+def speedup_by_bucket_figure(rows: Sequence[tuple[int, float, float | None]]) -> Any:
+    """Predicted and measured speedup vs must-only per token bucket: ``(tokens, predicted,
+    measured or None)`` rows."""
+    figure, axes = _axes()
+    tokens = [r[0] for r in rows]
+    axes.plot(tokens, [r[1] for r in rows], "o", color="tab:red", label="predicted")
+    measured = [(t, m) for t, _, m in rows if m is not None]
+    if measured:
+        axes.plot(*zip(*measured), "D", markerfacecolor="none", color="black",
+                  label="measured (median must-only / median planned step)")
+    axes.axhline(1.0, color="0.5", linewidth=1)
+    axes.set_xlabel("tokens per step (bucket upper edge)")
+    axes.set_ylabel("speedup vs must-only (x)")
+    axes.set_title("TapeSAC speedup per token bucket")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    return figure
+
+
+def timeline_figure(scalars: Mapping[str, Sequence[tuple[int, float]]]) -> Any:
+    """A run's ``tapesac/*`` scalars over steps: predicted and measured speedup; peak memory
+    against the limit."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 6), dpi=100)
+    FigureCanvasAgg(figure)
+    top, bottom = figure.subplots(2, 1, sharex=True)
+    for tag, label, style in (("tapesac/predicted_speedup", "predicted", "-"),
+                              ("tapesac/measured_speedup", "measured (medians over recent steps)", ".")):
+        if scalars.get(tag):
+            steps, values = zip(*scalars[tag])
+            top.plot(steps, values, style, label=label)
+    top.axhline(1.0, color="0.5", linewidth=1)
+    top.set_ylabel("speedup vs must-only (x)")
+    top.set_title("TapeSAC over the run")
+    top.legend(fontsize=8)
+    for tag, label, style in (("tapesac/peak_memory_bytes", "measured step peak", "o"),
+                              ("tapesac/memory_limit_bytes", "memory limit", "--")):
+        if scalars.get(tag):
+            steps, values = zip(*scalars[tag])
+            bottom.plot(steps, np.array(values) / MiB, style, label=label)
+    bottom.set_xlabel("training step")
+    bottom.set_ylabel("memory (MiB)")
+    bottom.legend(fontsize=8)
+    for axes in (top, bottom):
+        axes.grid(True, alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
 def image_array(figure: Any) -> np.ndarray:
     """The figure as an RGB ``uint8`` array (height, width, 3), for ``add_image(..., "HWC")``."""
     figure.canvas.draw()

@@ -1,6 +1,9 @@
-"""The ``tapesac`` console script. ``tapesac launch``: Accelerate's own launcher, taking exactly
-``accelerate launch``'s arguments, with TapeSAC's ``tapesac_*`` keys taken out of the config YAML
-and carried to the workers."""
+"""The ``tapesac`` console script.
+
+``tapesac launch``: Accelerate's own launcher, taking exactly ``accelerate launch``'s arguments,
+with TapeSAC's ``tapesac_*`` keys taken out of the config YAML and carried to the workers.
+``tapesac report RUN_OR_CHECKPOINT``: a finished run's plans, speedups and peaks, and figures.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import yaml
 from accelerate.commands.config import default_config_file
@@ -47,6 +51,27 @@ def launch(args: argparse.Namespace) -> None:
         os.unlink(f.name)
 
 
+def report(args: argparse.Namespace) -> None:
+    """Print a run's report (or its JSON) and write its figures under ``--out``."""
+    from tapesac_core.report import read_run
+
+    run = read_run(args.run)
+    print(json.dumps(run.to_json(), indent=1) if args.json else run.text())
+    if args.out is None:
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, figure in run.figures().items():
+        figure.savefig(out / name)
+        written.append(out / name)
+    if run.frontier_png is not None:
+        (out / "frontier.png").write_bytes(run.frontier_png)
+        written.append(out / "frontier.png")
+    if not args.json:
+        print("figures: " + ", ".join(map(str, written)))
+
+
 def parser() -> argparse.ArgumentParser:
     """``tapesac`` and its subcommands."""
     # Accelerate's parser class: its actions record which options were given, which its launcher
@@ -57,6 +82,16 @@ def parser() -> argparse.ArgumentParser:
     launch_parser.description = ("Accelerate's `accelerate launch` (same arguments), with the "
                                  "tapesac_* keys of the config's fsdp_config carried to the workers")
     launch_parser.set_defaults(func=launch)
+    report_parser = commands.add_parser(
+        "report", help="a finished run's plans, predicted vs measured speedups and peaks",
+        description="Read a TensorBoard run folder, a Lightning checkpoint or an Accelerate "
+                    "save_state folder; print each plan's table, predicted vs measured speedups "
+                    "and peaks; write figures with --out.")
+    report_parser.add_argument("run", help="TensorBoard folder, Lightning checkpoint, or "
+                                           "Accelerate save_state folder")
+    report_parser.add_argument("--out", default=None, help="write the figures (PNG) here")
+    report_parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    report_parser.set_defaults(func=report)
     return p
 
 

@@ -1,0 +1,188 @@
+"""What a finished run planned and achieved, read back from what it left: a TensorBoard folder, a
+Lightning checkpoint (file, or sharded folder with ``meta.pt``), or an Accelerate ``save_state``
+folder. ``read_run`` gives a ``RunReport``: text for people, JSON for machines, and figures."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import TapeSACError
+from .figures import MeasuredPoint
+from .plan.plan import Plan
+from .units import format_bytes
+
+_STATE_KEY = "TapeSAC"  # the Lightning callback's state key
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketReport:
+    """One token bucket: its plan and the steps measured in it."""
+
+    tokens: dict[str, int]
+    plan: Plan
+    planned: MeasuredPoint | None      # planned steps' seconds
+    must_only: MeasuredPoint | None    # interleaved must-only control steps' seconds
+
+    @property
+    def measured_speedup(self) -> float | None:
+        """Median must-only step time over median planned step time."""
+        if self.planned is None or self.must_only is None:
+            return None
+        return self.must_only.seconds / self.planned.seconds
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunReport:
+    """A run's plans, per-bucket or per-step figures, and how it was read."""
+
+    source: str
+    kind: str                                         # tensorboard | lightning | accelerate
+    buckets: list[BucketReport] = field(default_factory=list)
+    plan_texts: list[tuple[int, str]] = field(default_factory=list)  # (step, explain()) logged
+    scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    frontier_png: bytes | None = None                 # the last frontier image a run logged
+
+    def text(self) -> str:
+        """Plan tables and predicted vs measured speedups and peaks, for a terminal."""
+        lines = [f"TapeSAC report of {self.source} ({self.kind})"]
+        for b in self.buckets:
+            lines.append("")
+            lines.append(b.plan.explain())
+            lines.append(_measured_line(b))
+        for step, text in self.plan_texts:
+            lines += ["", f"plan logged at step {step}:", text]
+        lines += [line for line in (self._speedups(), self._peaks()) if line]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """The same content as plain data."""
+        return {"source": self.source, "kind": self.kind,
+                "buckets": [{"tokens": b.tokens, "plan": b.plan.to_json(),
+                             "predicted_speedup": b.plan.predicted_speedup,
+                             "measured_speedup": b.measured_speedup,
+                             "planned_steps": _point_json(b.planned),
+                             "must_only_steps": _point_json(b.must_only)} for b in self.buckets],
+                "plans_logged": [{"step": s, "text": t} for s, t in self.plan_texts],
+                "scalars": {k: [list(p) for p in v] for k, v in self.scalars.items()}}
+
+    def figures(self) -> dict[str, Any]:
+        """Matplotlib figures by file name: speedups per bucket (checkpoints) or speedups and
+        peaks over steps (TensorBoard runs)."""
+        from .figures import speedup_by_bucket_figure, timeline_figure
+
+        out = {}
+        if self.buckets:
+            out["speedup_by_bucket.png"] = speedup_by_bucket_figure(
+                [(max(b.tokens.values()), b.plan.predicted_speedup, b.measured_speedup)
+                 for b in self.buckets])
+        if self.scalars:
+            out["timeline.png"] = timeline_figure(self.scalars)
+        return out
+
+    def _speedups(self) -> str:
+        parts = []
+        for name in ("predicted_speedup", "measured_speedup"):
+            values = [v for _, v in self.scalars.get(f"tapesac/{name}", [])]
+            if values:
+                p = MeasuredPoint.of(name, values)
+                parts.append(f"{name.replace('_', ' ')} vs must-only: median {p.seconds:.3f}x "
+                             f"(IQR {p.q1:.3f}-{p.q3:.3f}, {p.count} steps)")
+        return "\n".join(parts)
+
+    def _peaks(self) -> str:
+        peaks = [v for _, v in self.scalars.get("tapesac/peak_memory_bytes", [])]
+        limits = [v for _, v in self.scalars.get("tapesac/memory_limit_bytes", [])]
+        if not peaks:
+            return ""
+        limit = f" against the limit {format_bytes(limits[-1])}" if limits else ""
+        return f"peak memory: max {format_bytes(max(peaks))} over {len(peaks)} metered steps{limit}"
+
+
+def read_run(path: str | Path) -> RunReport:
+    """Read a TensorBoard folder, a Lightning checkpoint or an Accelerate ``save_state`` folder."""
+    path = Path(path)
+    if not path.exists():
+        raise TapeSACError(f"{path} does not exist. Fix: pass a TensorBoard run folder, a Lightning "
+                           "checkpoint or an Accelerate save_state folder")
+    if path.is_dir() and list(path.rglob("events.out.tfevents.*")):
+        return _from_tensorboard(path)
+    if path.is_file():
+        return _from_state(path, "lightning", _lightning_state(torch.load(path, map_location="cpu",
+                                                                          weights_only=False)))
+    if (path / "meta.pt").is_file():
+        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+        return _from_state(path, "lightning", _lightning_state(meta))
+    for pickle in sorted(path.glob("custom_checkpoint_*.pkl")):
+        state = torch.load(pickle, map_location="cpu", weights_only=False)
+        if isinstance(state, Mapping) and "plans" in state:
+            return _from_state(path, "accelerate", state)
+    raise TapeSACError(f"{path} holds no TapeSAC state: no TensorBoard events, no Lightning "
+                       "checkpoint with TapeSAC's callback state, no Accelerate "
+                       "custom_checkpoint_*.pkl with a plan cache")
+
+
+def _lightning_state(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
+    state = checkpoint.get("callbacks", {}).get(_STATE_KEY)
+    if not state:
+        raise TapeSACError("the Lightning checkpoint has no TapeSAC state: was it written by a run "
+                           "with TapeSACFSDPStrategy?")
+    return state
+
+
+def _from_state(path: Path, kind: str, state: Mapping[str, Any]) -> RunReport:
+    """Buckets of a controller's ``state_dict``: plans and the step times it kept."""
+    buckets = []
+    for key, text in sorted(state["plans"].items(), key=lambda kv: [int(q) for q in kv[0].split(",")]):
+        plan = Plan.from_json(text)
+        planned, must = state["planned_times"].get(key), state["must_only_times"].get(key)
+        buckets.append(BucketReport(
+            tokens={r: p.tokens for r, p in plan.regions.items()}, plan=plan,
+            planned=MeasuredPoint.of("planned", planned) if planned else None,
+            must_only=MeasuredPoint.of("must-only", must) if must else None))
+    return RunReport(source=str(path), kind=kind, buckets=buckets)
+
+
+def _from_tensorboard(path: Path) -> RunReport:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    texts, png = [], None
+    for events in sorted(path.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+        acc.Reload()
+        tags = acc.Tags()
+        for tag in tags["scalars"]:
+            if tag.startswith("tapesac/"):
+                scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+        if "tapesac/plan/text_summary" in tags["tensors"]:
+            texts += [(e.step, make_ndarray(e.tensor_proto).item().decode().strip("`\n"))
+                      for e in acc.Tensors("tapesac/plan/text_summary")]
+        if "tapesac/frontier" in tags["images"]:
+            png = acc.Images("tapesac/frontier")[-1].encoded_image_string
+    if not scalars:
+        raise TapeSACError(f"the TensorBoard events under {path} hold no tapesac/* scalars: was "
+                           "the run trained with TapeSAC and a TensorBoard logger?")
+    return RunReport(source=str(path), kind="tensorboard", plan_texts=texts,
+                     scalars={k: sorted(v) for k, v in scalars.items()}, frontier_png=png)
+
+
+def _measured_line(b: BucketReport) -> str:
+    if b.measured_speedup is None:
+        return (f"measured: no speedup yet ({'no' if b.planned is None else b.planned.count} "
+                f"planned and {'no' if b.must_only is None else b.must_only.count} must-only "
+                "steps kept for this bucket)")
+    return (f"measured speedup vs must-only {b.measured_speedup:.3f}x: planned steps median "
+            f"{b.planned.seconds * 1e3:.1f} ms (IQR {b.planned.q1 * 1e3:.1f}-{b.planned.q3 * 1e3:.1f}, "
+            f"{b.planned.count} steps), must-only median {b.must_only.seconds * 1e3:.1f} ms "
+            f"({b.must_only.count} steps)")
+
+
+def _point_json(p: MeasuredPoint | None) -> dict[str, float] | None:
+    return None if p is None else {"median_s": p.seconds, "q1_s": p.q1, "q3_s": p.q3,
+                                   "count": p.count}
