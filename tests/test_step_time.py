@@ -108,8 +108,9 @@ def test_a_step_time_shorter_than_the_profiled_replay_gives_a_bounded_speedup():
                           base=report.plan.base, config=c.config,
                           must_only_step_time=f * p.blocks * p.must_only_replay_time)
         assert plan.regions == report.plan.regions
+        assert 1.0 < plan.predicted_speedup <= 2.0
         assert plan.replay_time == pytest.approx(replay)
-        assert 1.0 < plan.predicted_speedup <= plan.step_time / (plan.step_time - replay) <= 2.0
+        assert plan.predicted_speedup <= plan.step_time / (plan.step_time - replay)
         figures[f] = plan.predicted_speedup
     assert figures[0.9] == figures[1.01] >= figures[2.0] > figures[4.0]
 
