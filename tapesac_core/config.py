@@ -67,7 +67,8 @@ class TapeSACConfig:
 
     memory_limit: MemoryLimit | float | int | str
     warmup_steps: int = 2          # W: must-only steps before profiling
-    profile_steps: int = 2         # R: steps timing the reference blocks (node time = minimum)
+    profile_steps: int = 2         # R: steps timing every block (node time: median over blocks,
+                                   # minimum over steps, see profile.region_profiles)
     control_steps: int = 1         # must-only steps before a bucket's first planned step
     control_every: int = 25        # then one must-only step per this many planned steps (0: never);
                                    # measured speedup compares them with planned steps of the bucket

@@ -6,7 +6,9 @@ each region type, the first with its most common op sequence, is kept; the first
 also samples the must-only step's peak memory); then each token bucket gets a plan, solved at the
 bucket's upper edge under the memory limit and cached. A new bucket first runs ``control_steps``
 plain must-only steps, then one every ``control_every`` planned steps, so planned steps can be
-compared with them (measured speedup). A bucket without a plan whose tokens lie more than
+compared with them (measured speedup); measured and predicted speedups off by more than
+``speedup_band`` at ``mismatch_windows`` control steps in a row send every region back to
+profiling. A bucket without a plan whose tokens lie more than
 ``resample_tolerance`` from every memory sample is sampled first, a region is profiled again when
 its tokens exceed ``reprofile_factor`` times its reference's, and an observed peak near the limit
 raises the fragmentation estimate (plans only shrink). Under torch.distributed all ranks agree
@@ -306,7 +308,9 @@ class Controller:
                            "%s the memory limit %s leaves; running must-only (nothing more saved)",
                            format_bytes(base), edges, format_bytes(capacity),
                            self.config.memory_limit)
-        for r in edges:
+        # Replay wall times are host times: on accelerators they would measure launches, not
+        # kernels (events there belong to the GPU-readiness work), so only CPU profiles are checked.
+        for r in edges if self.device.type == "cpu" else ():
             if r in self.profiles:
                 self.profiles[r] = calibrated(self.profiles[r], self._replay_walls.get(r, ()),
                                               self.config.replay_tolerance)
@@ -432,9 +436,6 @@ class Controller:
         return {r: upper_edge(q, self.config.secondary_bucket_factor
                               if r in self.config.secondary_regions else self.config.primary_bucket_factor)
                 for r, q in zip(self.regions, key)}
-
-    def _edge_tokens(self, key: tuple[int, ...]) -> int:
-        return self._primary_tokens(self._edges(key))
 
     # ------------------------------------------------------------------ ranks
 

@@ -74,6 +74,24 @@ def test_merging_unequal_token_counts_scales_then_keeps_each_nodes_shorter_time(
     assert merged(new, _profile({0: 10.0, 1: 10.0}, tokens=100)).node_time == {0: 1.2, 1: 2.0}
 
 
+@settings(max_examples=200, deadline=None)
+@given(times=st.lists(st.floats(1e-6, 1.0), min_size=1, max_size=20),
+       first=st.integers(1, 4096), last=st.integers(1, 4096), slow=st.floats(1.0, 1e3),
+       disturbed_last=st.booleans())
+def test_one_disturbed_profiling_step_cannot_set_a_nodes_time(times, first, last, slow,
+                                                               disturbed_last):
+    # Times linear in tokens (the model's assumption); either step slowed down by ``slow``.
+    per_token = dict(enumerate(times))
+    a = {i: t * first for i, t in per_token.items()}
+    b = {i: t * last for i, t in per_token.items()}
+    if disturbed_last:
+        b = {i: t * slow for i, t in b.items()}
+    else:
+        a = {i: t * slow for i, t in a.items()}
+    m = merged(_profile(a, tokens=first), _profile(b, tokens=last))
+    assert m.node_time == pytest.approx({i: t * last for i, t in per_token.items()}, rel=1e-9)
+
+
 def test_profiled_replay_far_from_the_measured_wall_time_is_scaled_to_it(caplog):
     profile = _profile({0: 1.0, 1: 3.0, 2: 5.0}, tokens=10)
     # Four blocks replayed nodes 0 and 1 (4 s modelled at 10 tokens); one was disturbed.
