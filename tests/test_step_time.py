@@ -186,11 +186,13 @@ def test_node_times_inflated_tenfold_in_every_profiling_step_keep_plan_and_speed
     assert b[-1].predicted_speedup == pytest.approx(q[-1].predicted_speedup, rel=1e-6)
 
 
+@pytest.mark.parametrize("tolerance", [0.2, 1e6])  # 1e6: without the wall-time check
 def test_the_last_profiling_step_inflated_with_unequal_token_counts_keeps_plan_and_speedup(
-        monkeypatch):
+        monkeypatch, tolerance):
     steps = [64, 64, 64, 48, 64, 64]  # the profiling steps ran 64 and 48 tokens
-    quiet, q = _controlled(monkeypatch, steps)
-    busy, b = _controlled(monkeypatch, steps, inflate=lambda i: 10.0 if i == 3 else 1.0)
+    quiet, q = _controlled(monkeypatch, steps, replay_tolerance=tolerance)
+    busy, b = _controlled(monkeypatch, steps, inflate=lambda i: 10.0 if i == 3 else 1.0,
+                          replay_tolerance=tolerance)
     assert [r.mode for r in b][2:] == ["profile", "profile", "planned", "planned"]
     assert not q[-1].plan.empty and q[-1].predicted_speedup > 1.05
     assert b[-1].plan.coordinates() == q[-1].plan.coordinates()
@@ -202,7 +204,7 @@ def test_predicted_speedup_matches_the_virtual_clock_measurement(monkeypatch):
     c, reports = _controlled(monkeypatch, [64] * 9, control_every=2)
     last = reports[-1]
     assert last.measured_speedup is not None
-    assert last.measured_speedup == pytest.approx(last.predicted_speedup, rel=0.15)
+    assert last.measured_speedup == pytest.approx(last.predicted_speedup, rel=0.01)
 
 
 def test_measured_far_from_predicted_for_three_control_windows_profiles_again(monkeypatch, caplog):
