@@ -31,6 +31,7 @@ class BlockTrace:
     unpacked: set[int] = field(default_factory=set)         # demanded values autograd actually read
     sequence_changed: bool = False  # another op sequence than the plan's: anchored coordinates used
     over_budget: int = 0        # planned values not kept: their bytes exceeded the block's budget
+    replay_seconds: float = 0.0  # wall time its replays took in backward (host clock)
 
     @property
     def saved_bytes(self) -> int:

@@ -67,7 +67,8 @@ class TapeSACConfig:
 
     memory_limit: MemoryLimit | float | int | str
     warmup_steps: int = 2          # W: must-only steps before profiling
-    profile_steps: int = 2         # R: steps timing the reference blocks (node time = minimum)
+    profile_steps: int = 2         # R: steps timing every block (node time: median over blocks,
+                                   # minimum over steps, see profile.region_profiles)
     control_steps: int = 1         # must-only steps before a bucket's first planned step
     control_every: int = 25        # then one must-only step per this many planned steps (0: never);
                                    # measured speedup compares them with planned steps of the bucket
@@ -78,6 +79,10 @@ class TapeSACConfig:
     reprofile_factor: float = 2.0  # profile a region again when its tokens exceed this x reference
     resample_tolerance: float = 0.15  # sample memory again when tokens move this far from a sample
     near_limit: float = 0.98       # observed peak above this fraction of the limit raises frag
+    replay_tolerance: float = 0.2  # profiled replay vs measured replay wall time: beyond a factor
+                                   # 1 + this either way the node times are scaled to the wall time
+    speedup_band: float = 0.15     # measured / predicted speedup outside 1 ± this ...
+    mismatch_windows: int = 3      # ... at this many control steps in a row: profile again
     beam_width: int = 24
     max_set_size: int = 12
     knapsack_resolution: int = 4096
@@ -96,5 +101,7 @@ class TapeSACConfig:
             raise ValueError("reprofile_factor must be > 1 and resample_tolerance in (0, 1)")
         if not 0.0 < self.near_limit <= 1.0:
             raise ValueError(f"near_limit must lie in (0, 1], got {self.near_limit}")
+        if self.replay_tolerance <= 0 or self.speedup_band <= 0 or self.mismatch_windows < 1:
+            raise ValueError("replay_tolerance and speedup_band must be > 0, mismatch_windows >= 1")
         if self.beam_width < 1 or self.max_set_size < 1 or self.knapsack_resolution < 1:
             raise ValueError("beam_width, max_set_size and knapsack_resolution must be >= 1")

@@ -6,7 +6,9 @@ each region type, the first with its most common op sequence, is kept; the first
 also samples the must-only step's peak memory); then each token bucket gets a plan, solved at the
 bucket's upper edge under the memory limit and cached. A new bucket first runs ``control_steps``
 plain must-only steps, then one every ``control_every`` planned steps, so planned steps can be
-compared with them (measured speedup). A bucket without a plan whose tokens lie more than
+compared with them (measured speedup); measured and predicted speedups off by more than
+``speedup_band`` at ``mismatch_windows`` control steps in a row send every region back to
+profiling. A bucket without a plan whose tokens lie more than
 ``resample_tolerance`` from every memory sample is sampled first, a region is profiled again when
 its tokens exceed ``reprofile_factor`` times its reference's, and an observed peak near the limit
 raises the fragmentation estimate (plans only shrink). Under torch.distributed all ranks agree
@@ -32,8 +34,10 @@ from .errors import TapeSACError
 from .memory import MemoryMeter, MemoryReading, memory_meter, physical_memory
 from .plan import bucket, upper_edge
 from .plan.plan import Plan
-from .profile import MemoryModel, MemorySample, RegionProfile, merged, region_profiles
-from .solve import solve_plan
+from .profile import (MemoryModel, MemorySample, RegionProfile, ReplayWall, calibrated, merged,
+                      region_profiles)
+from .solve import modelled_replay, solve_plan
+from .step_time import StepTime, outside_per_token
 from .units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -41,6 +45,9 @@ logger = logging.getLogger(__name__)
 WARMUP, PROFILE, SAMPLE, CONTROL, PLANNED = "warmup", "profile", "sample", "control", "planned"
 _ALL = "*"
 _WINDOW = 25  # recent step times per bucket that speed comparisons use
+_WALLS = 64   # recent must-only block replays per region that profiled times are checked against
+_MISMATCH_REPROFILES = 2  # profiling again cannot fix a model that is off for other reasons
+_STATE_VERSION = 2  # 2: plans carry the step time model; must-only steps keep their tokens
 
 
 @dataclass(kw_only=True)
@@ -94,6 +101,12 @@ class Controller:
         self.memory = MemoryModel()
         self.plans: dict[tuple[int, ...], Plan] = {}
         self.must_only_times: dict[tuple[int, ...], list[float]] = {}
+        # (bucket, tokens, seconds) of recent must-only steps: the time outside replay
+        self.must_only_steps: list[tuple[tuple[int, ...], dict[str, int], float]] = []
+        self._replay_walls: dict[str, list[ReplayWall]] = {}
+        self._mismatches: dict[tuple[int, ...], int] = {}  # control steps in a row off the band
+        self._mismatch_reprofiles = 0
+        self._reprofile = False
         self.planned_times: dict[tuple[int, ...], list[float]] = {}
         self.report: StepReport | None = None
         self._profile_steps_done = 0
@@ -173,7 +186,12 @@ class Controller:
                                          fragmentation=max(0, reading.reserved - reading.peak)))
         if mode == CONTROL or (mode == WARMUP and report.step > 0):
             self._record_time(self.must_only_times, key, report.time)
+            self.must_only_steps = [*self.must_only_steps[1 - _WINDOW:],
+                                    (key, dict(report.tokens), report.time)]
+            self._record_walls(blocks, report.tokens)
             self._planned_since_control[key] = 0
+            if mode == CONTROL and key in self.plans:
+                self._compare(key)
         if mode == PLANNED:
             self._planned_since_control[key] = self._planned_since_control.get(key, 0) + 1
             if reading is not None and self.device.type == "cpu":
@@ -186,6 +204,42 @@ class Controller:
         report.measured_speedup = self._measured(key)
         self.report = report
         self.steps += 1
+
+    def _record_walls(self, blocks: list, tokens: dict[str, int]) -> None:
+        """Each block's measured replay in a plain must-only step (not timed per op, not metered:
+        both slow the step down)."""
+        for b in blocks:
+            walls = self._replay_walls.setdefault(b.tape.region, [])
+            walls.append(ReplayWall(sequence=b.tape.fingerprint, replayed=tuple(b.replayed),
+                                    seconds=b.replay_seconds, tokens=tokens[b.tape.region]))
+            del walls[:-_WALLS]
+
+    def _compare(self, key: tuple[int, ...]) -> None:
+        """At a control step: measured vs predicted speedup of the bucket. Off by more than
+        ``speedup_band`` (relative) at ``mismatch_windows`` control steps in a row, every region
+        is profiled again and every plan solved again (at most ``_MISMATCH_REPROFILES`` times)."""
+        measured, plan = self._measured(key), self.plans[key]
+        if measured is None:
+            return
+        if abs(measured / plan.predicted_speedup - 1) <= self.config.speedup_band:
+            self._mismatches.pop(key, None)
+            return
+        self._mismatches[key] = self._mismatches.get(key, 0) + 1
+        if self._mismatches[key] < self.config.mismatch_windows:
+            return
+        self._mismatches.clear()
+        if self._mismatch_reprofiles >= _MISMATCH_REPROFILES:
+            logger.info("TapeSAC: bucket %s measured %.3fx vs predicted %.3fx; already profiled "
+                        "again %d times, keeping the plan", key, measured,
+                        plan.predicted_speedup, self._mismatch_reprofiles)
+            return
+        self._mismatch_reprofiles += 1
+        self._reprofile = True
+        self.planned_times.clear()  # they measured the plans about to be replaced
+        logger.info("TapeSAC: bucket %s measured %.3fx vs predicted %.3fx, beyond %.0f%% for %d "
+                    "control windows: profiling again\n%s", key, measured, plan.predicted_speedup,
+                    100 * self.config.speedup_band, self.config.mismatch_windows,
+                    plan.explain(measured_speedup=measured))
 
     @staticmethod
     def _record_time(times: dict[tuple[int, ...], list[float]], key: tuple[int, ...],
@@ -203,7 +257,7 @@ class Controller:
         known = key in self.plans  # solved earlier, or restored from a checkpoint
         grown = any(tokens[r] > self.config.reprofile_factor * p.tokens
                     for r, p in self.profiles.items())
-        needs_profile = grown or (not self.profiles and not known)
+        needs_profile = grown or (not self.profiles and not known) or self._reprofile
         needs_sample = not known and not self.memory.covers(self._primary_tokens(tokens),
                                                             self.config.resample_tolerance)
         if needs_profile and not self._profile_steps_done:
@@ -214,6 +268,7 @@ class Controller:
         self._raise_fragmentation = 0
         self._apply_fragmentation(raise_by)
         if profile:
+            self._reprofile = False
             return PROFILE
         if sample:
             return SAMPLE
@@ -253,21 +308,31 @@ class Controller:
                            "%s the memory limit %s leaves; running must-only (nothing more saved)",
                            format_bytes(base), edges, format_bytes(capacity),
                            self.config.memory_limit)
+        # Replay wall times are host times: on accelerators they would measure launches, not
+        # kernels (events there belong to the GPU-readiness work), so only CPU profiles are checked.
+        for r in edges if self.device.type == "cpu" else ():
+            if r in self.profiles:
+                self.profiles[r] = calibrated(self.profiles[r], self._replay_walls.get(r, ()),
+                                              self.config.replay_tolerance)
         profiles = {r: p for r, p in self.profiles.items() if r in edges}
         return solve_plan(profiles, edges, model=self.model_key, capacity=capacity, base=base,
                           must_only_step_time=self._must_only_time(key, edges),
                           config=self.config)
 
     def _must_only_time(self, key: tuple[int, ...], edges: dict[str, int]) -> float:
-        """Must-only step seconds at this bucket, or scaled by tokens from the nearest measured one."""
-        if self.must_only_times.get(key):
-            return statistics.median(self.must_only_times[key])
-        measured = [(k, statistics.median(v)) for k, v in self.must_only_times.items() if v]
-        if not measured:
-            return 1.0
-        here = self._primary_tokens(edges)
-        k, seconds = min(measured, key=lambda kv: abs(self._edge_tokens(kv[0]) - here))
-        return seconds * here / self._edge_tokens(k)
+        """Modelled must-only step seconds at this bucket: the time outside replay plus the
+        modelled replay at the bucket's tokens. Outside replay is the median over recent
+        must-only steps of (step − its modelled replay) per primary token (``outside_per_token``)
+        times the bucket's: this bucket's own steps when it has three, else all of them."""
+        profiles = {r: p for r, p in self.profiles.items() if r in edges}
+        replay = modelled_replay(profiles, edges)
+        own = [s for s in self.must_only_steps if s[0] == key]
+        steps = own if len(own) >= 3 else self.must_only_steps
+        rate = outside_per_token((seconds, modelled_replay(profiles, tokens),
+                                  self._primary_tokens(tokens)) for _, tokens, seconds in steps)
+        if rate is None:
+            return 1.0 + replay
+        return StepTime.model(rate * self._primary_tokens(edges), replay).must_only
 
     def step_frontier(self, key: tuple[int, ...]) -> dict[str, Any]:
         """Predicted step (peak bytes, seconds) along each region's frontier at this bucket, and the
@@ -275,14 +340,17 @@ class Controller:
         taken as the must-only peak."""
         plan = self.plans[key]
         edges = self._edges(key)
-        seconds = self._must_only_time(key, edges)
+        profiles = {r: p for r, p in self.profiles.items() if r in edges}
+        step = StepTime.of_step(self._must_only_time(key, edges), modelled_replay(profiles, edges))
+        seconds = step.must_only
         curves, full = {}, seconds
-        for r, p in self.profiles.items():
+        for r, p in profiles.items():
             scale = edges[r] / p.tokens
             points = p.frontier(self.config.beam_width, self.config.max_set_size)
             curves[r] = [(plan.base + p.blocks * pt.bytes * scale,
-                          seconds - p.blocks * (points[0].time - pt.time) * scale) for pt in points]
-            full += p.blocks * (p.full_recompute_time - p.must_only_replay_time) * scale
+                          step.planned(p.blocks * (points[0].time - pt.time) * scale))
+                         for pt in points]
+            full += p.blocks * max(0.0, p.full_recompute_time - p.must_only_replay_time) * scale
         return {"curves": curves, "must_only": (plan.base, seconds), "full": (plan.base, full),
                 "chosen": (plan.base + plan.saved_bytes, seconds / plan.predicted_speedup),
                 "capacity": plan.capacity}
@@ -373,9 +441,6 @@ class Controller:
                               if r in self.config.secondary_regions else self.config.primary_bucket_factor)
                 for r, q in zip(self.regions, key)}
 
-    def _edge_tokens(self, key: tuple[int, ...]) -> int:
-        return self._primary_tokens(self._edges(key))
-
     # ------------------------------------------------------------------ ranks
 
     def _distributed(self) -> bool:
@@ -425,12 +490,13 @@ class Controller:
 
     def state_dict(self) -> dict[str, Any]:
         """Plan cache, memory samples and step times: resuming needs no new profiling for known buckets."""
-        return {"version": 1, "model": self.model_key, "steps": self.steps,
+        return {"version": _STATE_VERSION, "model": self.model_key, "steps": self.steps,
                 "plans": {",".join(map(str, k)): p.to_json() for k, p in self.plans.items()},
                 "samples": [vars(s) for s in self.memory.samples],
                 "extra_fragmentation": self.memory.extra_fragmentation,
                 "must_only_times": {",".join(map(str, k)): v for k, v in self.must_only_times.items()},
-                "planned_times": {",".join(map(str, k)): v for k, v in self.planned_times.items()}}
+                "planned_times": {",".join(map(str, k)): v for k, v in self.planned_times.items()},
+                "must_only_steps": [[list(k), t, s] for k, t, s in self.must_only_steps]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` saved; plans from another model are refused."""
@@ -440,8 +506,18 @@ class Controller:
         keys = lambda d: {tuple(int(x) for x in k.split(",")): v for k, v in d.items()}  # noqa: E731
         self.steps = state["steps"]
         self.plans = {k: Plan.from_json(v, model=self.model_key) for k, v in keys(state["plans"]).items()}
+        version = state.get("version", 1)
+        if version < _STATE_VERSION and self.plans:
+            # Version 1 plans predicted speedups with a time model that could explode: solve again.
+            logger.info("TapeSAC: state version %s predates the step time model (version %s): its "
+                        "%d plans are solved again after profiling", version, _STATE_VERSION,
+                        len(self.plans))
+            self.plans = {}
         self.memory = MemoryModel(extra_fragmentation=state["extra_fragmentation"])
         for s in state["samples"]:
             self.memory.add(MemorySample(**s))
         self.must_only_times = keys(state["must_only_times"])
         self.planned_times = keys(state["planned_times"])
+        # Version 1 kept no tokens per must-only step: each bucket's upper edge stands in.
+        self.must_only_steps = [(tuple(k), t, s) for k, t, s in state.get("must_only_steps", [])] \
+            or [(k, self._edges(k), s) for k, v in self.must_only_times.items() for s in v]

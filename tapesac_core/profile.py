@@ -4,8 +4,10 @@ times, and the must-only step's peak memory at the token counts seen."""
 from __future__ import annotations
 
 import functools
+import logging
+import statistics
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from .block import BlockTrace
@@ -13,6 +15,8 @@ from .plan import PlanGraph, Point, solve_frontier
 from .plan.tape_graph import graph_of
 from .tape import Tape
 from .timing import seconds
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -22,8 +26,8 @@ class RegionProfile:
     region: str
     tape: Tape
     tokens: int
-    node_time: dict[int, float]     # replayed under must-only, seconds (minimum over steps)
-    forward_time: dict[int, float]  # every node, in forward, seconds (minimum over steps)
+    node_time: dict[int, float]     # replayed under must-only, seconds (see region_profiles, merged)
+    forward_time: dict[int, float]  # every node, in forward, seconds (likewise)
     shares_reference: tuple[bool, ...]  # per block of the region, forward order
 
     @property
@@ -69,12 +73,21 @@ class RegionProfile:
         return sum(self.node_time.get(i, self.forward_time.get(i, 0.0)) for i in range(last + 1))
 
 
-def _fastest(samples: Iterable) -> float:
-    return min(seconds(s) for s in samples)
+def _repeated(samples: list[Mapping[int, float]]) -> dict[int, float]:
+    """Per node, the median over the blocks that timed it (one run each): with three or more
+    blocks a single disturbed run cannot set a node's time; with two, the minimum keeps the
+    undisturbed one (a busy host only ever adds time)."""
+    nodes = {i for s in samples for i in s}
+    out = {}
+    for i in nodes:
+        times = [s[i] for s in samples if i in s]
+        out[i] = statistics.median(times) if len(times) > 2 else min(times)
+    return out
 
 
 def region_profiles(blocks: list[BlockTrace], tokens: dict[str, int]) -> dict[str, RegionProfile]:
-    """One profile per region from a profiling step's traces (times of the reference blocks)."""
+    """One profile per region from a profiling step's traces: the reference block's tape, and
+    each node's time over every block that ran the reference's op sequence (``_repeated``)."""
     by_region: dict[str, list[BlockTrace]] = {}
     for b in blocks:
         by_region.setdefault(b.tape.region, []).append(b)
@@ -82,22 +95,72 @@ def region_profiles(blocks: list[BlockTrace], tokens: dict[str, int]) -> dict[st
     for region, traces in by_region.items():
         common, _ = Counter(b.tape.fingerprint for b in traces).most_common(1)[0]
         reference = next(b for b in traces if b.tape.fingerprint == common)
+        same = [b for b in traces if b.tape.fingerprint == common]
         profiles[region] = RegionProfile(
             region=region, tape=reference.tape, tokens=tokens[region],
-            node_time={i: _fastest(s) for i, s in reference.node_times.items()},
-            forward_time={i: seconds(s) for i, s in reference.forward_times.items()},
+            node_time=_repeated([{i: min(map(seconds, s)) for i, s in b.node_times.items()}
+                                 for b in same]),
+            forward_time=_repeated([{i: seconds(s) for i, s in b.forward_times.items()}
+                                    for b in same]),
             shares_reference=tuple(b.tape.fingerprint == common for b in traces))
     return profiles
 
 
 def merged(old: RegionProfile | None, new: RegionProfile) -> RegionProfile:
-    """Keep each node's shorter time over profiling steps of the same block shape."""
-    if old is None or old.sequence != new.sequence or old.tokens != new.tokens:
+    """Each node's shorter time over profiling steps of the same op sequence, the old step's
+    times scaled linearly to the new step's token count first (times scale with tokens, §3.4.1),
+    so that unequal token counts do not let the last step alone set the times."""
+    if old is None or old.sequence != new.sequence:
         return new
-    keep = {i: min(t, old.node_time.get(i, t)) for i, t in new.node_time.items()}
-    forward = {i: min(t, old.forward_time.get(i, t)) for i, t in new.forward_time.items()}
+    f = new.tokens / old.tokens
+    keep = {i: min(t, old.node_time.get(i, t / f) * f) for i, t in new.node_time.items()}
+    forward = {i: min(t, old.forward_time.get(i, t / f) * f) for i, t in new.forward_time.items()}
     return RegionProfile(region=new.region, tape=new.tape, tokens=new.tokens, node_time=keep,
                          forward_time=forward, shares_reference=new.shares_reference)
+
+
+@dataclass(frozen=True)
+class ReplayWall:
+    """One block's replay in a must-only step, as measured: which nodes ran, for how long
+    (wall seconds), at how many tokens of its region."""
+
+    sequence: str
+    replayed: tuple[int, ...]
+    seconds: float
+    tokens: int
+
+
+def replay_ratio(profile: RegionProfile, walls: Iterable[ReplayWall]) -> float | None:
+    """Median over blocks of (measured replay wall time) / (sum of the profiled times of the nodes
+    that block replayed, at its tokens), over blocks that ran the profile's op sequence; None
+    when no block replayed a timed node."""
+    ratios = []
+    for w in walls:
+        if w.sequence != profile.sequence:
+            continue
+        modelled = sum(profile.node_time.get(i, 0.0) for i in w.replayed) * w.tokens / profile.tokens
+        if modelled > 0:
+            ratios.append(w.seconds / modelled)
+    return statistics.median(ratios) if ratios else None
+
+
+def calibrated(profile: RegionProfile, walls: Iterable[ReplayWall],
+               tolerance: float) -> RegionProfile:
+    """``profile`` if the sum of its replay node times agrees with the measured replay wall time
+    (``replay_ratio``) within a factor ``1 + tolerance`` either way, else every node time (replay
+    and forward) scaled by that ratio, with an info log: the profiling steps were disturbed
+    (a busy host) or timing itself cost time. Uniform scaling keeps the plan; it fixes the
+    predicted times."""
+    ratio = replay_ratio(profile, walls)
+    if ratio is None or 1 / (1 + tolerance) <= ratio <= 1 + tolerance:
+        return profile
+    logger.info("TapeSAC: region %r's profiled replay node times sum to %.3g of the measured "
+                "replay wall time (beyond the %.0f%% tolerance): scaling them by %.3g",
+                profile.region, 1 / ratio, 100 * tolerance, ratio)
+    return RegionProfile(region=profile.region, tape=profile.tape, tokens=profile.tokens,
+                         node_time={i: t * ratio for i, t in profile.node_time.items()},
+                         forward_time={i: t * ratio for i, t in profile.forward_time.items()},
+                         shares_reference=profile.shares_reference)
 
 
 @dataclass(frozen=True, kw_only=True)

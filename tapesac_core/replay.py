@@ -12,6 +12,7 @@ elsewhere, or one already handed to autograd): such a write goes into a copy of 
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -108,9 +109,14 @@ class Replay:
         """The value autograd unpacks through ``handle``; a handle's first unpack consumes a read."""
         env = self.env
         if vid not in env:
+            # Wall time of the whole replay (closure walk included): what the node times the
+            # planner models replay with are checked against (profile.calibrated). Host time:
+            # on accelerators it is launch time until the GPU-readiness work gives it events.
+            start = time.perf_counter()
             with replay_mode(self.block.device_types):
                 for index in sorted(producer_closure(self.nodes, self.values, [vid], self._available)):
                     self._run(self.nodes[index])
+            self.trace.replay_seconds += time.perf_counter() - start
         t = env[vid]
         self.not_ours.add(t.untyped_storage().data_ptr())
         if id(handle) not in self.unpacked:  # ctx.saved_tensors may unpack one handle twice

@@ -10,6 +10,7 @@ from .plan import Point, RegionFrontier, replay_time, solve_knapsack
 from .plan.plan import Plan, RegionPlan, Saved
 from .plan.tape_graph import name_coord
 from .profile import RegionProfile
+from .step_time import StepTime
 
 
 def scaled(points: tuple[Point, ...], factor: float) -> tuple[Point, ...]:
@@ -18,10 +19,22 @@ def scaled(points: tuple[Point, ...], factor: float) -> tuple[Point, ...]:
                  for p in points)
 
 
+def modelled_replay(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int]) -> float:
+    """Seconds of must-only replay in a step at ``tokens``, from the profiled node times (Eq. 6
+    for S0, every block of each region, times scaled linearly with tokens)."""
+    return math.fsum(p.blocks * p.must_only_replay_time * tokens[r] / p.tokens
+                     for r, p in profiles.items() if r in tokens)
+
+
 def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int], *, model: str,
                capacity: int, base: int, must_only_step_time: float,
                config: TapeSACConfig) -> Plan:
-    """The plan maximising replay time removed with Σ bytes ≤ capacity − base (Eqs. 8-9)."""
+    """The plan maximising replay time removed with Σ bytes ≤ capacity − base (Eqs. 8-9).
+
+    Its predicted speedup comes from ``StepTime``: ``must_only_step_time`` minus the modelled
+    must-only replay is the time outside replay (floored, see ``StepTime.model``), so the
+    prediction is finite and at most must-only / outside, whatever the profiled times were.
+    """
     frontiers = {r: scaled(p.frontier(config.beam_width, config.max_set_size), tokens[r] / p.tokens)
                  for r, p in profiles.items()}
     budget = capacity - base
@@ -33,13 +46,15 @@ def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int],
     gain = choice.gain
     full = sum(p.blocks * (p.full_recompute_time - p.must_only_replay_time) * tokens[r] / p.tokens
                for r, p in profiles.items())
-    planned_time = max(must_only_step_time - gain, 1e-9)
+    step = StepTime.of_step(must_only_step_time, modelled_replay(profiles, tokens))
+    planned_time = step.planned(gain)
     notes = () if budget > 0 else (
         f"the must-only step needs {base} bytes of the {capacity} the limit leaves: nothing "
         "more is saved",)
     return Plan(model=model, regions=regions, capacity=capacity, base=base,
-                saved_bytes=choice.bytes, predicted_speedup=must_only_step_time / planned_time,
-                predicted_speedup_vs_full=(must_only_step_time + full) / planned_time, notes=notes)
+                saved_bytes=choice.bytes, predicted_speedup=step.speedup(gain),
+                predicted_speedup_vs_full=(step.must_only + max(0.0, full)) / planned_time, notes=notes,
+                step_time=step.must_only, replay_time=step.replay)
 
 
 def _region_plan(profile: RegionProfile, points: tuple[Point, ...], chosen: tuple[int, ...],

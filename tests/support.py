@@ -64,3 +64,26 @@ def tiny_lm(**overrides: Any) -> DecoderLM:
 
 
 BLOCK_CLASSES = {DecoderLayer, MoEDecoderLayer}
+
+
+class VirtualClock(TorchDispatchMode):
+    """A deterministic clock for timing tests: every op that reaches the dispatcher advances
+    ``now`` by a cost that depends only on the op's name and is linear in ``tokens`` (set by the
+    test each step). Install with ``monkeypatch.setattr(time, "perf_counter", clock.read)`` and
+    run the steps inside ``with clock:``: node timers, replay wall times and step times then all
+    read the same model time, whatever else loads the host."""
+
+    def __init__(self, costs: dict[str, float], default: float = 1e-4,
+                 reference_tokens: int = 1) -> None:
+        super().__init__()
+        self.costs, self.default, self.reference_tokens = costs, default, reference_tokens
+        self.now, self.tokens, self.slowdown = 0.0, reference_tokens, 1.0
+
+    def read(self) -> float:
+        return self.now
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        name = func.__name__.split(".")[0]
+        self.now += (self.costs.get(name, self.default) * self.slowdown
+                     * self.tokens / self.reference_tokens)
+        return func(*args, **(kwargs or {}))

@@ -50,6 +50,8 @@ class Plan:
     predicted_speedup_vs_full: float             # vs torch's block recomputation of everything
     version: int = PLAN_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
+    step_time: float = 0.0                       # modelled must-only step, seconds (0: unknown)
+    replay_time: float = 0.0                     # its modelled replay, seconds
 
     def coordinates(self) -> dict[str, list[frozenset[Coord]]]:
         """The form ``use_plan`` takes: per region, one coordinate set per block."""
@@ -80,6 +82,7 @@ class Plan:
             "base": self.base, "saved_bytes": self.saved_bytes,
             "predicted_speedup": self.predicted_speedup,
             "predicted_speedup_vs_full": self.predicted_speedup_vs_full, "notes": list(self.notes),
+            "step_time": self.step_time, "replay_time": self.replay_time,
             "regions": {r: {"sequence": p.sequence, "tokens": p.tokens, "note": p.note,
                             "blocks": [sorted(map(list, b)) for b in p.blocks],
                             "block_bytes": list(p.block_bytes),
@@ -105,7 +108,8 @@ class Plan:
             model=data["model"], capacity=data["capacity"], base=data["base"],
             saved_bytes=data["saved_bytes"], predicted_speedup=data["predicted_speedup"],
             predicted_speedup_vs_full=data["predicted_speedup_vs_full"],
-            notes=tuple(data["notes"]),
+            notes=tuple(data["notes"]), step_time=float(data.get("step_time", 0.0)),
+            replay_time=float(data.get("replay_time", 0.0)),
             regions={r: RegionPlan(
                 sequence=p["sequence"], tokens=p["tokens"], note=p["note"],
                 blocks=tuple(frozenset(_coord(c) for c in b) for b in p["blocks"]),
@@ -120,15 +124,21 @@ class Plan:
                              "the region set or a block's op sequence changed. Solve the plan again")
         return plan
 
-    def explain(self) -> str:
+    def explain(self, measured_speedup: float | None = None) -> str:
         """A readable table per region type: what is saved, its bytes and the replay time it
-        removes. Outputs of one op saved together remove that op's time once: it is shown on
-        the first of them."""
+        removes (outputs of one op saved together remove that op's time once: it is shown on
+        the first of them); the header gives the bucket, the predicted speedup, its step model,
+        and ``measured_speedup`` (the controller's, must-only vs planned steps of the bucket)
+        when given."""
         tokens = ", ".join(f"{p.tokens} ({r})" for r, p in sorted(self.regions.items()))
+        measured = "n/a" if measured_speedup is None else f"{measured_speedup:.3f}x"
+        model = (f"; must-only step modelled {self.step_time * 1e3:.3f} ms, of which replay "
+                 f"{self.replay_time * 1e3:.3f} ms" if self.step_time > 0 else "")
         lines = [f"TapeSAC plan for up to {tokens} tokens: capacity {format_bytes(self.capacity)}, "
                  f"must-only peak {format_bytes(self.base)}, saves {format_bytes(self.saved_bytes)} "
                  f"more; predicted speedup {self.predicted_speedup:.3f}x vs must-only, "
-                 f"{self.predicted_speedup_vs_full:.3f}x vs full recomputation"]
+                 f"{self.predicted_speedup_vs_full:.3f}x vs full recomputation; measured "
+                 f"{measured} vs must-only{model}"]
         for region, p in sorted(self.regions.items()):
             sizes = [len(b) for b in p.blocks]
             lines.append(f"region {region} ({len(p.blocks)} blocks at {p.tokens} tokens; values "
