@@ -48,7 +48,7 @@ class Publisher:
         self._logged_plans.add(plan.to_json())
         if writer is None or not hasattr(writer, "add_text"):
             return
-        writer.add_text("tapesac/plan", "```\n" + plan.explain(report.measured_speedup) + "\n```", step)
+        writer.add_text("tapesac/plan", f"```\n{plan.explain(report.measured_speedup)}\n```", step)
         writer.add_image("tapesac/frontier", image_array(self.figure(controller, report.bucket)),
                          step, dataformats="HWC")
 
