@@ -29,7 +29,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from examples.data import batches
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
 from tapesac_core import Controller, StepReport
-from tapesac_core.units import format_bytes
+from tapesac_core.report import run_summary
 from tapesac_lightning import TapeSACFSDPStrategy
 
 
@@ -123,29 +123,25 @@ class Record(pl.Callback):
 
 def step_record(r: StepReport) -> dict[str, Any]:
     """A step's TapeSAC counters as JSON-ready values."""
-    return dict(mode=r.mode, replayed=r.replayed_nodes, saved_bytes=r.saved_bytes, peak=r.peak,
-                limit=r.limit, plan_empty=r.plan.empty if r.plan else None,
-                predicted=r.predicted_speedup, measured=r.measured_speedup,
+    return dict(mode=r.mode, bucket=list(r.bucket), time=r.time, replayed=r.replayed_nodes,
+                saved_bytes=r.saved_bytes, peak=r.peak, limit=r.limit,
+                plan_empty=r.plan.empty if r.plan else None, predicted=r.predicted_speedup,
+                measured=r.measured_speedup, measured_vs_full=r.measured_speedup_vs_full,
+                torch_checkpointed=r.torch_checkpointed, blocks=r.blocks,
                 plan=r.plan.to_json() if r.plan else None)
 
 
 def summary(controller: Controller, records: list[dict[str, Any]]) -> str:
-    """The plan per region, predicted vs measured speedup, peak memory against the limit."""
-    steps = [s for s in records if s.get("mode") == "planned"]
-    peaks = [s["peak"] for s in records if s.get("peak")]
-    lines = [f"TapeSAC: {len(records)} steps, {len(steps)} planned, "
-             f"{len(controller.plans)} token buckets solved"]
-    if controller.report and controller.report.plan:
-        lines.append(controller.report.plan.explain())
-    predicted = [s["predicted"] for s in steps if s["predicted"]]
-    measured = [s["measured"] for s in steps if s["measured"]]
-    if predicted:
-        lines.append(f"predicted speedup vs must-only: {predicted[-1]:.3f}x; measured: "
-                     + (f"{measured[-1]:.3f}x" if measured else "not yet (needs control steps)"))
-    if peaks:
-        lines.append(f"peak memory {format_bytes(max(peaks))} against the limit "
-                     f"{format_bytes(controller.limit_bytes())} (measured steps)")
-    return "\n".join(lines)
+    """The closing summary, from the run's own steps (``run_summary``), with where the limit
+    sits between must-only and saving everything useful in the final plan's bucket."""
+    report = controller.report
+    headroom = None
+    if report is not None and report.bucket in controller.plans:
+        frontier = controller.step_frontier(report.bucket)
+        low = frontier["must_only"][0]
+        headroom = (low, low + sum(max(x for x, _ in c) - low for c in frontier["curves"].values()))
+    plan = controller.plans.get(report.bucket) if report is not None else None
+    return run_summary(records, controller.limit_bytes(), plan, headroom)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -156,6 +152,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--memory-limit", default="24MiB", help="absolute (e.g. 24MiB) or a fraction")
+    p.add_argument("--full-control-every", type=int, default=25,
+                   help="a full-checkpointing control step per this many planned steps (0: none)")
     p.add_argument("--baseline", choices=["none", "torch"], default="none")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--batch-size", type=int, default=4)
@@ -194,7 +192,8 @@ def run(args: argparse.Namespace, module: pl.LightningModule | None = None,
         strategy = TapeSACFSDPStrategy(
             memory_limit=_limit(args.memory_limit),
             activation_checkpointing_policy=policy or {DecoderLayer, MoEDecoderLayer},
-            save_distributed_checkpoint=not args.full_checkpoint)
+            save_distributed_checkpoint=not args.full_checkpoint,
+            full_control_every=args.full_control_every)
     record = Record(Path(args.out) if args.out else None)
     callbacks: list[pl.Callback] = [record]
     if args.checkpoint_dir:

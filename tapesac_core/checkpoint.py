@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+import torch.utils.checkpoint
 from torch.utils._pytree import tree_leaves
 
 from .block import Block, BlockPlan, BlockTrace, unpack
@@ -36,6 +37,7 @@ PlanSpec = Mapping[str, Any]
 _RECORDING: ContextVar[Block | None] = ContextVar("tapesac_recording", default=None)
 _PLAN: ContextVar[_PlanScope | None] = ContextVar("tapesac_plan", default=None)
 _TRACE: ContextVar[_TraceScope | None] = ContextVar("tapesac_trace", default=None)
+_TORCH_CHECKPOINT: ContextVar[list[str] | None] = ContextVar("tapesac_torch_checkpoint", default=None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +146,19 @@ def trace(time_nodes: bool = False) -> Iterator[list[BlockTrace]]:
         _TRACE.reset(token)
 
 
+@contextmanager
+def torch_checkpointing() -> Iterator[list[str]]:
+    """Blocks run inside are not recorded: each runs under ``torch.utils.checkpoint(...,
+    use_reentrant=False)`` as full checkpointing would, for steps that measure what users would
+    otherwise run. Yields the names of the blocks so run."""
+    names: list[str] = []
+    token = _TORCH_CHECKPOINT.set(names)
+    try:
+        yield names
+    finally:
+        _TORCH_CHECKPOINT.reset(token)
+
+
 # ---------------------------------------------------------------------- blocks
 
 
@@ -181,6 +196,10 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
             f"block {name!r} ran during a backward pass (reentrant checkpointing, e.g. "
             "torch.utils.checkpoint(use_reentrant=True) around it). Fix: remove the outer checkpoint")
     _refuse_outer_torch_checkpoint(name)
+    torch_checkpointed = _TORCH_CHECKPOINT.get()
+    if torch_checkpointed is not None:
+        torch_checkpointed.append(name)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
     plan = _PLAN.get()
     scope = _TRACE.get()
     block = Block(name, region, module, plan.block_plan(region) if plan else BlockPlan(),

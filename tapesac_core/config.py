@@ -72,6 +72,10 @@ class TapeSACConfig:
     control_steps: int = 1         # must-only steps before a bucket's first planned step
     control_every: int = 25        # then one must-only step per this many planned steps (0: never);
                                    # measured speedup compares them with planned steps of the bucket
+    full_control_every: int = 0    # one step with torch.utils.checkpoint on every block per this many
+                                   # planned steps of a bucket (0: never): measured speedup vs full
+                                   # checkpointing; such steps may peak above must-only and are not
+                                   # metered against the limit
     margin: float = 0.02           # safety reserve, fraction of device memory (of the limit if absolute)
     primary_bucket_factor: float = 1.1
     secondary_bucket_factor: float = 1.25
@@ -90,7 +94,8 @@ class TapeSACConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_limit", parse_memory_limit(self.memory_limit))
         object.__setattr__(self, "secondary_regions", frozenset(self.secondary_regions))
-        for name in ("warmup_steps", "profile_steps", "control_steps", "control_every"):
+        for name in ("warmup_steps", "profile_steps", "control_steps", "control_every",
+                     "full_control_every"):
             if getattr(self, name) < (1 if name == "profile_steps" else 0):
                 raise ValueError(f"{name} must be >= {1 if name == 'profile_steps' else 0}")
         if not 0.0 <= self.margin < 1.0:

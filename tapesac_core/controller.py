@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import trace, use_plan
+from .checkpoint import torch_checkpointing, trace, use_plan
 from .config import TapeSACConfig
 from .errors import TapeSACError
 from .memory import MemoryMeter, MemoryReading, memory_meter, physical_memory
@@ -43,6 +43,7 @@ from .units import format_bytes
 logger = logging.getLogger(__name__)
 
 WARMUP, PROFILE, SAMPLE, CONTROL, PLANNED = "warmup", "profile", "sample", "control", "planned"
+FULL = "full"  # a control step under torch.utils.checkpoint (opt-in: full_control_every)
 _ALL = "*"
 _WINDOW = 25  # recent step times per bucket that speed comparisons use
 _WALLS = 64   # recent must-only block replays per region that profiled times are checked against
@@ -67,7 +68,10 @@ class StepReport:
     over_budget: int = 0                   # planned values not kept: over their block's bytes
     blocks: int = 0
     predicted_speedup: float | None = None
-    measured_speedup: float | None = None
+    measured_speedup: float | None = None  # vs must-only control steps of the bucket
+    measured_speedup_vs_full: float | None = None  # vs full-checkpointing control steps
+    measured_reason: str | None = None     # why measured_speedup is None
+    torch_checkpointed: int = 0            # blocks run under torch.utils.checkpoint (full steps)
     block_traces: list = field(default_factory=list, repr=False)
 
 
@@ -108,11 +112,13 @@ class Controller:
         self._mismatch_reprofiles = 0
         self._reprofile = False
         self.planned_times: dict[tuple[int, ...], list[float]] = {}
+        self.full_times: dict[tuple[int, ...], list[float]] = {}
         self.report: StepReport | None = None
         self._profile_steps_done = 0
         self._secondary_max: dict[str, int] = {}
         self._checked: set[tuple[int, ...]] = set()
         self._planned_since_control: dict[tuple[int, ...], int] = {}
+        self._planned_since_full: dict[tuple[int, ...], int] = {}
         self._raise_fragmentation = 0  # seen near the limit; applied at the next step, on all ranks
         self._warned: set[str] = set()
 
@@ -151,6 +157,7 @@ class Controller:
         with ExitStack() as stack:
             if plan is not None:
                 stack.enter_context(use_plan(plan))
+            torch_checkpointed = stack.enter_context(torch_checkpointing()) if mode == FULL else []
             blocks = stack.enter_context(trace(time_nodes=mode == PROFILE))
             meter = stack.enter_context(self._meter()) if metered else None
             static = meter.reading().current if meter is not None else 0
@@ -161,6 +168,7 @@ class Controller:
             report.time = time.perf_counter() - start
             reading = meter.reading() if meter is not None else None
         report.block_traces = blocks
+        report.torch_checkpointed = len(torch_checkpointed)
         self._finish(report, reading, static)
 
     def _finish(self, report: StepReport, reading: MemoryReading | None, static: int) -> None:
@@ -192,8 +200,12 @@ class Controller:
             self._planned_since_control[key] = 0
             if mode == CONTROL and key in self.plans:
                 self._compare(key)
+        if mode == FULL:
+            self._record_time(self.full_times, key, report.time)
+            self._planned_since_full[key] = 0
         if mode == PLANNED:
             self._planned_since_control[key] = self._planned_since_control.get(key, 0) + 1
+            self._planned_since_full[key] = self._planned_since_full.get(key, 0) + 1
             if reading is not None and self.device.type == "cpu":
                 self._checked.add(key)  # metering slows a CPU step: checked, not timed
             else:
@@ -202,6 +214,8 @@ class Controller:
                 self._watch_limit(reading)
         report.predicted_speedup = self.plans[key].predicted_speedup if key in self.plans else None
         report.measured_speedup = self._measured(key)
+        report.measured_reason = self._unmeasured_reason(key)
+        report.measured_speedup_vs_full = self._measured(key, self.full_times)
         self.report = report
         self.steps += 1
 
@@ -278,6 +292,10 @@ class Controller:
         every = self.config.control_every
         if controls < self.config.control_steps or (every and controls and since >= every):
             return CONTROL
+        full_every = self.config.full_control_every
+        if full_every and (not self.full_times.get(key)
+                           or self._planned_since_full.get(key, 0) >= full_every):
+            return FULL
         return PLANNED
 
     def _take_profile(self, blocks: list, tokens: dict[str, int]) -> None:
@@ -355,11 +373,25 @@ class Controller:
                 "chosen": (plan.base + plan.saved_bytes, seconds / plan.predicted_speedup),
                 "capacity": plan.capacity}
 
-    def _measured(self, key: tuple[int, ...]) -> float | None:
-        must, planned = self.must_only_times.get(key), self.planned_times.get(key)
-        if not must or not planned:
+    def _measured(self, key: tuple[int, ...],
+                  control: dict[tuple[int, ...], list[float]] | None = None) -> float | None:
+        """Median control step time (must-only, or ``control``'s) over median planned step time."""
+        control_times = (self.must_only_times if control is None else control).get(key)
+        planned = self.planned_times.get(key)
+        if not control_times or not planned:
             return None
-        return statistics.median(must) / statistics.median(planned)
+        return statistics.median(control_times) / statistics.median(planned)
+
+    def _unmeasured_reason(self, key: tuple[int, ...]) -> str | None:
+        """Why the bucket has no measured speedup yet (None when it has one)."""
+        if self.must_only_times.get(key) and self.planned_times.get(key):
+            return None
+        if key not in self.plans:
+            return "no plan yet for this token bucket (warming up, profiling or sampling memory)"
+        if not self.must_only_times.get(key):
+            return "no must-only control step timed in this token bucket yet"
+        return ("no planned step timed in this token bucket yet (on CPU a bucket's first planned "
+                "step is metered for memory, not timed)")
 
     # ------------------------------------------------------------------ memory
 
@@ -496,6 +528,7 @@ class Controller:
                 "extra_fragmentation": self.memory.extra_fragmentation,
                 "must_only_times": {",".join(map(str, k)): v for k, v in self.must_only_times.items()},
                 "planned_times": {",".join(map(str, k)): v for k, v in self.planned_times.items()},
+                "full_times": {",".join(map(str, k)): v for k, v in self.full_times.items()},
                 "must_only_steps": [[list(k), t, s] for k, t, s in self.must_only_steps]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -518,6 +551,7 @@ class Controller:
             self.memory.add(MemorySample(**s))
         self.must_only_times = keys(state["must_only_times"])
         self.planned_times = keys(state["planned_times"])
+        self.full_times = keys(state.get("full_times", {}))  # absent in states before it existed
         # Version 1 kept no tokens per must-only step: each bucket's upper edge stands in.
         self.must_only_steps = [(tuple(k), t, s) for k, t, s in state.get("must_only_steps", [])] \
             or [(k, self._edges(k), s) for k, v in self.must_only_times.items() for s in v]

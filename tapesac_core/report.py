@@ -4,6 +4,7 @@ folder. ``read_run`` gives a ``RunReport``: text for people, JSON for machines, 
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,3 +187,82 @@ def _measured_line(b: BucketReport) -> str:
 def _point_json(p: MeasuredPoint | None) -> dict[str, float] | None:
     return None if p is None else {"median_s": p.seconds, "q1_s": p.q1, "q3_s": p.q3,
                                    "count": p.count}
+
+
+# ---------------------------------------------------------------------- a run's own steps
+
+_MUST_ONLY_MODES = ("control", "warmup")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Speedup:
+    """Measured speedup of planned steps over control steps of their own token bucket: per
+    planned step, the median control step time of its bucket over its time; the median of those
+    ratios with quartiles, over ``count`` planned steps, against ``controls`` control steps."""
+
+    median: float
+    q1: float
+    q3: float
+    count: int
+    controls: int
+
+    def text(self, against: str) -> str:
+        return (f"measured speedup vs {against}: {self.median:.3f}x median over {self.count} "
+                f"planned steps (IQR {self.q1:.3f}-{self.q3:.3f}), against {self.controls} "
+                f"interleaved control steps of their buckets")
+
+
+def measured_speedup(steps: list[Mapping[str, Any]], control_modes: tuple[str, ...]) -> Speedup | None:
+    """``Speedup`` of a run's step records (``mode``, ``bucket``, ``time`` in seconds, ``peak``)
+    over its control steps in ``control_modes``. The run's first step (one-time costs) and
+    metered steps (metering slows a step on CPU) are left out; None without a pair."""
+    timed = [s for s in steps[1:] if s.get("peak") is None]
+    controls: dict[tuple, list[float]] = {}
+    for s in timed:
+        if s["mode"] in control_modes:
+            controls.setdefault(tuple(s["bucket"]), []).append(s["time"])
+    ratios = [statistics.median(controls[tuple(s["bucket"])]) / s["time"] for s in timed
+              if s["mode"] == "planned" and tuple(s["bucket"]) in controls]
+    if not ratios:
+        return None
+    point = MeasuredPoint.of("ratio", ratios)
+    used = {tuple(s["bucket"]) for s in timed if s["mode"] == "planned"}
+    return Speedup(median=point.seconds, q1=point.q1, q3=point.q3, count=point.count,
+                   controls=sum(len(v) for k, v in controls.items() if k in used))
+
+
+def run_summary(steps: list[Mapping[str, Any]], limit: int, plan: Plan | None,
+                headroom: tuple[int, int] | None = None) -> str:
+    """A run's closing summary from its own step records: step counts by mode, measured
+    speedups vs must-only and vs full checkpointing (medians with spread and counts), the
+    predicted speedup, peak against the limit (and, given ``headroom`` = (must-only peak, peak
+    with everything useful saved) of the final plan's bucket, where the limit sits between
+    them), and the plan in effect at the end."""
+    modes = [s["mode"] for s in steps]
+    lines = [f"TapeSAC: {len(steps)} steps: {modes.count('planned')} planned, "
+             f"{modes.count('control')} must-only control, {modes.count('full')} "
+             f"full-checkpointing control, {len(steps) - sum(modes.count(m) for m in ('planned', 'control', 'full'))} "
+             "warm-up/profiling/sampling"]
+    for modes_, against in ((_MUST_ONLY_MODES, "must-only"),
+                            (("full",), "full checkpointing (torch.utils.checkpoint)")):
+        speedup = measured_speedup(steps, modes_)
+        lines.append(speedup.text(against) if speedup else
+                     f"measured speedup vs {against}: none (no timed planned step shares a "
+                     "bucket with such control steps)")
+    predicted = [s["predicted"] for s in steps if s["mode"] == "planned" and s.get("predicted")]
+    if predicted:
+        lines.append(f"predicted speedup vs must-only: {statistics.median(predicted):.3f}x median "
+                     f"over {len(predicted)} planned steps")
+    peaks = [s["peak"] for s in steps if s.get("peak") is not None]
+    if peaks:
+        lines.append(f"peak memory {format_bytes(max(peaks))} (max over {len(peaks)} metered steps) "
+                     f"against the limit {format_bytes(limit)}; full-checkpointing control steps "
+                     "are not metered (they may peak above must-only)")
+    if headroom is not None and headroom[1] > headroom[0]:
+        low, high = headroom
+        lines.append(f"the limit sits {100 * (limit - low) / (high - low):.0f}% of the way from the "
+                     f"must-only peak {format_bytes(low)} to the peak with everything useful "
+                     f"saved {format_bytes(high)} (predicted, final plan's bucket)")
+    if plan is not None:
+        lines += ["plan in effect at the end:", plan.explain()]
+    return "\n".join(lines)

@@ -11,13 +11,14 @@ from tapesac_core.figures import MeasuredPoint, frontier_figure, image_array
 
 SCALARS = ("tapesac/step_time_ms", "tapesac/memory_limit_bytes", "tapesac/saved_bytes",
            "tapesac/replayed_nodes", "tapesac/peak_memory_bytes", "tapesac/predicted_speedup",
-           "tapesac/measured_speedup")
+           "tapesac/measured_speedup", "tapesac/measured_speedup_vs_full")
 
 
 def step_metrics(report: StepReport) -> dict[str, float]:
     """The step's ``tapesac/*`` scalars (speedups once known, peak when measured)."""
     values = (report.time * 1e3, report.limit, report.saved_bytes, report.replayed_nodes,
-              report.peak, report.predicted_speedup, report.measured_speedup)
+              report.peak, report.predicted_speedup, report.measured_speedup,
+              report.measured_speedup_vs_full)
     return {name: float(v) for name, v in zip(SCALARS, values) if v is not None}
 
 
@@ -62,9 +63,11 @@ class Publisher:
                          step, dataformats="HWC")
 
     def figure(self, controller: Controller, key: tuple[int, ...]) -> Any:
-        """The bucket's predicted frontier and its measured must-only and planned steps."""
+        """The bucket's predicted frontier and its measured must-only, full-checkpointing and
+        planned steps."""
         measured = [MeasuredPoint.of(label, times, self._peaks.get((key, label)))
                     for label, times in (("must-only", controller.must_only_times.get(key)),
+                                         ("full", controller.full_times.get(key)),
                                          ("planned", controller.planned_times.get(key)))
                     if times]
         tokens = ", ".join(f"{n} ({r})" for r, n in controller.bucket_tokens(key).items())

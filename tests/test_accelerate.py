@@ -71,9 +71,13 @@ def assert_really_tapesac(ranks: list[dict]) -> None:
     steps = ranks[0]["steps"]
     planned = [s for s in steps if s["mode"] == "planned"]
     assert planned and all(not s["plan_empty"] and s["saved_bytes"] > 0 for s in planned)
-    must_only = [s["replayed"] for s in steps if s["mode"] != "planned"]
+    must_only = [s["replayed"] for s in steps if s["mode"] not in ("planned", "full")]
     assert max(s["replayed"] for s in planned) < min(must_only)
     assert [s["plan"] for s in steps] == [s["plan"] for s in ranks[1]["steps"]]
+    # Full-checkpointing control steps ran torch.utils.checkpoint on every block, recording none.
+    full = [s for s in steps if s["mode"] == "full"]
+    blocks = ranks[0]["run"]["tapesac_blocks"]
+    assert full and all((s["blocks"], s["torch_checkpointed"]) == (0, blocks) for s in full)
 
 
 def test_launch_shards_the_run_is_bitwise_torch_checkpoint_and_logs_from_rank_0(tmp_path) -> None:
@@ -154,6 +158,14 @@ def test_save_state_load_state_round_trips_the_plan_cache(tmp_path) -> None:
     assert losses(resumed) == [l[6:] for l in losses(whole)]
     assert [s["mode"] for s in resumed[0]["steps"]] == ["planned"] * 6  # no warm-up, no profiling
     assert resumed[0]["steps"][0]["plan"] == whole[0]["steps"][5]["plan"]
+    # tapesac report reads the plan cache from the save_state folder.
+    done = subprocess.run([sys.executable, "-m", "tapesac_lightning.cli", "report",
+                           str(tmp_path / "state"), "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["kind"] == "accelerate"
+    assert whole[0]["steps"][5]["plan"] in [b["plan"] for b in result["buckets"]]
 
 
 @pytest.mark.parametrize("change, message", [

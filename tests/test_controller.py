@@ -7,7 +7,7 @@ import torch
 
 import tapesac_core
 from examples.models import DecoderLayer, DecoderLM, ModelConfig
-from tapesac_core.controller import CONTROL, PLANNED, PROFILE, SAMPLE, WARMUP, Controller
+from tapesac_core.controller import CONTROL, FULL, PLANNED, PROFILE, SAMPLE, WARMUP, Controller
 from tapesac_core.memory import MemoryReading
 from tapesac_core.plan import bucket, upper_edge
 from tapesac_core.units import GiB, MiB
@@ -169,3 +169,46 @@ def test_state_dict_round_trip_reuses_plans_without_profiling() -> None:
     assert not fresh.profiles  # nothing was profiled again
     with pytest.raises(tapesac_core.TapeSACError, match="another model"):
         fresh.load_state_dict({**state, "model": "Other"})
+
+
+def test_full_checkpointing_control_steps_run_torch_checkpoint_on_every_block_and_record_none() -> None:
+    model, meter, c = _setup(64 * MiB + 2 * MiB, full_control_every=3)
+    counted = []
+    original = torch.utils.checkpoint.checkpoint
+
+    def counting(fn, *args, **kwargs):
+        counted.append(kwargs.get("use_reentrant"))
+        return original(fn, *args, **kwargs)
+
+    torch.utils.checkpoint.checkpoint = counting
+    try:
+        reports = [_run(model, meter, c, seq=16) for _ in range(12)]
+    finally:
+        torch.utils.checkpoint.checkpoint = original
+    modes = [r.mode for r in reports]
+    # warm-up, profile, control; then a full step before the first planned step and one per
+    # three planned steps of the bucket.
+    assert modes == [WARMUP, PROFILE, CONTROL, FULL, PLANNED, PLANNED, PLANNED, FULL, PLANNED,
+                     PLANNED, PLANNED, FULL]
+    full = [r for r in reports if r.mode == FULL]
+    assert [(r.blocks, r.replayed_nodes, r.torch_checkpointed, r.peak) for r in full] == \
+        [(0, 0, 3, None)] * 3
+    assert counted == [False] * 9  # torch.utils.checkpoint(use_reentrant=False), every block
+    assert all(r.blocks == 3 for r in reports if r.mode != FULL)
+    # The first planned step is metered (CPU), not timed: no ratio until the second.
+    assert reports[4].measured_speedup is None and reports[4].measured_speedup_vs_full is None
+    assert "metered for memory, not timed" in reports[4].measured_reason
+    later = reports[5]
+    assert later.measured_reason is None
+    assert later.measured_speedup == pytest.approx(c.must_only_times[later.bucket][0]
+                                                   / c.planned_times[later.bucket][0])
+    assert later.measured_speedup_vs_full == pytest.approx(c.full_times[later.bucket][0]
+                                                           / c.planned_times[later.bucket][0])
+
+
+def test_measured_reason_names_what_is_missing() -> None:
+    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    first = _run(model, meter, c, seq=16)
+    assert first.measured_speedup is None
+    assert first.measured_reason == ("no plan yet for this token bucket (warming up, profiling "
+                                     "or sampling memory)")

@@ -60,6 +60,7 @@ def test_publisher_logs_scalars_every_step_and_each_new_plan_once() -> None:
     plan = SimpleNamespace(to_json=lambda: "plan-1", explain=lambda measured=None: "table")
     controller = SimpleNamespace(
         plans={(5,): plan}, must_only_times={(5,): [0.1, 0.11]}, planned_times={(5,): [0.09]},
+        full_times={},
         bucket_tokens=lambda key: {"DecoderLayer": 512}, step_frontier=lambda key: FRONTIER)
     scalars, writer, publisher = [], Writer(), Publisher()
     for step, mode in enumerate(["control", "planned", "planned"]):

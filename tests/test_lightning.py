@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,14 @@ def fit(out: Path, *args: str) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text())["steps"] for r in range(2)]
 
 
+def report(run: Path, out: Path) -> str:
+    """What `tapesac report RUN --out OUT` prints."""
+    done = subprocess.run([sys.executable, "-m", "tapesac_lightning.cli", "report", str(run),
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def losses(ranks: list[list[dict]]) -> list[list[float]]:
     return [[s["loss"] for s in steps] for steps in ranks]
 
@@ -44,10 +53,13 @@ def test_fit_is_bitwise_torch_checkpoint_and_really_uses_tapesac(tmp_path, varia
     assert losses(tapesac) == losses(torch_ckpt)
     planned = [s for s in tapesac[0] if s["mode"] == "planned"]
     assert planned and all(not s["plan_empty"] and s["saved_bytes"] > 0 for s in planned)
-    assert all(s["replayed"] > 0 for s in tapesac[0])
+    assert all(s["replayed"] > 0 for s in tapesac[0] if s["mode"] != "full")
     # The plan replays fewer nodes than must-only steps.
-    must_only = [s["replayed"] for s in tapesac[0] if s["mode"] != "planned"]
+    must_only = [s["replayed"] for s in tapesac[0] if s["mode"] not in ("planned", "full")]
     assert max(s["replayed"] for s in planned) < min(must_only)
+    # Full-checkpointing control steps ran torch.utils.checkpoint on every block, recording none.
+    full = [s for s in tapesac[0] if s["mode"] == "full"]
+    assert full and all((s["blocks"], s["torch_checkpointed"]) == (0, 4) for s in full)
     # Both ranks ran the same plan every step.
     assert [s["plan"] for s in tapesac[0]] == [s["plan"] for s in tapesac[1]]
 
@@ -62,6 +74,14 @@ def test_scalars_read_back_from_tensorboard(tmp_path) -> None:
     assert acc.Scalars("tapesac/memory_limit_bytes")[0].value == 24 * 2**20
     assert acc.Tags()["images"] == ["tapesac/frontier"]
     assert "tapesac/plan/text_summary" in acc.Tags()["tensors"]
+    # tapesac report reads the same run back: plans, speedups over the run, figures.
+    text = report(tmp_path / "runs", tmp_path / "report")
+    plans = acc.Tensors("tapesac/plan/text_summary")
+    assert text.count("plan logged at step") == len(plans) > 0
+    measured = [e.value for e in acc.Scalars("tapesac/measured_speedup")]
+    assert f"measured speedup vs must-only: median {statistics.median(measured):.3f}x" in text
+    assert f"{len(measured)} steps)" in text
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["frontier.png", "timeline.png"]
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
@@ -75,6 +95,10 @@ def test_resume_reuses_the_stored_plan_and_continues_with_identical_losses(tmp_p
     assert losses(resumed) == [l[6:] for l in losses(whole)]
     assert [s["mode"] for s in resumed[0]] == ["planned"] * 6  # no warm-up, no profiling
     assert resumed[0][0]["plan"] == whole[0][5]["plan"]
+    # tapesac report reads the checkpoint's plan cache.
+    text = report(Path(first_epoch), tmp_path / "report")
+    assert "(lightning)" in text and Plan.from_json(whole[0][5]["plan"]).explain() in text
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["speedup_by_bucket.png"]
 
 
 def test_a_growing_batch_replans_and_stays_under_the_limit(tmp_path) -> None:
