@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -141,7 +142,8 @@ def summary(controller: Controller, records: list[dict[str, Any]]) -> str:
         low = frontier["must_only"][0]
         headroom = (low, low + sum(max(x for x, _ in c) - low for c in frontier["curves"].values()))
     plan = controller.plans.get(report.bucket) if report is not None else None
-    return run_summary(records, controller.limit_bytes(), plan, headroom)
+    return run_summary(records, controller.limit_bytes(), plan, headroom,
+                       report.measured_speedup if report is not None else None)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -151,7 +153,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", action="store_true", help="a tiny Hugging Face Qwen3 instead")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--memory-limit", default="24MiB", help="absolute (e.g. 24MiB) or a fraction")
+    p.add_argument("--memory-limit", default="30MiB", help="absolute (e.g. 30MiB) or a fraction")
     p.add_argument("--full-control-every", type=int, default=25,
                    help="a full-checkpointing control step per this many planned steps (0: none)")
     p.add_argument("--baseline", choices=["none", "torch"], default="none")
@@ -172,10 +174,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def quiet_lightning() -> None:
+    """The job's output is its summary: Lightning's tips and setup lines, and warnings about
+    choices this job makes on purpose (one process per batch, validation only on request,
+    Lightning's own use of a deprecated torch pytree API), are not shown."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for message in (".*does not have many workers.*", ".*`validation_step` but have no `val_dataloader`.*",
+                    ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*"):
+        warnings.filterwarnings("ignore", message=message)
+
+
 def run(args: argparse.Namespace, module: pl.LightningModule | None = None,
         policy: set[type[torch.nn.Module]] | None = None) -> None:
     """Train ``module`` (by default the example decoder) as ``args`` say."""
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    quiet_lightning()
     torch.manual_seed(0)
     if module is None:
         config = ModelConfig(moe=args.moe, dropout=args.dropout, hidden_size=128,
@@ -207,6 +220,7 @@ def run(args: argparse.Namespace, module: pl.LightningModule | None = None,
                          limit_val_batches=2 if validate else 0,
                          logger=TensorBoardLogger(args.logdir, name="tapesac"), callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=args.checkpoint_dir is not None,
                          log_every_n_steps=1, num_sanity_val_steps=0, use_distributed_sampler=False)
     trainer.fit(module, loader, loader if validate else None, ckpt_path=args.resume)
     if trainer.is_global_zero and args.baseline == "none":

@@ -232,12 +232,13 @@ def measured_speedup(steps: list[Mapping[str, Any]], control_modes: tuple[str, .
 
 
 def run_summary(steps: list[Mapping[str, Any]], limit: int, plan: Plan | None,
-                headroom: tuple[int, int] | None = None) -> str:
+                headroom: tuple[int, int] | None = None, measured: float | None = None) -> str:
     """A run's closing summary from its own step records: step counts by mode, measured
     speedups vs must-only and vs full checkpointing (medians with spread and counts), the
     predicted speedup, peak against the limit (and, given ``headroom`` = (must-only peak, peak
     with everything useful saved) of the final plan's bucket, where the limit sits between
-    them), and the plan in effect at the end."""
+    them), and the plan in effect at the end (with the controller's ``measured`` speedup of its
+    bucket)."""
     modes = [s["mode"] for s in steps]
     lines = [f"TapeSAC: {len(steps)} steps: {modes.count('planned')} planned, "
              f"{modes.count('control')} must-only control, {modes.count('full')} "
@@ -264,5 +265,5 @@ def run_summary(steps: list[Mapping[str, Any]], limit: int, plan: Plan | None,
                      f"must-only peak {format_bytes(low)} to the peak with everything useful "
                      f"saved {format_bytes(high)} (predicted, final plan's bucket)")
     if plan is not None:
-        lines += ["plan in effect at the end:", plan.explain()]
+        lines += ["plan in effect at the end:", plan.explain(measured)]
     return "\n".join(lines)

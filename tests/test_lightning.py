@@ -71,7 +71,7 @@ def test_scalars_read_back_from_tensorboard(tmp_path) -> None:
     acc.Reload()
     assert {t for t in acc.Tags()["scalars"] if t.startswith("tapesac/")} == set(SCALARS)
     assert acc.Scalars("tapesac/measured_speedup")  # once the plan ran beside must-only steps
-    assert acc.Scalars("tapesac/memory_limit_bytes")[0].value == 24 * 2**20
+    assert acc.Scalars("tapesac/memory_limit_bytes")[0].value == 30 * 2**20
     assert acc.Tags()["images"] == ["tapesac/frontier"]
     assert "tapesac/plan/text_summary" in acc.Tags()["tensors"]
     # tapesac report reads the same run back: plans, speedups over the run, figures.

@@ -131,14 +131,13 @@ class Plan:
         and ``measured_speedup`` (the controller's, must-only vs planned steps of the bucket)
         when given."""
         tokens = ", ".join(f"{p.tokens} ({r})" for r, p in sorted(self.regions.items()))
-        measured = "n/a" if measured_speedup is None else f"{measured_speedup:.3f}x"
+        measured = "" if measured_speedup is None else f"; measured {measured_speedup:.3f}x vs must-only"
         model = (f"; must-only step modelled {self.step_time * 1e3:.3f} ms, of which replay "
                  f"{self.replay_time * 1e3:.3f} ms" if self.step_time > 0 else "")
         lines = [f"TapeSAC plan for up to {tokens} tokens: capacity {format_bytes(self.capacity)}, "
                  f"must-only peak {format_bytes(self.base)}, saves {format_bytes(self.saved_bytes)} "
                  f"more; predicted speedup {self.predicted_speedup:.3f}x vs must-only, "
-                 f"{self.predicted_speedup_vs_full:.3f}x vs full recomputation; measured "
-                 f"{measured} vs must-only{model}"]
+                 f"{self.predicted_speedup_vs_full:.3f}x vs full recomputation{measured}{model}"]
         for region, p in sorted(self.regions.items()):
             sizes = [len(b) for b in p.blocks]
             lines.append(f"region {region} ({len(p.blocks)} blocks at {p.tokens} tokens; values "
