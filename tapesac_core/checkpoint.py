@@ -315,10 +315,35 @@ def checkpoint_modules(model: torch.nn.Module, policy: Policy,
             module._tapesac = BlockConfig(region=module._tapesac.region, path=path)
             paths.append(path)
     if not paths:
-        raise TapeSACError(f"the activation checkpointing policy {policy!r} matches no module of "
-                           f"{type(model).__name__}. Fix: name the block class, e.g. "
-                           "{DecoderLayer}, or a callable that selects it")
+        found = repeated_block_classes(model)
+        example = "{" + ", ".join(found) + "}" if found else "the class of its transformer block"
+        raise TapeSACError(f"the activation checkpointing policy {describe_policy(policy)} matches "
+                           f"no module of {type(model).__name__}. Fix: name its block classes, "
+                           f"e.g. {example}, or pass a callable that selects them")
     return paths
+
+
+def describe_policy(policy: Policy) -> str:
+    """A policy as the user wrote it: ``{ClassA, ClassB}``, or the callable's name."""
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        return "{" + ", ".join(sorted(getattr(c, "__name__", repr(c)) for c in policy)) + "}"
+    return f"callable {getattr(policy, '__qualname__', repr(policy))}"
+
+
+def repeated_blocks(root: torch.nn.Module) -> Callable[[torch.nn.Module], bool]:
+    """The default policy: modules held in a ModuleList beside others of their class (layer stacks)."""
+    repeated = set()
+    for child in root.modules():
+        if isinstance(child, torch.nn.ModuleList):
+            classes = [type(m) for m in child]
+            repeated.update(id(m) for m in child if classes.count(type(m)) > 1)
+    return lambda m: id(m) in repeated
+
+
+def repeated_block_classes(root: torch.nn.Module) -> list[str]:
+    """Names of the classes ``repeated_blocks`` selects, for messages that suggest a policy."""
+    selected = repeated_blocks(root)
+    return sorted({type(m).__name__ for m in root.modules() if selected(m)})
 
 
 def _inside(path: str, parents: list[str]) -> bool:

@@ -87,11 +87,13 @@ class RunReport:
 
     def _speedups(self) -> str:
         parts = []
-        for name in ("predicted_speedup", "measured_speedup"):
+        for name, what in (("predicted_speedup", "predicted speedup vs must-only"),
+                           ("measured_speedup", "measured speedup vs must-only"),
+                           ("measured_speedup_vs_full", "measured speedup vs full checkpointing")):
             values = [v for _, v in self.scalars.get(f"tapesac/{name}", [])]
             if values:
                 p = MeasuredPoint.of(name, values)
-                parts.append(f"{name.replace('_', ' ')} vs must-only: median {p.seconds:.3f}x "
+                parts.append(f"{what}, as logged each step: median {p.seconds:.3f}x "
                              f"(IQR {p.q1:.3f}-{p.q3:.3f}, {p.count} steps)")
         return "\n".join(parts)
 
@@ -152,9 +154,13 @@ def _from_tensorboard(path: Path) -> RunReport:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util.tensor_util import make_ndarray
 
+    runs = {}  # a logger folder may hold several runs (version_0, version_1, ...): the newest
+    for events in path.rglob("events.out.tfevents.*"):
+        runs.setdefault(events.parent, []).append(events)
+    newest = max(runs, key=lambda d: max(e.stat().st_mtime for e in runs[d]))
     scalars: dict[str, list[tuple[int, float]]] = {}
     texts, png = [], None
-    for events in sorted(path.rglob("events.out.tfevents.*")):
+    for events in sorted(runs[newest]):
         acc = EventAccumulator(str(events), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
         acc.Reload()
         tags = acc.Tags()
@@ -169,7 +175,8 @@ def _from_tensorboard(path: Path) -> RunReport:
     if not scalars:
         raise TapeSACError(f"the TensorBoard events under {path} hold no tapesac/* scalars: was "
                            "the run trained with TapeSAC and a TensorBoard logger?")
-    return RunReport(source=str(path), kind="tensorboard", plan_texts=texts,
+    source = str(newest) + (f" (the newest of {len(runs)} runs under {path})" if len(runs) > 1 else "")
+    return RunReport(source=source, kind="tensorboard", plan_texts=texts,
                      scalars={k: sorted(v) for k, v in scalars.items()}, frontier_png=png)
 
 

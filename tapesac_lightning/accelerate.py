@@ -25,9 +25,10 @@ from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataPar
 from typing_extensions import override
 
 from tapesac_core import Controller, TapeSACConfig, TapeSACError
-from tapesac_core.checkpoint import Regions, checkpoint_modules, region_namer
+from tapesac_core.checkpoint import (Regions, checkpoint_modules, region_namer,
+                                     repeated_block_classes, repeated_blocks)
 
-from .driver import StepDiscarded, StepDriver, TokenCounter, repeated_block_classes, repeated_blocks, tokens_in
+from .driver import StepDiscarded, StepDriver, TokenCounter, tokens_in
 from .logging import Publisher
 
 SETTINGS_ENV = "TAPESAC_ACCELERATE_SETTINGS"

@@ -1,4 +1,4 @@
-"""What both integrations share: block selection, token counting and the per-micro-batch step driver.
+"""What both integrations share: token counting and the per-micro-batch step driver.
 
 One controller step is one micro-batch: its forward and backward, plus the optimizer step when
 one follows. The Lightning callback and the Accelerate hooks only decide *when* a step opens and
@@ -16,22 +16,6 @@ from torch.utils._pytree import tree_leaves
 from tapesac_core import Controller, StepReport, TapeSACError
 
 TokenCounter = Callable[[Any], "int | Mapping[str, int]"]
-
-
-def repeated_blocks(root: torch.nn.Module) -> Callable[[torch.nn.Module], bool]:
-    """The default policy: modules held in a ModuleList beside others of their class (layer stacks)."""
-    repeated = set()
-    for child in root.modules():
-        if isinstance(child, torch.nn.ModuleList):
-            classes = [type(m) for m in child]
-            repeated.update(id(m) for m in child if classes.count(type(m)) > 1)
-    return lambda m: id(m) in repeated
-
-
-def repeated_block_classes(root: torch.nn.Module) -> list[str]:
-    """Names of the classes ``repeated_blocks`` selects, for messages that suggest a policy."""
-    selected = repeated_blocks(root)
-    return sorted({type(m).__name__ for m in root.modules() if selected(m)})
 
 
 def tokens_in(batch: Any) -> int:

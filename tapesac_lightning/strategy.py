@@ -15,10 +15,11 @@ from lightning.pytorch.strategies import model_parallel as _model_parallel
 from typing_extensions import override
 
 from tapesac_core import Controller, TapeSACConfig, TapeSACError
-from tapesac_core.checkpoint import Policy, Regions, checkpoint_modules, module_selector, region_namer
+from tapesac_core.checkpoint import (Policy, Regions, checkpoint_modules, module_selector, region_namer,
+                                     repeated_blocks)
 
 from .callback import TapeSACCallback
-from .driver import StepDriver, TokenCounter, repeated_blocks, tokens_in
+from .driver import StepDriver, TokenCounter, tokens_in
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
@@ -61,10 +62,9 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.tapesac_config = TapeSACConfig(memory_limit=memory_limit, **settings)
-        self._policy = (module_selector(activation_checkpointing_policy,
-                                        "activation_checkpointing_policy")
-                        if activation_checkpointing_policy is not None else None)
-        self._policy_spec = activation_checkpointing_policy
+        if activation_checkpointing_policy is not None:  # validated now, applied at setup
+            module_selector(activation_checkpointing_policy, "activation_checkpointing_policy")
+        self._policy = activation_checkpointing_policy
         self._shard = (module_selector(auto_wrap_policy, "auto_wrap_policy")
                        if auto_wrap_policy is not None else None)
         region_namer(regions)  # validates
@@ -98,10 +98,11 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
 
         if not any(hasattr(m, "_tapesac") for m in module.modules()):
             try:
-                checkpoint_modules(module, self._policy or repeated_blocks(module), self._regions)
+                checkpoint_modules(module, self._policy or repeated_blocks(module),
+                                   self._regions)
             except TapeSACError as e:
                 raise TapeSACError(f"{e}. The policy came from TapeSACFSDPStrategy("
-                                   f"activation_checkpointing_policy={self._policy_spec!r})") from None
+                                   "activation_checkpointing_policy=...)") from None
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return  # sharded in configure_model: TapeSAC only
         mesh = self.device_mesh["data_parallel"]

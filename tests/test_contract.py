@@ -120,8 +120,21 @@ def test_tensor_subclasses_inside_a_block_are_an_error() -> None:
         tapesac_core.checkpoint(torch.sin, x)
 
 
+def test_a_policy_error_on_a_hugging_face_model_suggests_its_decoder_class() -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=16))
+    with pytest.raises(TapeSACError) as error:
+        tapesac_core.checkpoint_modules(model, lambda m: False)
+    message = str(error.value)
+    assert "policy callable test_a_policy_error_on_a_hugging_face_model_suggests_its_decoder_class.<locals>.<lambda>" in message
+    assert "e.g. {Qwen3DecoderLayer}" in message and "DecoderLayer}" not in message.replace("Qwen3DecoderLayer}", "")
+
+
 def test_a_policy_matching_nothing_or_of_the_wrong_type_is_an_error() -> None:
-    with pytest.raises(TapeSACError, match="matches no module"):
+    with pytest.raises(TapeSACError, match=r"policy \{Conv2d\} matches no module of Stack"):
         tapesac_core.checkpoint_modules(Stack(), {torch.nn.Conv2d})
     with pytest.raises(TypeError, match="policy must be"):
         tapesac_core.checkpoint_modules(Stack(), "Block")
