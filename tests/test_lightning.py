@@ -72,6 +72,9 @@ def test_scalars_read_back_from_tensorboard(tmp_path) -> None:
     assert {t for t in acc.Tags()["scalars"] if t.startswith("tapesac/")} == set(SCALARS)
     assert acc.Scalars("tapesac/measured_speedup")  # once the plan ran beside must-only steps
     assert acc.Scalars("tapesac/memory_limit_bytes")[0].value == 30 * 2**20
+    # On Lightning's own step index, beside the module's train_loss.
+    assert [e.step for e in acc.Scalars("tapesac/step_time_ms")] == \
+        [e.step for e in acc.Scalars("train_loss")] == list(range(10))
     assert acc.Tags()["images"] == ["tapesac/frontier"]
     assert "tapesac/plan/text_summary" in acc.Tags()["tensors"]
     # tapesac report reads the same run back: plans, speedups over the run, figures.
