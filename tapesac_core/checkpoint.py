@@ -6,7 +6,8 @@ S0 and the values the active plan saves; backward replays, on demand, only the p
 values it unpacks. Loss and gradients are bitwise those of running without checkpointing.
 
 When grad is disabled a block runs plainly. In eval mode with grad enabled it is still
-checkpointed. Raises ``TapeSACError`` for a block nested in another, a block run during a backward
+checkpointed. Raises ``TapeSACError`` for a block nested in another (at wrap time when a module is
+wrapped inside or around a wrapped one, else at its forward), a block run during a backward
 pass (reentrant checkpointing), ``torch.utils.checkpoint`` around a block, double backward, and
 in-place writes into block inputs, parameters or buffers.
 """
@@ -225,24 +226,49 @@ def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> A
 
 
 def checkpoint_module(module: M, region: str | None = None) -> M:
-    """Make every forward call of ``module`` a checkpointed block; patches forward in place."""
+    """Make every forward call of ``module`` a checkpointed block; patches forward in place.
+
+    Raises ``TapeSACError`` if ``module`` is already checkpointed, lies inside a checkpointed
+    module, or contains one (a block inside a block fails at its first forward anyway)."""
+    return _wrap(module, region, None)
+
+
+def _wrap(module: M, region: str | None, path: str | None) -> M:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"checkpoint_module takes an nn.Module, got {type(module).__name__}")
     if hasattr(module, "_tapesac"):
         raise TapeSACError(f"{type(module).__name__} is already checkpointed by TapeSAC")
+    name = path or type(module).__name__
+    _refuse_nesting(module, name)
     # Bound methods deep-copy with their module, so a copied model checkpoints its own blocks.
     module._tapesac_forward = module.forward
-    module._tapesac = BlockConfig(region=region or type(module).__name__)
+    module._tapesac = BlockConfig(region=region or type(module).__name__, path=path)
     module.forward = types.MethodType(_checkpointed_forward, module)
-    _track_submodules(module)
+    _track_submodules(module, name)
     return module
 
 
-def _track_submodules(module: torch.nn.Module) -> None:
-    """Name the submodule that issues each recorded op (module paths in plans and explain())."""
-    for name, sub in module.named_modules():
+def _refuse_nesting(module: torch.nn.Module, name: str) -> None:
+    """A checkpointed module inside ``module``, or ``module`` inside one: an error naming both."""
+    outer = getattr(module, "_tapesac_inside", None)
+    if outer is not None:
+        raise TapeSACError(f"cannot checkpoint {name!r}: it lies inside {outer!r}, which is "
+                           "already checkpointed (a block inside a block). Fix: checkpoint only "
+                           "one of them")
+    inner = next((f"{name}.{sub_name}" for sub_name, sub in module.named_modules()
+                  if sub is not module and hasattr(sub, "_tapesac")), None)
+    if inner is not None:
+        raise TapeSACError(f"cannot checkpoint {name!r}: it contains {inner!r}, which is already "
+                           "checkpointed (a block inside a block). Fix: checkpoint only one of them")
+
+
+def _track_submodules(module: torch.nn.Module, name: str) -> None:
+    """Name the submodule that issues each recorded op (module paths in plans and explain()),
+    and mark each as inside block ``name`` so wrapping it later is refused."""
+    for sub_name, sub in module.named_modules():
         if sub is not module:
-            sub.register_forward_pre_hook(functools.partial(_enter_submodule, name))
+            sub._tapesac_inside = name
+            sub.register_forward_pre_hook(functools.partial(_enter_submodule, sub_name))
             sub.register_forward_hook(_exit_submodule)
 
 
@@ -287,14 +313,19 @@ def region_namer(regions: Regions | None) -> Callable[[torch.nn.Module], str | N
 
 def checkpoint_modules(model: torch.nn.Module, policy: Policy,
                        regions: Regions | None = None) -> list[str]:
-    """Checkpoint every submodule of ``model`` the policy selects (not inside another); their paths."""
+    """Checkpoint every submodule of ``model`` the policy selects (not inside another); their paths.
+
+    A selected module inside or around a module checkpointed earlier is a ``TapeSACError``."""
     selects, region_of = module_selector(policy), region_namer(regions)
     paths: list[str] = []
+    chosen: list[torch.nn.Module] = []
     for path, module in model.named_modules():
         if selects(module) and not _inside(path, paths):
-            checkpoint_module(module, region_of(module))
-            module._tapesac = BlockConfig(region=module._tapesac.region, path=path)
+            _refuse_nesting(module, path or type(module).__name__)  # before any is wrapped
             paths.append(path)
+            chosen.append(module)
+    for path, module in zip(paths, chosen):
+        _wrap(module, region_of(module), path)
     if not paths:
         raise TapeSACError(f"the activation checkpointing policy {policy!r} matches no module of "
                            f"{type(model).__name__}. Fix: name the block class, e.g. "

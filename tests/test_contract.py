@@ -37,9 +37,58 @@ def _x():
 def test_nested_blocks_are_an_error_naming_both() -> None:
     model = Stack()
     tapesac_core.checkpoint_modules(model, {Block})
-    tapesac_core.checkpoint_module(model, region="outer")
     with pytest.raises(TapeSACError, match=r"block 'inner' is nested inside checkpointed block 'Stack'"):
-        model(_x())
+        tapesac_core.checkpoint(model, _x())
+
+
+class Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stacks = torch.nn.ModuleList([Stack(), Stack()])
+
+    def forward(self, x):
+        return self.stacks[1](self.stacks[0](x))
+
+
+def _wrap_errors(first, second) -> str:
+    """The error of ``second(model)`` after ``first(model)``; neither ran a forward."""
+    model = Outer()
+    first(model)
+    with pytest.raises(TapeSACError) as error:
+        second(model)
+    return str(error.value)
+
+
+def _blocks(model):
+    return tapesac_core.checkpoint_modules(model, {Block})
+
+
+def _stacks(model):
+    return tapesac_core.checkpoint_modules(model, {Stack})
+
+
+@pytest.mark.parametrize("first, second, inner, outer", [
+    (_stacks, _blocks, "stacks.0.inner", "stacks.0"),
+    (_blocks, _stacks, "stacks.0.inner", "stacks.0"),
+    (_blocks, lambda m: tapesac_core.checkpoint_module(m.stacks[1]), "Stack.inner", "Stack"),
+    (_stacks, lambda m: tapesac_core.checkpoint_module(m.stacks[1].inner), "Block", "stacks.1"),
+], ids=["child_after_parent", "parent_after_child", "module_around_block", "module_inside_block"])
+def test_wrapping_a_module_inside_or_around_a_block_is_an_error_naming_both(
+        first, second, inner, outer) -> None:
+    message = _wrap_errors(first, second)
+    assert f"'{inner}'" in message and f"'{outer}'" in message, message
+    assert "Fix: checkpoint only one of them" in message
+
+
+def test_a_refused_nested_wrap_leaves_the_model_as_it_was() -> None:
+    model = Outer()
+    tapesac_core.checkpoint_module(model.stacks[1])
+    with pytest.raises(TapeSACError, match="'stacks.1.inner'"):
+        _blocks(model)  # stacks.0.inner alone would be fine: it is not wrapped either
+    assert not hasattr(model.stacks[0].inner, "_tapesac")
+    with tapesac_core.trace() as blocks:
+        model(_x()).sum().backward()
+    assert [b.tape.name for b in blocks] == ["Stack"]
 
 
 def test_checkpoint_modules_skips_modules_inside_selected_ones() -> None:
