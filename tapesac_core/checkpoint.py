@@ -10,11 +10,18 @@ checkpointed. Raises ``TapeSACError`` for a block nested in another (at wrap tim
 wrapped inside or around a wrapped one, else at its forward), a block run during a backward
 pass (reentrant checkpointing), ``torch.utils.checkpoint`` around a block, double backward, and
 in-place writes into block inputs, parameters or buffers.
+
+Under ``torch.compile`` the blocks are excluded from tracing (``torch.compiler.disable`` at the
+block boundary, one info log): each block is one graph break and runs eagerly with record and
+replay, the code between blocks compiles, and nothing of a block is guarded, so blocks cause no
+recompilation. As for any disabled call, Dynamo runs eagerly a whole frame that calls a block
+inside a loop: compile the modules around the blocks then.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import types
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +38,7 @@ from .errors import TapeSACError
 from .recorder import Recorder
 from .tape import Coord, Tape
 
+logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=torch.nn.Module)
 PlanSpec = Mapping[str, Any]
 
@@ -204,6 +212,21 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
     return out
 
 
+_told_compiled = False
+
+
+@torch.compiler.disable
+def _outside_compile(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A block reached by torch.compile: Dynamo stops here (one graph break) and ``call`` runs
+    the block eagerly with record and replay; the code around it stays compiled."""
+    global _told_compiled
+    if not _told_compiled:
+        _told_compiled = True
+        logger.info("TapeSAC: torch.compile leaves checkpointed blocks uncompiled (they run "
+                    "eagerly, excluded with torch.compiler.disable); the rest of the model compiles")
+    return call(*args, **kwargs)
+
+
 def _module_of(fn: Callable[..., Any]) -> torch.nn.Module | None:
     if isinstance(fn, torch.nn.Module):
         return fn
@@ -213,6 +236,9 @@ def _module_of(fn: Callable[..., Any]) -> torch.nn.Module | None:
 
 def checkpoint(fn: Callable[..., Any], *args: Any, region: str = "default", **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` as one checkpointed block with tape record and replay."""
+    # Under torch.compile the block runs eagerly, outside the graph (see _checkpointed_forward).
+    if torch.compiler.is_compiling():
+        return _outside_compile(checkpoint, fn, *args, region=region, **kwargs)
     module = _module_of(fn)
     name = getattr(getattr(module, "_tapesac", None), "path", None) or getattr(
         fn, "__qualname__", type(fn).__name__)
@@ -220,6 +246,11 @@ def checkpoint(fn: Callable[..., Any], *args: Any, region: str = "default", **kw
 
 
 def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # Under torch.compile, Dynamo would trace into the recorder (a dispatch mode and saved-tensor
+    # hooks), guard on each block's attributes, recompile per block up to its limit and silently
+    # fall back: the block is excluded explicitly, reading none of its attributes while tracing.
+    if torch.compiler.is_compiling():
+        return _outside_compile(_checkpointed_forward, self, *args, **kwargs)
     config: BlockConfig = self._tapesac
     return _run_block(self._tapesac_forward, args, kwargs, config.region, self,
                       config.path or type(self).__name__)
