@@ -137,15 +137,29 @@ def use_plan(plan: PlanSpec | Any) -> Iterator[None]:
 
 
 class _TraceScope:
-    def __init__(self, time_nodes: bool) -> None:
+    def __init__(self, time_nodes: bool, one_micro_batch: bool) -> None:
         self.time_nodes = time_nodes
+        self.one_micro_batch = one_micro_batch
         self.blocks: list[BlockTrace] = []
+
+    def check_micro_batch(self, name: str) -> None:
+        """A block's forward after another block's backward is the next micro-batch's forward."""
+        if self.one_micro_batch and any(b.unpacked for b in self.blocks):
+            raise TapeSACError(
+                f"block {name!r} ran its forward after the backward of another block in the same "
+                "controller step (gradient accumulation: several micro-batches in one step); the "
+                "plan would count every micro-batch's blocks as alive together. Fix: bracket each "
+                "micro-batch in its own `with controller.step(tokens=...)`, with tokens of that "
+                "micro-batch")
 
 
 @contextmanager
-def trace(time_nodes: bool = False) -> Iterator[list[BlockTrace]]:
-    """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays)."""
-    scope = _TraceScope(time_nodes)
+def trace(time_nodes: bool = False, one_micro_batch: bool = False) -> Iterator[list[BlockTrace]]:
+    """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays).
+
+    With ``one_micro_batch``, a block recorded after another block of the trace ran its backward
+    is a ``TapeSACError`` (one forward and backward per trace, as a controller step is)."""
+    scope = _TraceScope(time_nodes, one_micro_batch)
     token = _TRACE.set(scope)
     try:
         yield scope.blocks
@@ -192,6 +206,8 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
     _refuse_outer_torch_checkpoint(name)
     plan = _PLAN.get()
     scope = _TRACE.get()
+    if scope is not None:
+        scope.check_micro_batch(name)
     block = Block(name, region, module, plan.block_plan(region) if plan else BlockPlan(),
                   _RECORDING.get)
     if scope is not None:

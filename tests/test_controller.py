@@ -169,3 +169,46 @@ def test_state_dict_round_trip_reuses_plans_without_profiling() -> None:
     assert not fresh.profiles  # nothing was profiled again
     with pytest.raises(tapesac_core.TapeSACError, match="another model"):
         fresh.load_state_dict({**state, "model": "Other"})
+
+
+def _micro_batches(seq: int = 32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 256, (2, seq), generator=g) for _ in range(2)]
+
+
+def test_several_micro_batches_in_one_step_are_an_error_saying_to_bracket_each() -> None:
+    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    for _ in range(4):
+        _run(model, meter, c, 32)
+    first, second = _micro_batches()
+    with pytest.raises(tapesac_core.TapeSACError,
+                       match=r"block 'layers.0' ran its forward after the backward.*Fix: bracket "
+                             r"each micro-batch in its own `with controller.step"):
+        with c.step(tokens=first.numel()):
+            model.loss(first).backward()
+            model.loss(second).backward()
+    # Two forwards, then one backward of both: both micro-batches' blocks are alive together,
+    # as the plan counts them, and that is accepted.
+    with c.step(tokens=first.numel()) as report:
+        (model.loss(first) + model.loss(second)).backward()
+    assert report.blocks == 6
+
+
+def test_gradient_accumulation_with_one_step_per_micro_batch_is_bitwise() -> None:
+    torch.manual_seed(0)
+    plain = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                  intermediate_size=64, num_layers=3))
+    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    model.load_state_dict(plain.state_dict())
+    for _ in range(4):
+        _run(model, meter, c, 32)
+    modes = []
+    for ids in _micro_batches():
+        plain.loss(ids).backward()
+        with c.step(tokens=ids.numel()) as report:
+            model.loss(ids).backward()
+        modes.append(report.mode)
+    assert modes == [PLANNED, PLANNED] and not c.plan.empty
+    got = dict(model.named_parameters())
+    different = [n for n, p in plain.named_parameters() if not torch.equal(p.grad, got[n].grad)]
+    assert not different
