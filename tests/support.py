@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -64,3 +67,17 @@ def tiny_lm(**overrides: Any) -> DecoderLM:
 
 
 BLOCK_CLASSES = {DecoderLayer, MoEDecoderLayer}
+
+
+@contextmanager
+def process_group_of_one() -> Iterator[None]:
+    """A gloo process group of this process alone (DTensors, device meshes), destroyed after."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(store, 'store')}",
+                                rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

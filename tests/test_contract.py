@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from support import assert_bitwise, step
+from support import assert_bitwise, process_group_of_one, step
 
 import tapesac_core
 from tapesac_core import TapeSACError
@@ -291,3 +291,21 @@ def test_tape_times_follow_eqs_5_and_6() -> None:
     times = {n.index: float(n.index + 1) for n in tape.nodes}
     assert tape.replay_time((), times) == sum(times[i] for i in tape.replay_nodes())
     assert tape.block_time((), times) == sum(times[i] for i in tape.block_nodes())
+
+
+def test_a_dtensor_parameter_at_backward_is_an_error_naming_the_fsdp2_order() -> None:
+    """FSDP2 applied inside a block reshards its parameters after forward: at backward the block
+    would find DTensors where forward used plain tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    block = tapesac_core.checkpoint_module(Block())
+    with process_group_of_one():
+        mesh = init_device_mesh("cpu", (1,))
+        out = block(_x())
+        sharded = distribute_tensor(block.proj.weight.detach(), mesh, [Shard(0)])
+        block.proj.weight = torch.nn.Parameter(sharded)
+        with pytest.raises(TapeSACError, match=r"block 'Block': param 'proj.weight' is a DTensor at "
+                                               r"backward time.*Fix: shard with FSDP2 at the "
+                                               r"checkpointed module or above it"):
+            out.sum().backward()
