@@ -6,14 +6,22 @@ S0 and the values the active plan saves; backward replays, on demand, only the p
 values it unpacks. Loss and gradients are bitwise those of running without checkpointing.
 
 When grad is disabled a block runs plainly. In eval mode with grad enabled it is still
-checkpointed. Raises ``TapeSACError`` for a block nested in another, a block run during a backward
+checkpointed. Raises ``TapeSACError`` for a block nested in another (at wrap time when a module is
+wrapped inside or around a wrapped one, else at its forward), a block run during a backward
 pass (reentrant checkpointing), ``torch.utils.checkpoint`` around a block, double backward, and
 in-place writes into block inputs, parameters or buffers.
+
+Under ``torch.compile`` the blocks are excluded from tracing (``torch.compiler.disable`` at the
+block boundary, one info log): each block is one graph break and runs eagerly with record and
+replay, the code between blocks compiles, and nothing of a block is guarded, so blocks cause no
+recompilation. As for any disabled call, Dynamo runs eagerly a whole frame that calls a block
+inside a loop: compile the modules around the blocks then.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import types
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +39,7 @@ from .errors import TapeSACError
 from .recorder import Recorder
 from .tape import Coord, Tape
 
+logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=torch.nn.Module)
 PlanSpec = Mapping[str, Any]
 
@@ -130,15 +139,29 @@ def use_plan(plan: PlanSpec | Any) -> Iterator[None]:
 
 
 class _TraceScope:
-    def __init__(self, time_nodes: bool) -> None:
+    def __init__(self, time_nodes: bool, one_micro_batch: bool) -> None:
         self.time_nodes = time_nodes
+        self.one_micro_batch = one_micro_batch
         self.blocks: list[BlockTrace] = []
+
+    def check_micro_batch(self, name: str) -> None:
+        """A block's forward after another block's backward is the next micro-batch's forward."""
+        if self.one_micro_batch and any(b.unpacked for b in self.blocks):
+            raise TapeSACError(
+                f"block {name!r} ran its forward after the backward of another block in the same "
+                "controller step (gradient accumulation: several micro-batches in one step); the "
+                "plan would count every micro-batch's blocks as alive together. Fix: bracket each "
+                "micro-batch in its own `with controller.step(tokens=...)`, with tokens of that "
+                "micro-batch")
 
 
 @contextmanager
-def trace(time_nodes: bool = False) -> Iterator[list[BlockTrace]]:
-    """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays)."""
-    scope = _TraceScope(time_nodes)
+def trace(time_nodes: bool = False, one_micro_batch: bool = False) -> Iterator[list[BlockTrace]]:
+    """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays).
+
+    With ``one_micro_batch``, a block recorded after another block of the trace ran its backward
+    is a ``TapeSACError`` (one forward and backward per trace, as a controller step is)."""
+    scope = _TraceScope(time_nodes, one_micro_batch)
     token = _TRACE.set(scope)
     try:
         yield scope.blocks
@@ -202,6 +225,8 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
     plan = _PLAN.get()
     scope = _TRACE.get()
+    if scope is not None:
+        scope.check_micro_batch(name)
     block = Block(name, region, module, plan.block_plan(region) if plan else BlockPlan(),
                   _RECORDING.get)
     if scope is not None:
@@ -222,6 +247,21 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
     return out
 
 
+_told_compiled = False
+
+
+@torch.compiler.disable
+def _outside_compile(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A block reached by torch.compile: Dynamo stops here (one graph break) and ``call`` runs
+    the block eagerly with record and replay; the code around it stays compiled."""
+    global _told_compiled
+    if not _told_compiled:
+        _told_compiled = True
+        logger.info("TapeSAC: torch.compile leaves checkpointed blocks uncompiled (they run "
+                    "eagerly, excluded with torch.compiler.disable); the rest of the model compiles")
+    return call(*args, **kwargs)
+
+
 def _module_of(fn: Callable[..., Any]) -> torch.nn.Module | None:
     if isinstance(fn, torch.nn.Module):
         return fn
@@ -231,6 +271,9 @@ def _module_of(fn: Callable[..., Any]) -> torch.nn.Module | None:
 
 def checkpoint(fn: Callable[..., Any], *args: Any, region: str = "default", **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` as one checkpointed block with tape record and replay."""
+    # Under torch.compile the block runs eagerly, outside the graph (see _checkpointed_forward).
+    if torch.compiler.is_compiling():
+        return _outside_compile(checkpoint, fn, *args, region=region, **kwargs)
     module = _module_of(fn)
     name = getattr(getattr(module, "_tapesac", None), "path", None) or getattr(
         fn, "__qualname__", type(fn).__name__)
@@ -238,30 +281,60 @@ def checkpoint(fn: Callable[..., Any], *args: Any, region: str = "default", **kw
 
 
 def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # Under torch.compile, Dynamo would trace into the recorder (a dispatch mode and saved-tensor
+    # hooks), guard on each block's attributes, recompile per block up to its limit and silently
+    # fall back: the block is excluded explicitly, reading none of its attributes while tracing.
+    if torch.compiler.is_compiling():
+        return _outside_compile(_checkpointed_forward, self, *args, **kwargs)
     config: BlockConfig = self._tapesac
     return _run_block(self._tapesac_forward, args, kwargs, config.region, self,
                       config.path or type(self).__name__)
 
 
 def checkpoint_module(module: M, region: str | None = None) -> M:
-    """Make every forward call of ``module`` a checkpointed block; patches forward in place."""
+    """Make every forward call of ``module`` a checkpointed block; patches forward in place.
+
+    Raises ``TapeSACError`` if ``module`` is already checkpointed, lies inside a checkpointed
+    module, or contains one (a block inside a block fails at its first forward anyway)."""
+    return _wrap(module, region, None)
+
+
+def _wrap(module: M, region: str | None, path: str | None) -> M:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"checkpoint_module takes an nn.Module, got {type(module).__name__}")
     if hasattr(module, "_tapesac"):
         raise TapeSACError(f"{type(module).__name__} is already checkpointed by TapeSAC")
+    name = path or type(module).__name__
+    _refuse_nesting(module, name)
     # Bound methods deep-copy with their module, so a copied model checkpoints its own blocks.
     module._tapesac_forward = module.forward
-    module._tapesac = BlockConfig(region=region or type(module).__name__)
+    module._tapesac = BlockConfig(region=region or type(module).__name__, path=path)
     module.forward = types.MethodType(_checkpointed_forward, module)
-    _track_submodules(module)
+    _track_submodules(module, name)
     return module
 
 
-def _track_submodules(module: torch.nn.Module) -> None:
-    """Name the submodule that issues each recorded op (module paths in plans and explain())."""
-    for name, sub in module.named_modules():
+def _refuse_nesting(module: torch.nn.Module, name: str) -> None:
+    """A checkpointed module inside ``module``, or ``module`` inside one: an error naming both."""
+    outer = getattr(module, "_tapesac_inside", None)
+    if outer is not None:
+        raise TapeSACError(f"cannot checkpoint {name!r}: it lies inside {outer!r}, which is "
+                           "already checkpointed (a block inside a block). Fix: checkpoint only "
+                           "one of them")
+    inner = next((f"{name}.{sub_name}" for sub_name, sub in module.named_modules()
+                  if sub is not module and hasattr(sub, "_tapesac")), None)
+    if inner is not None:
+        raise TapeSACError(f"cannot checkpoint {name!r}: it contains {inner!r}, which is already "
+                           "checkpointed (a block inside a block). Fix: checkpoint only one of them")
+
+
+def _track_submodules(module: torch.nn.Module, name: str) -> None:
+    """Name the submodule that issues each recorded op (module paths in plans and explain()),
+    and mark each as inside block ``name`` so wrapping it later is refused."""
+    for sub_name, sub in module.named_modules():
         if sub is not module:
-            sub.register_forward_pre_hook(functools.partial(_enter_submodule, name))
+            sub._tapesac_inside = name
+            sub.register_forward_pre_hook(functools.partial(_enter_submodule, sub_name))
             sub.register_forward_hook(_exit_submodule)
 
 
@@ -306,14 +379,19 @@ def region_namer(regions: Regions | None) -> Callable[[torch.nn.Module], str | N
 
 def checkpoint_modules(model: torch.nn.Module, policy: Policy,
                        regions: Regions | None = None) -> list[str]:
-    """Checkpoint every submodule of ``model`` the policy selects (not inside another); their paths."""
+    """Checkpoint every submodule of ``model`` the policy selects (not inside another); their paths.
+
+    A selected module inside or around a module checkpointed earlier is a ``TapeSACError``."""
     selects, region_of = module_selector(policy), region_namer(regions)
     paths: list[str] = []
+    chosen: list[torch.nn.Module] = []
     for path, module in model.named_modules():
         if selects(module) and not _inside(path, paths):
-            checkpoint_module(module, region_of(module))
-            module._tapesac = BlockConfig(region=module._tapesac.region, path=path)
+            _refuse_nesting(module, path or type(module).__name__)  # before any is wrapped
             paths.append(path)
+            chosen.append(module)
+    for path, module in zip(paths, chosen):
+        _wrap(module, region_of(module), path)
     if not paths:
         found = repeated_block_classes(model)
         example = "{" + ", ".join(found) + "}" if found else "the class of its transformer block"

@@ -145,7 +145,10 @@ class Controller:
 
     @contextmanager
     def step(self, tokens: int | Mapping[str, int]) -> Iterator[StepReport]:
-        """Run one training step (forward, backward, optimizer) under TapeSAC's current plan."""
+        """Run one training step (forward, backward, optimizer) under TapeSAC's current plan.
+
+        One step is one micro-batch: with gradient accumulation, open one step per micro-batch
+        (a block's forward after another block's backward in the same step is a TapeSACError)."""
         per_region = self._agree_tokens(self._per_region(tokens))
         key = self._bucket(per_region)
         mode = self._mode(per_region)
@@ -158,7 +161,7 @@ class Controller:
             if plan is not None:
                 stack.enter_context(use_plan(plan))
             torch_checkpointed = stack.enter_context(torch_checkpointing()) if mode == FULL else []
-            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE))
+            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE, one_micro_batch=True))
             meter = stack.enter_context(self._meter()) if metered else None
             static = meter.reading().current if meter is not None else 0
             self._synchronize()

@@ -1,11 +1,13 @@
 """The checkpoint contract: clear errors for unsupported use, and the cases that must just work."""
 
 import logging
+import random
+from collections import Counter
 
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from support import assert_bitwise, step
+from support import OpCounter, assert_bitwise, brute_force_replay, process_group_of_one, step
 
 import tapesac_core
 from tapesac_core import TapeSACError
@@ -37,9 +39,58 @@ def _x():
 def test_nested_blocks_are_an_error_naming_both() -> None:
     model = Stack()
     tapesac_core.checkpoint_modules(model, {Block})
-    tapesac_core.checkpoint_module(model, region="outer")
     with pytest.raises(TapeSACError, match=r"block 'inner' is nested inside checkpointed block 'Stack'"):
-        model(_x())
+        tapesac_core.checkpoint(model, _x())
+
+
+class Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stacks = torch.nn.ModuleList([Stack(), Stack()])
+
+    def forward(self, x):
+        return self.stacks[1](self.stacks[0](x))
+
+
+def _wrap_errors(first, second) -> str:
+    """The error of ``second(model)`` after ``first(model)``; neither ran a forward."""
+    model = Outer()
+    first(model)
+    with pytest.raises(TapeSACError) as error:
+        second(model)
+    return str(error.value)
+
+
+def _blocks(model):
+    return tapesac_core.checkpoint_modules(model, {Block})
+
+
+def _stacks(model):
+    return tapesac_core.checkpoint_modules(model, {Stack})
+
+
+@pytest.mark.parametrize("first, second, inner, outer", [
+    (_stacks, _blocks, "stacks.0.inner", "stacks.0"),
+    (_blocks, _stacks, "stacks.0.inner", "stacks.0"),
+    (_blocks, lambda m: tapesac_core.checkpoint_module(m.stacks[1]), "Stack.inner", "Stack"),
+    (_stacks, lambda m: tapesac_core.checkpoint_module(m.stacks[1].inner), "Block", "stacks.1"),
+], ids=["child_after_parent", "parent_after_child", "module_around_block", "module_inside_block"])
+def test_wrapping_a_module_inside_or_around_a_block_is_an_error_naming_both(
+        first, second, inner, outer) -> None:
+    message = _wrap_errors(first, second)
+    assert f"'{inner}'" in message and f"'{outer}'" in message, message
+    assert "Fix: checkpoint only one of them" in message
+
+
+def test_a_refused_nested_wrap_leaves_the_model_as_it_was() -> None:
+    model = Outer()
+    tapesac_core.checkpoint_module(model.stacks[1])
+    with pytest.raises(TapeSACError, match="'stacks.1.inner'"):
+        _blocks(model)  # stacks.0.inner alone would be fine: it is not wrapped either
+    assert not hasattr(model.stacks[0].inner, "_tapesac")
+    with tapesac_core.trace() as blocks:
+        model(_x()).sum().backward()
+    assert [b.tape.name for b in blocks] == ["Stack"]
 
 
 def test_checkpoint_modules_skips_modules_inside_selected_ones() -> None:
@@ -250,8 +301,74 @@ def test_a_plan_may_save_a_view_read_again_after_a_write() -> None:
     assert blocks[0].tape.planned == {alias.outs[0]}
 
 
+def _chain(x):
+    y = x.sin()            # saves x (a leaf)
+    z = y.exp()            # saves z
+    w = (z * 3.0).tanh()   # the multiplication saves nothing; tanh saves w
+    return w.sum()
+
+
+NAMES = ["aten.sin.default", "aten.exp.default", "aten.mul.Tensor", "aten.tanh.default",
+         "aten.sum.default"]
+
+
 def test_tape_times_follow_eqs_5_and_6() -> None:
-    tape = tapesac_core.record(lambda x: (x.sin() * 2).exp().sum(), torch.randn(4, requires_grad=True))
-    times = {n.index: float(n.index + 1) for n in tape.nodes}
-    assert tape.replay_time((), times) == sum(times[i] for i in tape.replay_nodes())
-    assert tape.block_time((), times) == sum(times[i] for i in tape.block_nodes())
+    """Against node sets derived by hand (and times that are powers of two, so a sum names its
+    nodes): Eq. 3/6 runs what the saved values need; Eq. 4/5 reruns the prefix up to the last
+    missing saved value, skipping only nodes whose outputs are all kept."""
+    tape = tapesac_core.record(_chain, torch.randn(4, requires_grad=True))
+    assert [n.name for n in tape.nodes] == NAMES
+    times = {n.index: float(2 ** n.index) for n in tape.nodes}  # sin 1, exp 2, mul 4, tanh 8, sum 16
+    z, w = tape.nodes[1].outs[0], tape.nodes[3].outs[0]
+    assert tape.replay_time((), times) == tape.block_time((), times) == 1 + 2 + 4 + 8
+    assert tape.replay_time({z}, times) == 4 + 8       # sin and exp are not needed for w
+    assert tape.block_time({z}, times) == 1 + 4 + 8    # torch reruns sin, skips only exp
+    assert tape.replay_time({w}, times) == 1 + 2       # z is still needed by exp's backward
+    assert tape.block_time({w}, times) == 1 + 2
+    assert tape.replay_time({z, w}, times) == tape.block_time({z, w}, times) == 0
+
+
+def test_replay_runs_what_eq_3_predicts_counted_at_the_dispatcher() -> None:
+    x = torch.randn(4, requires_grad=True)
+    counts = {}
+    for saved in ([], [("aten.exp.default", 0, 0)], [("aten.tanh.default", 0, 0)]):
+        out = _chain(x)
+        with OpCounter() as plain:
+            torch.autograd.grad(out, x)
+        with tapesac_core.use_plan({"default": set(saved)}):
+            out = tapesac_core.checkpoint(_chain, x)
+        with OpCounter() as checkpointed:
+            torch.autograd.grad(out, x)
+        counts[len(counts)] = checkpointed.counts - plain.counts
+        counts[len(counts) - 1].pop("aten.detach.default", None)  # autograd wraps unpacked values
+    assert counts[0] == Counter(NAMES[:4])  # the sum's backward reads no saved value
+    assert counts[1] == Counter(["aten.mul.Tensor", "aten.tanh.default"])
+    assert counts[2] == Counter(["aten.sin.default", "aten.exp.default"])
+
+
+def test_the_library_closure_agrees_with_brute_force_on_every_save_set() -> None:
+    from blocks import case
+
+    tape = case("inplace").must_only
+    rng = random.Random(0)
+    candidates = [v.vid for v in tape.values if v.node >= 0]
+    for size in (0, 1, 2, 4, 8, len(candidates)):
+        for _ in range(5):
+            saved = set(rng.sample(candidates, size))
+            assert tape.replay_nodes(saved) == brute_force_replay(tape, saved)
+def test_a_dtensor_parameter_at_backward_is_an_error_naming_the_fsdp2_order() -> None:
+    """FSDP2 applied inside a block reshards its parameters after forward: at backward the block
+    would find DTensors where forward used plain tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    block = tapesac_core.checkpoint_module(Block())
+    with process_group_of_one():
+        mesh = init_device_mesh("cpu", (1,))
+        out = block(_x())
+        sharded = distribute_tensor(block.proj.weight.detach(), mesh, [Shard(0)])
+        block.proj.weight = torch.nn.Parameter(sharded)
+        with pytest.raises(TapeSACError, match=r"block 'Block': param 'proj.weight' is a DTensor at "
+                                               r"backward time.*Fix: shard with FSDP2 at the "
+                                               r"checkpointed module or above it"):
+            out.sum().backward()

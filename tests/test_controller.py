@@ -1,5 +1,6 @@
 """The controller's state machine, with memory readings the test chooses (an injected meter)."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -212,3 +213,102 @@ def test_measured_reason_names_what_is_missing() -> None:
     assert first.measured_speedup is None
     assert first.measured_reason == ("no plan yet for this token bucket (warming up, profiling "
                                      "or sampling memory)")
+
+
+def _micro_batches(seq: int = 32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 256, (2, seq), generator=g) for _ in range(2)]
+
+
+def test_several_micro_batches_in_one_step_are_an_error_saying_to_bracket_each() -> None:
+    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    for _ in range(4):
+        _run(model, meter, c, 32)
+    first, second = _micro_batches()
+    with pytest.raises(tapesac_core.TapeSACError,
+                       match=r"block 'layers.0' ran its forward after the backward.*Fix: bracket "
+                             r"each micro-batch in its own `with controller.step"):
+        with c.step(tokens=first.numel()):
+            model.loss(first).backward()
+            model.loss(second).backward()
+    # Two forwards, then one backward of both: both micro-batches' blocks are alive together,
+    # as the plan counts them, and that is accepted.
+    with c.step(tokens=first.numel()) as report:
+        (model.loss(first) + model.loss(second)).backward()
+    assert report.blocks == 6
+
+
+def test_gradient_accumulation_with_one_step_per_micro_batch_is_bitwise() -> None:
+    torch.manual_seed(0)
+    plain = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                  intermediate_size=64, num_layers=3))
+    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    model.load_state_dict(plain.state_dict())
+    for _ in range(4):
+        _run(model, meter, c, 32)
+    modes = []
+    for ids in _micro_batches():
+        plain.loss(ids).backward()
+        with c.step(tokens=ids.numel()) as report:
+            model.loss(ids).backward()
+        modes.append(report.mode)
+    assert modes == [PLANNED, PLANNED] and not c.plan.empty
+    got = dict(model.named_parameters())
+    different = [n for n, p in plain.named_parameters() if not torch.equal(p.grad, got[n].grad)]
+    assert not different
+
+
+def test_a_zero_memory_limit_runs_must_only_in_planned_steps() -> None:
+    model, meter, c = _setup(0.0)
+    for _ in range(2):
+        _run(model, meter, c, 32)
+    must_only = _run(model, meter, c, 32)  # a control step: must-only by definition
+    assert must_only.mode == CONTROL
+    report = _run(model, meter, c, 32)
+    assert report.mode == PLANNED and report.plan.empty and report.saved_bytes == 0
+    for b, m in zip(report.block_traces, must_only.block_traces, strict=True):
+        assert b.saved <= frozenset(b.tape.mandatory) and not b.tape.planned
+        assert b.replayed == m.replayed
+
+
+def test_a_control_step_runs_every_control_every_planned_steps() -> None:
+    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    c.config = dataclasses.replace(c.config, control_every=3)
+    modes = [_run(model, meter, c, 32).mode for _ in range(11)]
+    assert modes == [WARMUP, PROFILE, CONTROL] + [PLANNED] * 3 + [CONTROL] + [PLANNED] * 3 + [CONTROL]
+    assert len(c.must_only_times[(bucket(64, 1.1),)]) == 3  # the three control steps' times
+
+
+def test_secondary_regions_bucket_their_largest_count_so_far_with_their_own_factor() -> None:
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                  intermediate_size=64, num_layers=3))
+    last = model.layers[2]
+    tapesac_core.checkpoint_modules(model, {DecoderLayer},
+                                    regions=lambda m: "vision" if m is last else "text")
+    meter = FakeMeter()
+    c = Controller(model, 64 * MiB + 2 * MiB, meter=meter, warmup_steps=1, profile_steps=1,
+                   control_steps=1, control_every=0, secondary_regions={"vision"},
+                   secondary_bucket_factor=2.0)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    meter.tokens = ids.numel()
+
+    def run(vision: int):
+        with c.step(tokens={"text": ids.numel(), "vision": vision}) as report:
+            model.loss(ids).backward()
+        model.zero_grad(set_to_none=True)
+        return report
+
+    reports = [run(v) for v in (8, 8, 8, 15, 4)]  # 8..15 share bucket 3 of factor 2; 4: 8 so far
+    assert [r.mode for r in reports] == [WARMUP, PROFILE, CONTROL, PLANNED, PLANNED]
+    assert {r.bucket for r in reports} == {(bucket(64, 1.1), 3)}
+    assert reports[-1].tokens["vision"] == 4  # the bucket, not the count, remembers the largest
+    assert reports[-1].plan.regions["vision"].tokens == upper_edge(3, 2.0) == 15
+    assert reports[-1].plan.regions["text"].tokens == upper_edge(bucket(64, 1.1), 1.1)
+    # 16 is a new bucket (4); from then on 9 is in it too (with factor 1.1 it would be bucket 23).
+    reports = [run(v) for v in (16, 16, 9)]
+    assert [r.mode for r in reports] == [CONTROL, PLANNED, PLANNED]
+    assert {r.bucket[1] for r in reports} == {4} and bucket(9, 1.1) == 23
+    assert reports[-1].plan.regions["vision"].tokens == upper_edge(4, 2.0) == 31
+    # Memory is sampled by primary tokens only: the vision count never asked for a new sample.
+    assert [s.tokens for s in c.memory.samples] == [64]

@@ -81,3 +81,73 @@ def test_ranks_agree_on_one_plan_for_the_larger_count_and_the_smaller_capacity()
     # Solved for the smaller remaining capacity (rank 1's), and within it.
     assert plan.capacity - plan.base == min(r["local_budget"] for r in ranks)
     assert plan.saved_bytes <= plan.capacity - plan.base
+
+
+class NearLimitMeter(RankMeter):
+    """``RankMeter``, plus bytes the test adds to one step's reading (a peak near the limit)."""
+
+    extra = 0
+
+    def reading(self) -> MemoryReading:
+        r = super().reading()
+        return MemoryReading(peak=r.peak + self.extra, current=r.current,
+                             reserved=r.reserved + self.extra, total=r.total, free=r.free)
+
+
+def _flags_worker(rank: int, out: str) -> None:
+    """Rank 1 alone sees a peak near the limit; then rank 0 alone fails to solve."""
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
+                            world_size=2)
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                  intermediate_size=64, num_layers=3))
+    tapesac_core.checkpoint_modules(model, {DecoderLayer})
+    meter = NearLimitMeter(BASE[0])
+    controller = Controller(model, LIMIT, meter=meter, margin=0.0, warmup_steps=1,
+                            profile_steps=1, control_steps=1, control_every=0)
+    record: dict = {"modes": [], "plans": [], "fragmentation": []}
+
+    def step(seq: int) -> None:
+        ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(seq))
+        meter.tokens = ids.numel()
+        with controller.step(tokens=ids.numel()) as report:
+            model.loss(ids).backward()
+        model.zero_grad(set_to_none=True)
+        record["modes"].append(report.mode)
+        record["plans"].append(report.plan.to_json() if report.plan else None)
+        record["fragmentation"].append(controller.memory.extra_fragmentation)
+
+    for i in range(5):
+        meter.extra = int(0.99 * LIMIT) - BASE[0] - 2048 * 64 if (rank, i) == (1, 3) else 0
+        step(32)
+    if rank == 0:
+        def fails(*args, **kwargs):
+            raise ValueError("no frontier for region DecoderLayer")
+        controller._solve = fails
+    step(36)  # a new bucket: its control step, then its first planned step solves
+    try:
+        step(36)
+    except tapesac_core.TapeSACError as e:
+        record["error"] = str(e)
+    with open(os.path.join(out, f"flags{rank}.json"), "w") as f:
+        json.dump(record, f)
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_on_a_flag_one_rank_raised_and_a_solve_failure_on_rank_0_reaches_all() -> None:
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_flags_worker, args=(out,), nprocs=2, join=True)
+        ranks = [json.load(open(os.path.join(out, f"flags{r}.json"))) for r in range(2)]
+    assert ranks[0]["modes"] == ranks[1]["modes"] == [
+        "warmup", "profile", "control", "planned", "planned", "control"]
+    # Rank 1's near-limit peak raised the fragmentation estimate on both ranks at the next step,
+    # and both solved again, under the same smaller capacity, to the same plan.
+    frag0, frag1 = ranks[0]["fragmentation"], ranks[1]["fragmentation"]
+    assert frag0 == frag1 and frag0[3] == 0 < frag0[4]
+    assert ranks[0]["plans"] == ranks[1]["plans"]
+    first, second = (tapesac_core.Plan.from_json(p) for p in ranks[0]["plans"][3:5])
+    assert second.capacity == first.capacity - frag0[4]
+    # Rank 0's solve failed: every rank raised, naming rank 0's error.
+    for r in ranks:
+        assert r["error"] == ("TapeSAC: solving the plan failed on rank 0: ValueError: no "
+                              "frontier for region DecoderLayer")

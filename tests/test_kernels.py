@@ -335,3 +335,91 @@ def test_ctx_view_of_input_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="keeps a view of input x on ctx"):
         kernel(torch.randn(2, 3))
+
+
+class SortWithIndices(torch.autograd.Function):
+    """Sorted values and their (non-differentiable) indices; records what grads backward received."""
+
+    materialize = True
+    received: list[tuple[str, ...]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> tuple[Tensor, Tensor]:
+        values, indices = torch.sort(x, dim=-1)
+        ctx.mark_non_differentiable(indices)
+        ctx.set_materialize_grads(SortWithIndices.materialize)
+        ctx.save_for_backward(indices)
+        return values, indices
+
+    @staticmethod
+    def backward(ctx: Any, grad_values: Tensor | None, grad_indices: Tensor | None) -> Tensor | None:
+        SortWithIndices.received.append(tuple(
+            "none" if g is None else ("zeros" if not g.any() else "grad")
+            for g in (grad_values, grad_indices)))
+        if grad_values is None:
+            return None
+        (indices,) = ctx.saved_tensors
+        return torch.zeros_like(grad_values).scatter(-1, indices, grad_values)
+
+
+def _sort_kernel(name: str, materialize: bool):
+    SortWithIndices.materialize = materialize
+    return register_kernel(qualname(name), SortWithIndices, schema="(Tensor x) -> (Tensor, Tensor)",
+                           fake=lambda x: (torch.empty_like(x), torch.empty_like(x, dtype=torch.long)),
+                           outputs=2)
+
+
+def _received(fn: Any, x: Tensor) -> tuple[list, Tensor, bool]:
+    """Backward of a loss on the values only: what backward received, x's gradient, and
+    whether the indices require grad."""
+    SortWithIndices.received = []
+    values, indices = fn(x)
+    (grad,) = torch.autograd.grad((values * 3.0).sum(), x)
+    return SortWithIndices.received, grad, indices.requires_grad
+
+
+@pytest.mark.parametrize("materialize", [True, False])
+def test_mark_non_differentiable_and_set_materialize_grads_behave_as_with_apply(materialize) -> None:
+    kernel = _sort_kernel(f"sort_materialize_{materialize}", materialize)
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    got = _received(kernel, x)
+    ref = _received(SortWithIndices.apply, x)
+    assert got[0] == ref[0] == [("grad", "zeros" if materialize else "none")]
+    assert torch.equal(got[1], ref[1])
+    assert got[2] is ref[2] is False  # the indices get no gradient
+
+
+class AddsInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.mark_dirty(x)
+        return x.add_(1.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
+class KeepsAPair(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.pair = (x.sin(), x.cos())
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad * 2
+
+
+def test_mark_dirty_is_refused_naming_the_fix() -> None:
+    kernel = register_kernel(qualname("adds_in_place"), AddsInPlace, schema="(Tensor x) -> Tensor",
+                             fake=lambda x: torch.empty_like(x))
+    with pytest.raises(TypeError, match="called ctx.mark_dirty: return a new tensor instead"):
+        kernel(torch.randn(3))
+
+
+def test_a_container_of_tensors_on_ctx_is_refused_naming_the_fix() -> None:
+    kernel = register_kernel(qualname("keeps_a_pair"), KeepsAPair, schema="(Tensor x) -> Tensor",
+                             fake=lambda x: torch.empty_like(x))
+    with pytest.raises(TypeError, match="ctx.pair to a container of tensors.*its own attribute"):
+        kernel(torch.randn(3))

@@ -196,3 +196,35 @@ def test_copies_of_a_checkpointed_module_checkpoint_their_own_blocks() -> None:
         twin(x).sum().backward()
     assert blocks[0].tape.values[1].kind == "param"
     assert twin.weight.grad is not None and module.weight.grad is None
+
+
+def test_repeat_interleave_without_output_size_is_mandatory_and_never_replayed() -> None:
+    class Repeats(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.proj(x)
+            counts = (h[:, 0] > 0).long() + 1  # 1 or 2 copies of each row: a shape from data
+            return h.repeat_interleave(counts, dim=0).exp().sum() * h
+
+    torch.manual_seed(0)
+    module = Repeats()
+    x = torch.randn(6, 8, requires_grad=True)
+    ref = step(module, lambda: (module(x) ** 2).sum())
+    tapesac_core.checkpoint_module(module)
+    torch.manual_seed(0)
+    with tapesac_core.trace() as blocks:
+        out = module(x)
+    with DynamicCalls() as counter:
+        (out ** 2).sum().backward()
+    tape = blocks[0].tape
+    (node,) = [n for n in tape.nodes if n.name == "aten.repeat_interleave.Tensor"]
+    assert "output_size" not in node.kwargs or node.kwargs["output_size"] is None
+    assert {tape.mandatory.get(v) for v in node.outs} == {DYNAMIC_SHAPE}
+    # Backward replays what it needs around it (the projection, the comparison) but not it.
+    assert counter.dynamic == [] and counter.counts["aten.repeat_interleave.Tensor"] == 0
+    assert node.index not in blocks[0].replayed and blocks[0].replayed
+    module.zero_grad(set_to_none=True)
+    assert_bitwise(ref, step(module, lambda: (module(x) ** 2).sum()))

@@ -39,7 +39,7 @@ slow_sin = register_kernel("tapesac_test_delay::slow_sin", SlowSin, schema="(Ten
 class Costly(torch.nn.Module):
     """An expensive matmul, then the opaque kernel, then cheap ops."""
 
-    def __init__(self, d: int = 512) -> None:
+    def __init__(self, d: int) -> None:
         super().__init__()
         self.a = torch.nn.Linear(d, d)
 
@@ -47,34 +47,54 @@ class Costly(torch.nn.Module):
         return slow_sin(self.a(x)).tanh() * 2.0
 
 
-def _plan_with_delay(delay: float):
+# 32 tokens of width 4096: the matmul does 4096 multiply-adds per element the kernel and tanh
+# touch, so without the delay it takes some 30 times their time (18 ms against 0.6 ms on one
+# thread), a margin no load closes; the delay, a sleep, is over 10 times the matmul, and a loaded
+# machine only lengthens it.
+TOKENS, WIDTH, DELAY = 32, 4096, 0.4
+
+
+def _plan_with_delay(delay: float) -> tuple[dict[str, float], set]:
+    """Profiled node times by op name, and the one block's planned coordinates."""
     SlowSin.delay = delay
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Costly())
+    model = torch.nn.Sequential(Costly(WIDTH))
     tapesac_core.checkpoint_modules(model, {Costly})
     meter = FakeMeter(base=GiB, per_token=0)
-    one_storage = 256 * 512 * 4
+    one_storage = TOKENS * WIDTH * 4
     controller = Controller(model, GiB + int(1.5 * one_storage), meter=meter, margin=0.0,
                             warmup_steps=1, profile_steps=2, control_steps=1, control_every=0)
-    x = torch.randn(256, 512)
-    for _ in range(5):
-        with controller.step(tokens=256) as report:
-            model(x).sum().backward()
+    x = torch.randn(TOKENS, WIDTH)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: op times do not depend on what other processes run
+    try:
+        for _ in range(5):
+            with controller.step(tokens=TOKENS) as report:
+                model(x).sum().backward()
+    finally:
+        torch.set_num_threads(threads)
     assert report.mode == PLANNED
     profile = controller.profiles["Costly"]
-    (slow,) = [n.index for n in profile.tape.nodes if n.name == SLOW]
+    times = {n.name: profile.node_time[n.index] for n in profile.tape.nodes
+             if n.index in profile.node_time}  # the nodes replay can run
     (coords,) = report.plan.regions["Costly"].blocks
-    return profile.node_time[slow], coords
+    return times, coords
+
+
+ADDMM, TANH = "aten.addmm.default", "aten.tanh.default"
 
 
 def test_a_measured_delay_shows_in_the_profile_and_changes_the_plan() -> None:
-    quick_time, quick = _plan_with_delay(0.0)
-    slow_time, slow = _plan_with_delay(0.05)
-    assert quick_time < 0.01 <= 0.05 <= slow_time
+    quick_times, quick = _plan_with_delay(0.0)
+    slow_times, slow = _plan_with_delay(DELAY)
+    # Saving the matmul's output removes its replay; saving tanh's removes the kernel's and
+    # tanh's (see below). The profile orders them as the costs do, far apart either way.
+    assert quick_times[ADDMM] > quick_times[SLOW] + quick_times[TANH]
+    assert slow_times[SLOW] >= DELAY > slow_times[ADDMM]
     # Without the delay the matmul is the expensive op: its output is saved. With it, the same
     # bytes are worth more after the kernel: saving tanh's output makes the kernel and tanh dead.
-    assert quick == {("aten.addmm.default", 0, 0)}
-    assert slow == {("aten.tanh.default", 0, 0)}
+    assert quick == {(ADDMM, 0, 0)}
+    assert slow == {(TANH, 0, 0)}
 
 
 def test_blocks_with_data_dependent_op_sequences_keep_the_plan_by_anchored_coordinates() -> None:

@@ -57,3 +57,33 @@ def test_saving_everything_replays_nothing_the_plan_saved(kind) -> None:
     (b,) = blocks
     assert not set(b.replayed) & {b.tape.values[v].node for v in b.saved}
     assert len(b.replayed) < len(c.must_only.replay_nodes())
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(x)).exp()
+
+
+ADDMM, TANH = ("aten.addmm.default", 0, 0), ("aten.tanh.default", 0, 0)
+
+
+def test_a_per_block_plan_serves_every_micro_batch_entry_i_mod_len() -> None:
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(_Layer(), _Layer())
+    model = torch.nn.Sequential(_Layer(), _Layer())
+    model.load_state_dict(plain.state_dict())
+    tapesac_core.checkpoint_modules(model, {_Layer})
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with tapesac_core.use_plan({"_Layer": [{ADDMM}, {TANH}]}), tapesac_core.trace() as blocks:
+        for x in batches:  # gradient accumulation: three micro-batches inside one plan
+            model(x).sum().backward()
+    for x in batches:
+        plain(x).sum().backward()
+    assert [b.tape.name for b in blocks] == ["0", "1"] * 3
+    assert [{b.tape.coord(v) for v in b.tape.planned} for b in blocks] == [{ADDMM}, {TANH}] * 3
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters()))
+    assert_replayed_as_predicted(blocks)
