@@ -9,7 +9,8 @@ Contract (what makes replay exact):
   after its storage was written through another alias becomes a new value too (a synthetic
   ``tapesac.alias`` node that depends on the write).
 * Parameters and buffers are recorded by name and fetched again at replay; block inputs are kept.
-* Saved values (S0 and the plan) are held strongly. If forward later writes into a held value's
+* Saved values (S0 and the plan) are held strongly, detached: nothing a block holds may keep its
+  own graph alive (the graph holds the block through the saved-tensor handles). If forward later writes into a held value's
   storage, the held tensor is moved to a copy of the storage first, so it keeps the content
   autograd saw.
 
@@ -23,7 +24,7 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .errors import TapeSACError
 from .ops import OpInfo, arg, has_dynamic_shape, is_random_call, op_info
@@ -60,6 +61,17 @@ def on_storage(t: Tensor, storage: torch.UntypedStorage) -> Tensor:
     Copying whole storages rather than views keeps every alias of a storage addressable.
     """
     return view_on(storage, _meta(t))
+
+
+def detached(t: Tensor) -> Tensor:
+    """``t``'s storage, layout and version counter without its autograd graph, unrecorded.
+
+    Autograd's saved tensors reach the block through the pack hook's handles, so a block that
+    held a tensor with a ``grad_fn`` would close a cycle through C++ graph nodes the garbage
+    collector cannot see: a forward whose backward never runs would leak the block forever.
+    """
+    with _disable_current_modes():  # no dispatch mode (the recorder) sees this bookkeeping op
+        return t.detach()
 
 
 def flat_tensors(out: Any) -> list[Tensor]:
@@ -237,7 +249,7 @@ class Recorder(TorchDispatchMode):
     def hold(self, vid: int, t: Tensor, reason: str | None = None) -> None:
         """Keep ``t`` for backward: saved by the plan, or mandatory (``reason``)."""
         block = self.block
-        block.held[vid] = t
+        block.held[vid] = detached(t)
         self.held_by_sid.setdefault(self.values[vid].sid, set()).add(vid)
         if reason is not None:
             block.mandatory.setdefault(vid, reason)
@@ -249,7 +261,7 @@ class Recorder(TorchDispatchMode):
             entry = self.by_id.get(id(t))
             if entry is None or entry[0]() is not t:
                 vid = self.new_value(t, -1, 0, INPUT, i)
-                self.block.held[vid] = t
+                self.block.held[vid] = detached(t)
 
     # ------------------------------------------------------------------ pack hook
 
