@@ -349,7 +349,7 @@ class Recorder(TorchDispatchMode):
         targs = tuple([self._template(a, inputs) for a in args])
         tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
         writes = self._before_write(func, info, args, kwargs, inputs) if info.mutated else ()
-        rng = (self._capture_rng(args, kwargs)
+        rng = (self._capture_rng(info, args, kwargs)
                if info.random and is_random_call(info, args, kwargs) else None)
         if info.metadata_only and inputs:
             self._keep_meta(inputs[0], args[0])
@@ -452,8 +452,11 @@ class Recorder(TorchDispatchMode):
             "reproduce a mutation of a block input, parameter or buffer. Fix: make the op "
             "out-of-place (e.g. `x = x + y` instead of `x += y`), or do not checkpoint this module")
 
-    def _capture_rng(self, args: tuple, kwargs: dict) -> tuple:
-        generator = kwargs.get("generator")
+    def _capture_rng(self, info: OpInfo, args: tuple, kwargs: dict) -> tuple:
+        """The generator a random call draws from (its ``Generator`` argument, else the default
+        generator of its device) and that generator's state now."""
+        generator = (arg(args, kwargs, *info.generator_arg) if info.generator_arg is not None
+                     else kwargs.get("generator"))
         if generator is None:
             device = kwargs.get("device")
             if device is None:
