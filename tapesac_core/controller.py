@@ -64,6 +64,27 @@ class StepReport:
     block_traces: list = field(default_factory=list, repr=False)
 
 
+def step_footprint(reading: MemoryReading, fragmentation: int) -> int:
+    """Device memory one metered step needed: its peak allocated plus the measured fragmentation
+    estimate plus memory outside the allocator, or, when the allocator reserved more during the
+    step, the reserved high-water mark it reached.
+
+    Reserved memory that did not grow in the step was reserved by an earlier one; the caching
+    allocator keeps it, so it says nothing about this step. The controller's own raises of the
+    estimate are not added: the plan was already shrunk by them.
+    """
+    used = reading.peak + fragmentation + reading.outside
+    if reading.reserved_growth > 0:
+        used = max(used, reading.reserved + reading.outside)
+    return used
+
+
+def step_fragmentation(reading: MemoryReading) -> int:
+    """Reserved minus allocated at a sample step's peak, when the step itself set the reserved
+    high-water mark; 0 when it fit in memory an earlier step reserved (nothing measured)."""
+    return max(0, reading.reserved - reading.peak) if reading.reserved_growth > 0 else 0
+
+
 class Controller:
     """Plans which tensors TapeSAC blocks save, from one memory limit, over training steps."""
 
@@ -170,7 +191,7 @@ class Controller:
         if reading is not None and mode in (PROFILE, SAMPLE):
             self.memory.add(MemorySample(tokens=self._primary_tokens(report.tokens), peak=reading.peak,
                                          static=static, outside=reading.outside,
-                                         fragmentation=max(0, reading.reserved - reading.peak)))
+                                         fragmentation=step_fragmentation(reading)))
         if mode == CONTROL or (mode == WARMUP and report.step > 0):
             self._record_time(self.must_only_times, key, report.time)
             self._planned_since_control[key] = 0
@@ -308,17 +329,23 @@ class Controller:
         return int(limit.of(total) - self.memory.outside - margin - self.memory.fragmentation)
 
     def _watch_limit(self, reading: MemoryReading) -> None:
-        """A peak near the limit: the fragmentation estimate goes up at the next step (on every
-        rank together) and plans are solved again, so they can only shrink."""
+        """A step that came near the limit: the fragmentation estimate goes up at the next step
+        (on every rank together) and plans are solved again, so they can only shrink.
+
+        Judged on what this step used (``step_footprint``), never on reserved memory an earlier
+        step left behind: that would raise again at every metered step until nothing is saved.
+        Allocation retries mean the device ran out, whatever the footprint.
+        """
         limit = self.limit_bytes()
-        used = max(reading.peak, reading.reserved) + reading.outside
+        used = step_footprint(reading, self.memory.measured_fragmentation)
         threshold = self.config.near_limit * limit
-        if used > threshold:
+        if used > threshold or reading.alloc_retries > 0:
             self._raise_fragmentation = max(int(used - threshold), int(0.01 * limit))
-            logger.warning("TapeSAC: step peak %s is within %.0f%% of the limit %s; raising the "
-                           "fragmentation estimate by %s and solving the plans again",
-                           format_bytes(used), 100 * (1 - self.config.near_limit),
-                           format_bytes(limit), format_bytes(self._raise_fragmentation))
+            logger.warning("TapeSAC: step peak %s (%d allocation retries) is within %.0f%% of the "
+                           "limit %s; raising the fragmentation estimate by %s and solving the "
+                           "plans again", format_bytes(used), reading.alloc_retries,
+                           100 * (1 - self.config.near_limit), format_bytes(limit),
+                           format_bytes(self._raise_fragmentation))
 
     def _apply_fragmentation(self, raise_by: int) -> None:
         if raise_by > 0:

@@ -149,5 +149,10 @@ class MemoryModel:
         return max((s.outside for s in self.samples), default=0)
 
     @property
+    def measured_fragmentation(self) -> int:
+        """The largest fragmentation a sample step measured (without the controller's raises)."""
+        return max((s.fragmentation for s in self.samples), default=0)
+
+    @property
     def fragmentation(self) -> int:
-        return max((s.fragmentation for s in self.samples), default=0) + self.extra_fragmentation
+        return self.measured_fragmentation + self.extra_fragmentation
