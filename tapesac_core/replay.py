@@ -71,6 +71,43 @@ def view_of_storage(base: torch.Tensor, meta: Meta) -> torch.Tensor:
     return view_on(base.untyped_storage(), meta)
 
 
+class LiveStorages:
+    """A set of storages, by address, each entry dropped when its storage is freed.
+
+    Bare addresses would outlive their storages, and the caching allocator hands a freed
+    address to the next allocation: a fresh replay output would look like a tensor replay
+    must not write into and get a needless copy.
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        """Track ``t``'s storage until it is freed."""
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        ref = self._refs.get(ptr)
+        if ref is None or ref() is not storage:
+            self._refs[ptr] = weakref.ref(storage, _dropper(self._refs, ptr))
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        """``t`` lies on a tracked storage that is still alive."""
+        storage = t.untyped_storage()
+        ref = self._refs.get(storage.data_ptr())
+        return ref is not None and ref() is storage
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+
+def _dropper(refs: dict[int, weakref.ref], ptr: int) -> Any:
+    """A weakref callback removing ``ptr``'s entry, unless a newer storage took the address."""
+    def drop(ref: weakref.ref) -> None:
+        if refs.get(ptr) is ref:
+            del refs[ptr]
+    return drop
+
+
 class Replay:
     """The replay state of one block during one backward pass."""
 
@@ -80,7 +117,7 @@ class Replay:
         self.block = weakref.proxy(block)
         self.nodes, self.values, self.trace = block.nodes, block.values, block.trace
         self.env: dict[int, torch.Tensor] = {}
-        self.not_ours: set[int] = set()  # storage pointers replay must not write into
+        self.not_ours = LiveStorages()  # storages replay must not write into
         self.reads: dict[int, int] = {}
         self.unpacked: set[int] = set()  # ids of the handles already unpacked in this backward
         self._take_alive_values(block)
@@ -98,7 +135,7 @@ class Replay:
             t = ref()
             if t is not None and t._version == block.values[vid].version:
                 self.env[vid] = t
-                self.not_ours.add(t.untyped_storage().data_ptr())
+                self.not_ours.add(t)
                 block.alive_taken.add(vid)
 
     def _available(self, vid: int) -> bool:
@@ -112,7 +149,7 @@ class Replay:
                 for index in sorted(producer_closure(self.nodes, self.values, [vid], self._available)):
                     self._run(self.nodes[index])
         t = env[vid]
-        self.not_ours.add(t.untyped_storage().data_ptr())
+        self.not_ours.add(t)
         if id(handle) not in self.unpacked:  # ctx.saved_tensors may unpack one handle twice
             self.unpacked.add(id(handle))
             self._release(vid)
@@ -128,7 +165,7 @@ class Replay:
         t = self.env.get(vid)
         if t is None:
             t = self.block.kept_tensor(vid)
-            self.not_ours.add(t.untyped_storage().data_ptr())
+            self.not_ours.add(t)
         return t
 
     def _run(self, node: Node) -> None:
@@ -183,7 +220,7 @@ class Replay:
     def _prepare_write(self, node: Node, slot: int, tensors: list[torch.Tensor]) -> None:
         """Before an in-place op: never write into a tensor replay does not own; keep old content still read."""
         ptr = tensors[slot].untyped_storage().data_ptr()
-        if ptr in self.not_ours:
+        if tensors[slot] in self.not_ours:
             copy = tensors[slot].untyped_storage().clone()
             for i, t in enumerate(tensors):
                 if t.untyped_storage().data_ptr() == ptr:

@@ -242,3 +242,29 @@ def test_tape_times_follow_eqs_5_and_6() -> None:
     times = {n.index: float(n.index + 1) for n in tape.nodes}
     assert tape.replay_time((), times) == sum(times[i] for i in tape.replay_nodes())
     assert tape.block_time((), times) == sum(times[i] for i in tape.block_nodes())
+
+
+def test_replay_forgets_storages_it_must_not_write_into_once_they_are_freed(monkeypatch) -> None:
+    # The allocator reuses a freed address: a stale entry would make replay copy a fresh output
+    # before writing into it. Replay's states are captured to look at what they track.
+    replays = []
+    init = tapesac_core.replay.Replay.__init__
+
+    def capture(self, block):
+        init(self, block)
+        replays.append(self)
+
+    monkeypatch.setattr(tapesac_core.replay.Replay, "__init__", capture)
+
+    def block(x):
+        u = x * 3
+        u.add_(1)  # replay writes into its own fresh output
+        return u.sin() + x.exp()  # sin saves u, exp its result: both handed to autograd
+
+    x = _x()
+    ref = torch.autograd.grad((block(x) ** 2).sum(), [x])
+    got = torch.autograd.grad((tapesac_core.checkpoint(block, x) ** 2).sum(), [x])
+    assert torch.equal(ref[0], got[0])
+    (replay,) = replays
+    # Left after backward: the block input only; the replayed values autograd read are freed.
+    assert len(replay.not_ours) == 1 and x in replay.not_ours
