@@ -64,6 +64,32 @@ class StepReport:
     block_traces: list = field(default_factory=list, repr=False)
 
 
+def _fsdp_compute_device(module: torch.nn.Module) -> torch.device | None:
+    """The device FSDP2 computes on for a module it shards, else None.
+
+    With ``CPUOffloadPolicy`` FSDP2 keeps the sharded parameters on the CPU and moves them to
+    the accelerator for each forward; only its private state names that accelerator.
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    device = getattr(get_state(), "_device", None)
+    return torch.device(device) if device is not None else None
+
+
+def compute_device(roots: Sequence[torch.nn.Module]) -> torch.device:
+    """The device the blocks compute on: FSDP2's compute device where a root or submodule is
+    sharded (with CPU offload the parameters live on the CPU), else the first parameter's
+    device, else the CPU."""
+    for root in roots:
+        for module in root.modules():
+            device = _fsdp_compute_device(module)
+            if device is not None:
+                return device
+    params = [p for root in roots for p in root.parameters()]
+    return params[0].device if params else torch.device("cpu")
+
+
 def step_footprint(reading: MemoryReading, fragmentation: int) -> int:
     """Device memory one metered step needed: its peak allocated plus the measured fragmentation
     estimate plus memory outside the allocator, or, when the allocator reserved more during the
@@ -104,9 +130,7 @@ class Controller:
         if not self.regions:
             raise TapeSACError("the controller found no checkpointed module. Fix: call "
                                "tapesac_core.checkpoint_modules(model, {BlockClass}) first")
-        params = [p for root in roots for p in root.parameters()]
-        self.device = torch.device(device) if device is not None else (
-            params[0].device if params else torch.device("cpu"))
+        self.device = torch.device(device) if device is not None else compute_device(roots)
         self._meter = meter or (lambda: memory_meter(self.device))
         self.group = process_group
         self.model_key = ",".join(self.regions)
@@ -409,11 +433,17 @@ class Controller:
         if not self._distributed():
             return numbers
         dist = torch.distributed
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(
-            self.group) == "nccl" else torch.device("cpu")
-        t = torch.tensor(numbers, dtype=torch.int64, device=device)
+        t = torch.tensor(numbers, dtype=torch.int64, device=self._collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(x) for x in t.tolist()]
+
+    def _collective_device(self) -> torch.device:
+        """Where this group's collectives take their tensors: the CPU for gloo, else the
+        controller's device (the current CUDA device may be another one: several devices in
+        one process, or a rank that never called ``torch.cuda.set_device``)."""
+        if self.device.type == "cpu" or torch.distributed.get_backend(self.group) == "gloo":
+            return torch.device("cpu")
+        return self.device
 
     def _agree_tokens(self, tokens: dict[str, int]) -> dict[str, int]:
         """All ranks run the bucket of the largest token counts."""
@@ -435,7 +465,8 @@ class Controller:
             except Exception as e:  # the other ranks wait in the broadcast: tell them, then raise
                 payload = [{"error": f"{type(e).__name__}: {e}"}]
         dist.broadcast_object_list(payload, src=dist.get_global_rank(self.group, 0)
-                                   if self.group is not None else 0, group=self.group)
+                                   if self.group is not None else 0, group=self.group,
+                                   device=self._collective_device())
         if isinstance(payload[0], dict):
             raise TapeSACError(f"TapeSAC: solving the plan failed on rank 0: {payload[0]['error']}")
         return Plan.from_json(payload[0], model=self.model_key)

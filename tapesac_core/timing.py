@@ -17,17 +17,21 @@ class NodeTimer:
 
     def start(self) -> Any:
         if self.events:
-            event = torch.Event(device=self.device, enable_timing=True)
-            event.record()
-            return event
+            return self._recorded_event()
         return time.perf_counter()
 
     def stop(self, start: Any) -> Any:
         if self.events:
-            end = torch.Event(device=self.device, enable_timing=True)
-            end.record()
-            return (start, end)
+            return (start, self._recorded_event())
         return time.perf_counter() - start
+
+    def _recorded_event(self) -> Any:
+        """A timing event recorded on the current stream of the timed device: ``record()``
+        without a stream records on the current device's stream, another device's when a
+        process drives several."""
+        event = torch.Event(device=self.device, enable_timing=True)
+        event.record(torch.accelerator.current_stream(self.device))
+        return event
 
 
 def seconds(sample: Any) -> float:

@@ -1,0 +1,94 @@
+"""Devices the controller and the timer act on, with injected devices, collectives and events
+(the machines here have no GPU, the GPU test machine one: several devices are tested only so)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from support import tiny_lm
+
+import tapesac_core
+from examples.models import DecoderLayer
+from tapesac_core import TapeSACError
+from tapesac_core.controller import Controller
+from tapesac_core.memory import AcceleratorMeter
+from tapesac_core.timing import NodeTimer
+
+CUDA1 = torch.device("cuda", 1)
+
+
+def _model():
+    model = tiny_lm(num_layers=2)
+    tapesac_core.checkpoint_modules(model, {DecoderLayer})
+    return model
+
+
+@pytest.fixture
+def nccl_on_two_ranks(monkeypatch):
+    """torch.distributed as two NCCL ranks whose current CUDA device is 0; records collectives."""
+    calls = []
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: calls.append(("all_reduce",)))
+    monkeypatch.setattr(dist, "broadcast_object_list",
+                        lambda objects, **kw: calls.append(("broadcast", kw.get("device"))))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    real_tensor = torch.tensor
+
+    def tensor(data, *, device=None, **kwargs):  # no CUDA here: the device asked for is kept
+        calls.append(("tensor", torch.device(device)))
+        return real_tensor(data, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+    return calls
+
+
+def test_collectives_take_tensors_on_the_controllers_device(nccl_on_two_ranks) -> None:
+    c = Controller(_model(), 0.5, device=CUDA1)
+    assert c._reduce_max([3, 5]) == [3, 5]
+
+    def fail():
+        raise RuntimeError("no plan")
+
+    with pytest.raises(TapeSACError, match="no plan"):  # rank 0 tells the others, then raises
+        c._broadcast(fail)
+    assert nccl_on_two_ranks == [("tensor", CUDA1), ("all_reduce",), ("broadcast", CUDA1)]
+
+
+class _Event:
+    """Stands in for ``torch.Event``: remembers its device and the stream it was recorded on."""
+
+    recorded: list = []
+
+    def __init__(self, device, enable_timing) -> None:
+        self.device = device
+
+    def record(self, stream=None) -> None:
+        _Event.recorded.append((self.device, stream))
+
+
+def test_node_timer_records_events_on_the_stream_of_the_device_it_times(monkeypatch) -> None:
+    streams = {CUDA1: "stream of cuda:1", torch.device("cuda", 0): "stream of cuda:0"}
+    monkeypatch.setattr(torch, "Event", _Event)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: streams[device])
+    _Event.recorded = []
+    timer = NodeTimer(CUDA1)
+    timer.stop(timer.start())
+    assert _Event.recorded == [(CUDA1, "stream of cuda:1")] * 2
+
+
+def test_with_fsdp2_cpu_offload_the_controller_meters_the_compute_device() -> None:
+    model = _model()
+    # FSDP2 with CPUOffloadPolicy: parameters stay on the CPU, blocks compute on cuda:1.
+    model.layers[0]._get_fsdp_state = lambda: SimpleNamespace(_device=CUDA1)
+    c = Controller(model, 0.5)
+    assert next(model.parameters()).device.type == "cpu"
+    assert c.device == CUDA1
+    meter = c._meter()
+    assert isinstance(meter, AcceleratorMeter) and meter.device == CUDA1
+    # An explicit device wins; a model FSDP2 does not shard keeps its parameters' device.
+    assert Controller(model, 0.5, device="cuda:0").device == torch.device("cuda", 0)
+    assert Controller(_model(), 0.5).device == torch.device("cpu")
