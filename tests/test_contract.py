@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from support import assert_bitwise, step
+from support import assert_bitwise, require_deterministic, step
 
 import tapesac_core
 from tapesac_core import TapeSACError
@@ -268,3 +268,13 @@ def test_replay_forgets_storages_it_must_not_write_into_once_they_are_freed(monk
     (replay,) = replays
     # Left after backward: the block input only; the replayed values autograd read are freed.
     assert len(replay.not_ours) == 1 and x in replay.not_ours
+
+
+def test_bitwise_checks_refuse_to_run_without_deterministic_algorithms() -> None:
+    require_deterministic()  # the session turned them on (tests/conftest.py)
+    torch.use_deterministic_algorithms(False)
+    try:
+        with pytest.raises(AssertionError, match="use_deterministic_algorithms"):
+            require_deterministic()
+    finally:
+        torch.use_deterministic_algorithms(True)
