@@ -12,7 +12,7 @@ from examples.models import DecoderLayer
 from tapesac_core import TapeSACError
 from tapesac_core.controller import Controller
 from tapesac_core.memory import AcceleratorMeter
-from tapesac_core.timing import NodeTimer
+from tapesac_core.timing import DeviceQueue, NodeTimer, seconds
 
 CUDA1 = torch.device("cuda", 1)
 
@@ -75,7 +75,7 @@ def test_node_timer_records_events_on_the_stream_of_the_device_it_times(monkeypa
     monkeypatch.setattr(torch, "Event", _Event)
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: streams[device])
     _Event.recorded = []
-    timer = NodeTimer(CUDA1)
+    timer = NodeTimer(CUDA1, queue=DeviceQueue(lambda seconds: None))
     timer.stop(timer.start())
     assert _Event.recorded == [(CUDA1, "stream of cuda:1")] * 2
 
@@ -92,3 +92,57 @@ def test_with_fsdp2_cpu_offload_the_controller_meters_the_compute_device() -> No
     # An explicit device wins; a model FSDP2 does not shard keeps its parameters' device.
     assert Controller(model, 0.5, device="cuda:0").device == torch.device("cuda", 0)
     assert Controller(_model(), 0.5).device == torch.device("cpu")
+
+
+class SimulatedDevice:
+    """One device queue, in microseconds: work starts once the host enqueued it and the device
+    finished what was queued before; an event's time is when the device reaches it."""
+
+    def __init__(self) -> None:
+        self.host = 0.0     # host clock
+        self.free_at = 0.0  # the device finishes its queue
+
+    def enqueue(self, duration: float) -> None:
+        self.free_at = max(self.free_at, self.host) + duration
+
+    def launch(self, host_cost: float, device_cost: float) -> None:
+        """The host spends ``host_cost`` dispatching an op that runs ``device_cost`` on the device."""
+        self.host += host_cost
+        self.enqueue(device_cost)
+
+    def event(self, device, enable_timing):
+        sim = self
+
+        class Event:
+            def record(self, stream=None) -> None:
+                self.at = max(sim.free_at, sim.host)
+
+            def synchronize(self) -> None:
+                pass
+
+            def elapsed_time(self, end) -> float:
+                return (end.at - self.at) / 1e3  # milliseconds, as torch.Event's
+
+        return Event()
+
+
+def test_event_timed_node_times_are_the_ops_device_time_not_the_hosts_dispatch_gap(
+        monkeypatch) -> None:
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: None)
+    sim = SimulatedDevice()
+    delays = []
+
+    def delay(s):
+        delays.append(sim.host)
+        sim.enqueue(s * 1e6)
+
+    queue = DeviceQueue(delay, clock=lambda: sim.host / 1e6)
+    timer = NodeTimer(CUDA1, queue=queue, event=sim.event)
+    samples = []
+    for _ in range(600):  # cheap ops: 3 us on the device, 20 us of host dispatch each
+        start = timer.start()
+        sim.launch(20.0, 3.0)
+        samples.append(timer.stop(start))
+    assert {seconds(s) for s in samples} == {3.0 / 1e3 / 1e3}
+    # Sleeps were queued when the host came within 1 ms of the end of the queued 5 ms ones.
+    assert delays == [0.0, 4020.0, 9020.0]
