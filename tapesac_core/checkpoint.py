@@ -128,15 +128,21 @@ def use_plan(plan: PlanSpec | Any) -> Iterator[None]:
 
 
 class _TraceScope:
-    def __init__(self, time_nodes: bool) -> None:
+    def __init__(self, time_nodes: bool, verify: bool) -> None:
         self.time_nodes = time_nodes
+        self.verify = verify
         self.blocks: list[BlockTrace] = []
 
 
 @contextmanager
-def trace(time_nodes: bool = False) -> Iterator[list[BlockTrace]]:
-    """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays)."""
-    scope = _TraceScope(time_nodes)
+def trace(time_nodes: bool = False, verify: bool = False) -> Iterator[list[BlockTrace]]:
+    """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays).
+
+    ``verify``: compare every value replay produces with the content autograd saved, to find
+    writes the dispatcher cannot see (``tapesac_core.verify``); costs a fingerprint per saved
+    value and a host sync per replayed value.
+    """
+    scope = _TraceScope(time_nodes, verify)
     token = _TRACE.set(scope)
     try:
         yield scope.blocks
@@ -188,6 +194,8 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
     if scope is not None:
         scope.blocks.append(block.trace)
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if scope is not None:
+        block.verify = scope.verify
     if scope is not None and scope.time_nodes:
         block.enable_timing(inputs[0].device if inputs else torch.get_default_device())
     recorder = Recorder(block)

@@ -183,7 +183,9 @@ class Controller:
         with ExitStack() as stack:
             if plan is not None:
                 stack.enter_context(use_plan(plan))
-            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE))
+            # The first profile step also looks for writes the dispatcher cannot see.
+            first_profile = mode == PROFILE and self._profile_steps_done == 0
+            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE, verify=first_profile))
             meter = stack.enter_context(self._meter()) if metered else None
             static = meter.reading().current if meter is not None else 0
             self._synchronize()

@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .errors import TapeSACError
+from .verify import fingerprint
 from .ops import OpInfo, arg, has_dynamic_shape, is_random_call, op_info
 from .tape import (ALIAS_OP, BUFFER, COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT,
                    INVISIBLE_WRITE, NO_PRODUCER, OP, PARAM, Meta, Node, Packed, Slot, Value)
@@ -275,6 +276,9 @@ class Recorder(TorchDispatchMode):
             vid, entry = self.vid_of(t), None
         counts = block.pack_count
         counts[vid] = counts.get(vid, 0) + 1
+        if block.verify and vid not in block.held and vid not in block.fingerprints \
+                and self.values[vid].kind == OP:
+            block.fingerprints[vid] = fingerprint(t)
         if vid not in block.held and vid not in block.refs:
             value = self.values[vid]
             if value.kind == OP:
@@ -312,7 +316,7 @@ class Recorder(TorchDispatchMode):
         tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
         out = func(*args, **kwargs)
         block = self.block
-        if type(out) is not Tensor or block.plan_coords:
+        if type(out) is not Tensor or block.plan_coords or block.forced:
             self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
             return out
         storage = out.untyped_storage()
@@ -510,7 +514,7 @@ class Recorder(TorchDispatchMode):
         for j, t in enumerate(returned):
             vid = self._new_output(t, index, j, info, inputs, outs, before_write)
             outs.append(vid)
-            if info.holds_outputs or plan_coords:
+            if info.holds_outputs or plan_coords or block.forced:
                 self._maybe_hold(func, info, name, k, km, j, vid, t, args, kwargs)
         block.nodes.append(_new_tuple(Node, (
             index, func, name, k, targs, tkwargs, inputs, [] if info.metadata_only else inputs,
@@ -568,6 +572,8 @@ class Recorder(TorchDispatchMode):
             self.hold(vid, t, COLLECTIVE)
         elif info.dynamic_shape and has_dynamic_shape(func, info, args, kwargs):
             self.hold(vid, t, DYNAMIC_SHAPE)
+        elif (name, k, j) in self.block.forced:
+            self.hold(vid, t, INVISIBLE_WRITE)
         else:
             self._hold_if_planned(name, k, km, j, vid, t)
 

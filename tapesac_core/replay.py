@@ -24,6 +24,7 @@ from .errors import TapeSACError
 from .ops import rebuild_output
 from .recorder import flat_tensors, on_storage, view_on
 from .tape import ALIAS_OP, Meta, Node, Slot, producer_closure
+from .verify import check_replayed, reproducible
 
 
 def _fill(a: Any, tensors: list[Any]) -> Any:
@@ -120,6 +121,9 @@ class Replay:
         self.not_ours = LiveStorages()  # storages replay must not write into
         self.reads: dict[int, int] = {}
         self.unpacked: set[int] = set()  # ids of the handles already unpacked in this backward
+        # Verifying only: values not compared, since they derive from an op whose bits vary or
+        # from a value that already mismatched (only the first mismatch names the hidden write).
+        self.uncomparable: set[int] = set()
         self._take_alive_values(block)
         reads = self.reads
         for index in block.closure(block.demand, self._available):
@@ -181,6 +185,8 @@ class Replay:
         if timer is not None:
             self.trace.node_times.setdefault(node.index, []).append(timer.stop(start))
         self.trace.replayed.append(node.index)
+        if self.block.verify:
+            self._verify(node, outs)
         reads, env = self.reads, self.env
         for vid, t in zip(node.outs, outs):
             if reads.get(vid, 0) > 0:
@@ -190,6 +196,18 @@ class Replay:
             reads[d] = left
             if left <= 0:
                 env.pop(d, None)
+
+    def _verify(self, node: Node, outs: list[torch.Tensor]) -> None:
+        """Compare what the node produced with autograd's saved content (hidden writes)."""
+        if not outs:
+            return
+        if (any(d in self.uncomparable for d in node.deps)
+                or not reproducible(node, outs[0].device.type)):
+            self.uncomparable.update(node.outs)
+            return
+        for vid, t in zip(node.outs, outs):
+            if not check_replayed(self.block, node, vid, t):
+                self.uncomparable.update(node.outs)
 
     def _execute(self, node: Node) -> list[torch.Tensor]:
         values = self.values
