@@ -327,7 +327,7 @@ class Controller:
         for r, p in self.profiles.items():
             scale = edges[r] / p.tokens
             points = p.frontier(self.config.beam_width, self.config.max_set_size)
-            curves[r] = [(plan.base + p.blocks * pt.bytes * scale,
+            curves[r] = [(plan.base + p.blocks * p.bytes_at(pt, scale),
                           seconds - p.blocks * (points[0].time - pt.time) * scale) for pt in points]
             full += p.blocks * (p.full_recompute_time - p.must_only_replay_time) * scale
         return {"curves": curves, "must_only": (plan.base, seconds), "full": (plan.base, full),

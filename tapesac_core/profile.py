@@ -4,6 +4,7 @@ times, and the must-only step's peak memory at the token counts seen."""
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -47,6 +48,13 @@ class RegionProfile:
             self._frontiers[key] = solve_frontier(self.graph, beam_width=beam_width,
                                                   max_set_size=max_set_size).points
         return self._frontiers[key]
+
+    def bytes_at(self, point: Point, factor: float) -> int:
+        """A save set's bytes at ``factor`` times the reference's tokens: what grows with tokens
+        scales linearly (§3.4.1); values that do not (``Tape.token_independent``) stay."""
+        tape = self.tape
+        fixed = tape.saved_bytes(self.graph.value_ids(point.saved) & tape.token_independent)
+        return fixed + math.ceil((point.bytes - fixed) * factor)
 
     @functools.cached_property
     def _frontiers(self) -> dict[tuple[int, int], tuple[Point, ...]]:
