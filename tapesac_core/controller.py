@@ -183,9 +183,8 @@ class Controller:
         with ExitStack() as stack:
             if plan is not None:
                 stack.enter_context(use_plan(plan))
-            # The first profile step also looks for writes the dispatcher cannot see.
-            first_profile = mode == PROFILE and self._profile_steps_done == 0
-            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE, verify=first_profile))
+            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE,
+                                               verify=self._verifies(mode)))
             meter = stack.enter_context(self._meter()) if metered else None
             static = meter.reading().current if meter is not None else 0
             self._synchronize()
@@ -271,6 +270,14 @@ class Controller:
         if controls < self.config.control_steps or (every and controls and since >= every):
             return CONTROL
         return PLANNED
+
+    def _verifies(self, mode: str) -> bool:
+        """Whether this step looks for writes the dispatcher cannot see (``verify.py``): the
+        first step if it warms up (neither timed nor metered: the check's syncs and temporaries
+        distort nothing), else the first profile step."""
+        if self.config.warmup_steps > 0:
+            return mode == WARMUP and self.steps == 0
+        return mode == PROFILE and self._profile_steps_done == 0
 
     def _take_profile(self, blocks: list, tokens: dict[str, int]) -> None:
         fresh = region_profiles(blocks, tokens)

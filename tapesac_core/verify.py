@@ -2,13 +2,14 @@
 
 A kernel (Triton, a CUDA extension) that writes into an existing tensor out of the dispatcher's
 sight leaves no trace on the tape, so replay recreates the value from before the write: silently
-wrong gradients. In a verifying step (the controller's first profile step, or
-``trace(verify=True)``) the pack hook takes a fingerprint of each value autograd saves and the
-block does not keep, and replay compares each value it produces anyway with it. A mismatch is
-logged as a warning naming the op and the submodule, and the op's output joins the mandatory set
-of its region type from the next block on (the verifying step itself has already used the
-replayed content). Values computed from ops that are not bitwise reproducible (atomics on CUDA
-without deterministic algorithms) are not compared.
+wrong gradients. In a verifying step (the controller's first step if it warms up, as it is
+neither timed nor metered, else its first profile step; or ``trace(verify=True)``) the pack hook
+takes a fingerprint of each value autograd saves and the block does not keep, and replay
+compares each value it produces anyway with it. A mismatch is logged as a warning naming the op
+and the submodule, and the op's output joins the mandatory set of its region type from the next
+block on (the verifying step itself has already used the replayed content). Values computed from
+ops that are not bitwise reproducible (atomics on CUDA without deterministic algorithms) are not
+compared.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ _ATOMIC_ON_CUDA = frozenset({"index_add", "index_add_", "scatter_add", "scatter_
                              "index_put", "index_put_", "_index_put_impl_", "scatter_reduce",
                              "scatter_reduce_", "index_reduce", "index_reduce_"})
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 20  # elements fingerprinted at once: 24 MiB of int64 temporaries at most
 
 _invisible: dict[str, set[Coord]] = {}  # region type -> coordinates whose outputs are mandatory
 
@@ -40,16 +42,21 @@ def invisible_writes(region: str) -> frozenset[Coord]:
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
     """Two int64 sums of ``t``'s bits, plain and position-weighted: equal content, equal
-    fingerprint; a changed element changes it. Runs unseen by dispatch modes (the recorder)."""
+    fingerprint; a changed element changes it. Runs unseen by dispatch modes (the recorder),
+    in chunks, so its temporaries stay small next to the saved tensors."""
     with _disable_current_modes(), torch.no_grad():
         flat = t.detach().contiguous().view(-1)
         if flat.element_size() in _INTS and flat.dtype != torch.bool:
             flat = flat.view(_INTS[flat.element_size()])
         else:
             flat = flat.view(torch.uint8)
-        bits = flat.to(torch.int64)
-        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
-        return torch.stack([bits.sum(), (bits * weights).sum()])
+        total = torch.zeros(2, dtype=torch.int64, device=flat.device)
+        for start in range(0, flat.numel(), _CHUNK):
+            bits = flat[start:start + _CHUNK].to(torch.int64)
+            weights = torch.arange(start + 1, start + 1 + bits.numel(), dtype=torch.int64,
+                                   device=bits.device)
+            total += torch.stack([bits.sum(), (bits * weights).sum()])
+        return total
 
 
 def reproducible(node: Node, device_type: str) -> bool:

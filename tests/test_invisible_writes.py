@@ -61,3 +61,35 @@ def test_the_verifying_step_finds_nothing_where_replay_is_exact(caplog) -> None:
     assert_bitwise(ref, got)
     assert blocks[0].invisible_writes == [] and "dispatcher" not in caplog.text
     assert blocks[0].replayed  # replay ran, and was compared
+
+
+def test_the_controller_looks_for_hidden_writes_in_its_first_step_only(caplog) -> None:
+    from test_controller import FakeMeter
+
+    torch.manual_seed(0)
+    module, x = Block(), torch.randn(4, 8, requires_grad=True)
+    ref = step(module, lambda: module(x).sum())
+    tapesac_core.checkpoint_module(module, region="hidden_write_controller")
+    controller = tapesac_core.Controller(module, "1GiB", meter=FakeMeter(), warmup_steps=2)
+    reports = []
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):  # warm-up (verifying), warm-up, profile
+            with controller.step(tokens=4) as report:
+                got = step(module, lambda: module(x).sum())
+            reports.append(report)
+    assert [r.block_traces[0].invisible_writes for r in reports] == [
+        [("aten.sin.default", 0, 0)], [], []]
+    assert caplog.text.count("out of the dispatcher's sight") == 1
+    assert_bitwise(ref, got)
+
+
+def test_a_fingerprint_sees_a_changed_or_moved_element_beyond_its_first_chunk() -> None:
+    from tapesac_core.verify import fingerprint
+
+    t = torch.randn(3 << 20)  # three chunks
+    changed, swapped = t.clone(), t.clone()
+    changed[-1] += 1
+    swapped[[1, -1]] = swapped[[-1, 1]]
+    assert torch.equal(fingerprint(t), fingerprint(t.clone()))
+    assert not torch.equal(fingerprint(t), fingerprint(changed))
+    assert not torch.equal(fingerprint(t), fingerprint(swapped))
