@@ -60,7 +60,8 @@ def physical_memory() -> tuple[int, int]:
 def alloc_retries(device: torch.device) -> int:
     """Allocations the caching allocator had to retry after freeing its cache, since the start.
 
-    ``torch.accelerator.memory_stats`` is newer than torch 2.11's CUDA one; 0 where neither exists.
+    Read through ``torch.accelerator.memory_stats`` where this torch has it, else through
+    ``torch.cuda.memory_stats`` (older torch); 0 where neither applies.
     """
     stats = getattr(torch.accelerator, "memory_stats", None)
     if stats is None and device.type == "cuda":

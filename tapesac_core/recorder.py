@@ -10,9 +10,9 @@ Contract (what makes replay exact):
   ``tapesac.alias`` node that depends on the write).
 * Parameters and buffers are recorded by name and fetched again at replay; block inputs are kept.
 * Saved values (S0 and the plan) are held strongly, detached: nothing a block holds may keep its
-  own graph alive (the graph holds the block through the saved-tensor handles). If forward later writes into a held value's
-  storage, the held tensor is moved to a copy of the storage first, so it keeps the content
-  autograd saw.
+  own graph alive (the graph holds the block through the saved-tensor handles). If forward
+  later writes into a held value's storage, the held tensor is moved to a copy of the storage
+  first, so it keeps the content autograd saw.
 
 Failure modes that raise ``TapeSACError``: an op writing into a block input, parameter or buffer;
 a random op whose generator cannot be captured; a tensor subclass inside the block.
@@ -27,10 +27,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .errors import TapeSACError
-from .verify import fingerprint
 from .ops import OpInfo, arg, has_dynamic_shape, is_random_call, op_info
 from .tape import (ALIAS_OP, BUFFER, COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT,
                    INVISIBLE_WRITE, NO_PRODUCER, OP, PARAM, Meta, Node, Packed, Slot, Value)
+from .verify import fingerprint
 
 Tensor = torch.Tensor
 
