@@ -68,9 +68,10 @@ class TorchCheckpointed(LitDecoder):
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         mesh = self.device_mesh["data_parallel"]
+        options = getattr(self, "fsdp_options", {})
         for layer in layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **options)
+        fully_shard(self.model, mesh=mesh, **options)
 
 
 class Batches(torch.utils.data.Dataset):
@@ -169,6 +170,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--full-checkpoint", action="store_true", help="one file, not sharded")
     p.add_argument("--resume", default=None, help="checkpoint to resume from")
     p.add_argument("--precision", default="32-true")
+    p.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="FSDP2 mixed precision: parameters in this dtype, gradients reduced in fp32")
     p.add_argument("--logdir", default="runs")
     p.add_argument("--out", default=None, help="write per-rank JSON results here")
     return p
@@ -185,6 +188,15 @@ def quiet_lightning() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
+def fsdp_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``fully_shard`` options from the command line (the same for TapeSAC and the baseline)."""
+    if args.param_dtype == "fp32":
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+
+
 def run(args: argparse.Namespace, module: pl.LightningModule | None = None,
         policy: set[type[torch.nn.Module]] | None = None) -> None:
     """Train ``module`` (by default the example decoder) as ``args`` say."""
@@ -198,7 +210,9 @@ def run(args: argparse.Namespace, module: pl.LightningModule | None = None,
     data = Batches(steps_per_epoch * args.devices, args.batch_size, args.max_len, args.min_len,
                    seed=0, grow_at=None if args.grow_at is None else args.grow_at * args.devices)
     loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=0)
+    options = fsdp_options(args)
     if args.baseline == "torch":
+        module.fsdp_options = options
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1,
                                          save_distributed_checkpoint=not args.full_checkpoint)
     else:
@@ -206,7 +220,7 @@ def run(args: argparse.Namespace, module: pl.LightningModule | None = None,
             memory_limit=_limit(args.memory_limit),
             activation_checkpointing_policy=policy or {DecoderLayer, MoEDecoderLayer},
             save_distributed_checkpoint=not args.full_checkpoint,
-            full_control_every=args.full_control_every)
+            full_control_every=args.full_control_every, **options)
     record = Record(Path(args.out) if args.out else None)
     callbacks: list[pl.Callback] = [record]
     if args.checkpoint_dir:

@@ -14,6 +14,7 @@ from .recorder import is_subclass_with_dispatch
 from .replay import Replay
 from .tape import BUFFER, OP, PARAM, Node, Packed, Tape, Value, producer_closure
 from .timing import NodeTimer
+from .verify import invisible_writes
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class BlockTrace:
     sequence_changed: bool = False  # another op sequence than the plan's: anchored coordinates used
     over_budget: int = 0        # planned values not kept: their bytes exceeded the block's budget
     replay_seconds: float = 0.0  # wall time its replays took in backward (host clock)
+    invisible_writes: list = field(default_factory=list)  # coordinates replay did not reproduce
 
     @property
     def saved_bytes(self) -> int:
@@ -84,6 +86,9 @@ class Block:
         self._replay: tuple[int, Replay] | None = None
         self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
         self.device_types: set[str] = set()
+        self.verify = False  # fingerprint packed values; replay compares (see verify.py)
+        self.fingerprints: dict[int, torch.Tensor] = {}
+        self.forced = invisible_writes(region)  # coordinates held as mandatory: hidden writes
         self.trace = BlockTrace(Tape(name, region, self.nodes, self.values, self.storage_bytes,
                                      frozenset(), {}, frozenset()))
 

@@ -139,9 +139,10 @@ def use_plan(plan: PlanSpec | Any) -> Iterator[None]:
 
 
 class _TraceScope:
-    def __init__(self, time_nodes: bool, one_micro_batch: bool) -> None:
+    def __init__(self, time_nodes: bool, one_micro_batch: bool, verify: bool) -> None:
         self.time_nodes = time_nodes
         self.one_micro_batch = one_micro_batch
+        self.verify = verify
         self.blocks: list[BlockTrace] = []
 
     def check_micro_batch(self, name: str) -> None:
@@ -156,12 +157,17 @@ class _TraceScope:
 
 
 @contextmanager
-def trace(time_nodes: bool = False, one_micro_batch: bool = False) -> Iterator[list[BlockTrace]]:
+def trace(time_nodes: bool = False, one_micro_batch: bool = False,
+          verify: bool = False) -> Iterator[list[BlockTrace]]:
     """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays).
 
     With ``one_micro_batch``, a block recorded after another block of the trace ran its backward
-    is a ``TapeSACError`` (one forward and backward per trace, as a controller step is)."""
-    scope = _TraceScope(time_nodes, one_micro_batch)
+    is a ``TapeSACError`` (one forward and backward per trace, as a controller step is).
+    ``verify``: compare every value replay produces with the content autograd saved, to find
+    writes the dispatcher cannot see (``tapesac_core.verify``); costs a fingerprint per saved
+    value and a host sync per replayed value.
+    """
+    scope = _TraceScope(time_nodes, one_micro_batch, verify)
     token = _TRACE.set(scope)
     try:
         yield scope.blocks
@@ -232,6 +238,8 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
     if scope is not None:
         scope.blocks.append(block.trace)
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if scope is not None:
+        block.verify = scope.verify
     if scope is not None and scope.time_nodes:
         block.enable_timing(inputs[0].device if inputs else torch.get_default_device())
     recorder = Recorder(block)

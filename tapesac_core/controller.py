@@ -75,6 +75,53 @@ class StepReport:
     block_traces: list = field(default_factory=list, repr=False)
 
 
+def _fsdp_compute_device(module: torch.nn.Module) -> torch.device | None:
+    """The device FSDP2 computes on for a module it shards, else None.
+
+    With ``CPUOffloadPolicy`` FSDP2 keeps the sharded parameters on the CPU and moves them to
+    the accelerator for each forward; only its private state names that accelerator.
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    device = getattr(get_state(), "_device", None)
+    return torch.device(device) if device is not None else None
+
+
+def compute_device(roots: Sequence[torch.nn.Module]) -> torch.device:
+    """The device the blocks compute on: FSDP2's compute device where a root or submodule is
+    sharded (with CPU offload the parameters live on the CPU), else the first parameter's
+    device, else the CPU."""
+    for root in roots:
+        for module in root.modules():
+            device = _fsdp_compute_device(module)
+            if device is not None:
+                return device
+    params = [p for root in roots for p in root.parameters()]
+    return params[0].device if params else torch.device("cpu")
+
+
+def step_footprint(reading: MemoryReading, fragmentation: int) -> int:
+    """Device memory one metered step needed: its peak allocated plus the measured fragmentation
+    estimate plus memory outside the allocator, or, when the allocator reserved more during the
+    step, the reserved high-water mark it reached.
+
+    Reserved memory that did not grow in the step was reserved by an earlier one; the caching
+    allocator keeps it, so it says nothing about this step. The controller's own raises of the
+    estimate are not added: the plan was already shrunk by them.
+    """
+    used = reading.peak + fragmentation + reading.outside
+    if reading.reserved_growth > 0:
+        used = max(used, reading.reserved + reading.outside)
+    return used
+
+
+def step_fragmentation(reading: MemoryReading) -> int:
+    """Reserved minus allocated at a sample step's peak, when the step itself set the reserved
+    high-water mark; 0 when it fit in memory an earlier step reserved (nothing measured)."""
+    return max(0, reading.reserved - reading.peak) if reading.reserved_growth > 0 else 0
+
+
 class Controller:
     """Plans which tensors TapeSAC blocks save, from one memory limit, over training steps."""
 
@@ -94,9 +141,7 @@ class Controller:
         if not self.regions:
             raise TapeSACError("the controller found no checkpointed module. Fix: call "
                                "tapesac_core.checkpoint_modules(model, {BlockClass}) first")
-        params = [p for root in roots for p in root.parameters()]
-        self.device = torch.device(device) if device is not None else (
-            params[0].device if params else torch.device("cpu"))
+        self.device = torch.device(device) if device is not None else compute_device(roots)
         self._meter = meter or (lambda: memory_meter(self.device))
         self.group = process_group
         self.model_key = ",".join(self.regions)
@@ -161,7 +206,8 @@ class Controller:
             if plan is not None:
                 stack.enter_context(use_plan(plan))
             torch_checkpointed = stack.enter_context(torch_checkpointing()) if mode == FULL else []
-            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE, one_micro_batch=True))
+            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE, one_micro_batch=True,
+                                               verify=self._verifies(mode)))
             meter = stack.enter_context(self._meter()) if metered else None
             static = meter.reading().current if meter is not None else 0
             self._synchronize()
@@ -194,7 +240,7 @@ class Controller:
         if reading is not None and mode in (PROFILE, SAMPLE):
             self.memory.add(MemorySample(tokens=self._primary_tokens(report.tokens), peak=reading.peak,
                                          static=static, outside=reading.outside,
-                                         fragmentation=max(0, reading.reserved - reading.peak)))
+                                         fragmentation=step_fragmentation(reading)))
         if mode == CONTROL or (mode == WARMUP and report.step > 0):
             self._record_time(self.must_only_times, key, report.time)
             self.must_only_steps = [*self.must_only_steps[1 - _WINDOW:],
@@ -301,6 +347,14 @@ class Controller:
             return FULL
         return PLANNED
 
+    def _verifies(self, mode: str) -> bool:
+        """Whether this step looks for writes the dispatcher cannot see (``verify.py``): the
+        first step if it warms up (neither timed nor metered: the check's syncs and temporaries
+        distort nothing), else the first profile step."""
+        if self.config.warmup_steps > 0:
+            return mode == WARMUP and self.steps == 0
+        return mode == PROFILE and self._profile_steps_done == 0
+
     def _take_profile(self, blocks: list, tokens: dict[str, int]) -> None:
         fresh = region_profiles(blocks, tokens)
         self.profiles = {r: merged(self.profiles.get(r), p) for r, p in fresh.items()}
@@ -368,7 +422,7 @@ class Controller:
         for r, p in profiles.items():
             scale = edges[r] / p.tokens
             points = p.frontier(self.config.beam_width, self.config.max_set_size)
-            curves[r] = [(plan.base + p.blocks * pt.bytes * scale,
+            curves[r] = [(plan.base + p.blocks * p.bytes_at(pt, scale),
                           step.planned(p.blocks * (points[0].time - pt.time) * scale))
                          for pt in points]
             full += p.blocks * max(0.0, p.full_recompute_time - p.must_only_replay_time) * scale
@@ -411,17 +465,23 @@ class Controller:
         return int(limit.of(total) - self.memory.outside - margin - self.memory.fragmentation)
 
     def _watch_limit(self, reading: MemoryReading) -> None:
-        """A peak near the limit: the fragmentation estimate goes up at the next step (on every
-        rank together) and plans are solved again, so they can only shrink."""
+        """A step that came near the limit: the fragmentation estimate goes up at the next step
+        (on every rank together) and plans are solved again, so they can only shrink.
+
+        Judged on what this step used (``step_footprint``), never on reserved memory an earlier
+        step left behind: that would raise again at every metered step until nothing is saved.
+        Allocation retries mean the device ran out, whatever the footprint.
+        """
         limit = self.limit_bytes()
-        used = max(reading.peak, reading.reserved) + reading.outside
+        used = step_footprint(reading, self.memory.measured_fragmentation)
         threshold = self.config.near_limit * limit
-        if used > threshold:
+        if used > threshold or reading.alloc_retries > 0:
             self._raise_fragmentation = max(int(used - threshold), int(0.01 * limit))
-            logger.warning("TapeSAC: step peak %s is within %.0f%% of the limit %s; raising the "
-                           "fragmentation estimate by %s and solving the plans again",
-                           format_bytes(used), 100 * (1 - self.config.near_limit),
-                           format_bytes(limit), format_bytes(self._raise_fragmentation))
+            logger.warning("TapeSAC: step peak %s (%d allocation retries) is within %.0f%% of the "
+                           "limit %s; raising the fragmentation estimate by %s and solving the "
+                           "plans again", format_bytes(used), reading.alloc_retries,
+                           100 * (1 - self.config.near_limit), format_bytes(limit),
+                           format_bytes(self._raise_fragmentation))
 
     def _apply_fragmentation(self, raise_by: int) -> None:
         if raise_by > 0:
@@ -486,11 +546,17 @@ class Controller:
         if not self._distributed():
             return numbers
         dist = torch.distributed
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(
-            self.group) == "nccl" else torch.device("cpu")
-        t = torch.tensor(numbers, dtype=torch.int64, device=device)
+        t = torch.tensor(numbers, dtype=torch.int64, device=self._collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(x) for x in t.tolist()]
+
+    def _collective_device(self) -> torch.device:
+        """Where this group's collectives take their tensors: the CPU for gloo, else the
+        controller's device (the current CUDA device may be another one: several devices in
+        one process, or a rank that never called ``torch.cuda.set_device``)."""
+        if self.device.type == "cpu" or torch.distributed.get_backend(self.group) == "gloo":
+            return torch.device("cpu")
+        return self.device
 
     def _agree_tokens(self, tokens: dict[str, int]) -> dict[str, int]:
         """All ranks run the bucket of the largest token counts."""
@@ -512,7 +578,8 @@ class Controller:
             except Exception as e:  # the other ranks wait in the broadcast: tell them, then raise
                 payload = [{"error": f"{type(e).__name__}: {e}"}]
         dist.broadcast_object_list(payload, src=dist.get_global_rank(self.group, 0)
-                                   if self.group is not None else 0, group=self.group)
+                                   if self.group is not None else 0, group=self.group,
+                                   device=self._collective_device())
         if isinstance(payload[0], dict):
             raise TapeSACError(f"TapeSAC: solving the plan failed on rank 0: {payload[0]['error']}")
         return Plan.from_json(payload[0], model=self.model_key)

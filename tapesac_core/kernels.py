@@ -23,6 +23,7 @@ def register_kernel(
     fake: Callable[..., Any],
     outputs: int = 1,
     ctx_attributes: CtxAttributes | None = None,
+    random: bool = False,
 ) -> Callable[..., Any]:
     """Register ``function`` as the custom op ``qualname``; return a drop-in for ``function.apply``.
 
@@ -49,6 +50,12 @@ def register_kernel(
       (e.g. ``{"eps": eps}``). Backward reads these values, also under fake tensors where
       forward does not run. Each real call checks forward set no other non-tensor attribute
       and that the values agree.
+    - ``random``: True if forward draws random numbers (a fused dropout, noise). The op then
+      carries the ``nondeterministic_seeded`` tag, and the tape captures the generator state at
+      each call and restores it when replay runs the op again, so replay draws the same numbers.
+      Without it, an op is still taken as random when its schema has a ``Generator`` argument
+      or a ``float dropout_p`` argument whose value is not 0 (see ``ops.is_random_call``); any
+      other op that draws random numbers replays with new ones: wrong gradients.
 
     The returned callable takes forward's arguments and returns the Function's outputs (a bare
     tensor when ``outputs == 1``), with the same values and gradients as ``function.apply``.
@@ -65,7 +72,8 @@ def register_kernel(
     _check_unregistered(qualname)
     kernel = _Kernel(qualname, function, parsed, fake, outputs, ctx_attributes)
     # custom_op keeps its Library in torch's own registry, so the registration lives as long as the process.
-    op = torch.library.custom_op(qualname, kernel.forward, mutates_args=(), schema=schema)
+    tags = (torch.Tag.nondeterministic_seeded,) if random else ()
+    op = torch.library.custom_op(qualname, kernel.forward, mutates_args=(), schema=schema, tags=tags)
     op.register_fake(kernel.fake)
     op.register_autograd(kernel.backward, setup_context=kernel.setup_context)
 

@@ -35,6 +35,10 @@ class MemoryReading:
     total: int     # device memory (physical memory on CPU)
     free: int      # free device memory as the driver/OS reports it
     outside: int = 0  # device memory in use outside PyTorch's caching allocator (Eq. 9's non_torch)
+    # The caching allocator never gives reserved memory back by itself, so ``reserved`` stays at
+    # the high-water mark of any earlier step: only what the window itself added tells pressure.
+    reserved_growth: int = 0  # bytes reserved beyond what the allocator held when the window began
+    alloc_retries: int = 0    # allocations that failed, freed cached blocks and retried, in the window
 
 
 class MemoryMeter(Protocol):
@@ -53,15 +57,31 @@ def physical_memory() -> tuple[int, int]:
     return page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def alloc_retries(device: torch.device) -> int:
+    """Allocations the caching allocator had to retry after freeing its cache, since the start.
+
+    Read through ``torch.accelerator.memory_stats`` where this torch has it, else through
+    ``torch.cuda.memory_stats`` (older torch); 0 where neither applies.
+    """
+    stats = getattr(torch.accelerator, "memory_stats", None)
+    if stats is None and device.type == "cuda":
+        stats = torch.cuda.memory_stats
+    return int(stats(device).get("num_alloc_retries", 0)) if stats is not None else 0
+
+
 class AcceleratorMeter:
     """Allocator statistics of an accelerator (CUDA and any ``torch.accelerator`` device)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._reserved_start = 0
+        self._retries_start = 0
 
     def __enter__(self) -> AcceleratorMeter:
         torch.accelerator.synchronize(self.device)
         torch.accelerator.reset_peak_memory_stats(self.device)
+        self._reserved_start = torch.accelerator.memory_reserved(self.device)
+        self._retries_start = alloc_retries(self.device)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -70,10 +90,13 @@ class AcceleratorMeter:
     def reading(self) -> MemoryReading:
         free, total = torch.accelerator.get_memory_info(self.device)
         reserved_now = torch.accelerator.memory_reserved(self.device)
+        reserved = torch.accelerator.max_memory_reserved(self.device)
         return MemoryReading(peak=torch.accelerator.max_memory_allocated(self.device),
                              current=torch.accelerator.memory_allocated(self.device),
-                             reserved=torch.accelerator.max_memory_reserved(self.device),
-                             total=total, free=free, outside=max(0, total - free - reserved_now))
+                             reserved=reserved, total=total, free=free,
+                             outside=max(0, total - free - reserved_now),
+                             reserved_growth=max(0, reserved - self._reserved_start),
+                             alloc_retries=alloc_retries(self.device) - self._retries_start)
 
 
 class _StorageTracker(TorchDispatchMode):

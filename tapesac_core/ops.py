@@ -41,8 +41,9 @@ class OpInfo:
     view: bool      # outputs are views of an input (the schema says so): they share its version
     aliasing: bool  # outputs share an input's storage, views or not (``_unsafe_view``)
     mutated: tuple[tuple[int, str], ...]  # (position, name) of arguments the op writes
-    random: bool
+    random: bool    # may draw random numbers: see ``is_random_call``
     dropout_arg: tuple[int, str, float] | None  # (position, name, default) of ``dropout_p``
+    generator_arg: tuple[int, str] | None       # (position, name) of a ``Generator`` argument
     dynamic_shape: bool
     metadata_only: bool
     allocation: bool
@@ -50,6 +51,12 @@ class OpInfo:
     holds_outputs: bool  # outputs may be mandatory (collectives, data-dependent shapes)
     plain: bool          # none of the above: fresh outputs, nothing to capture or refuse
     simple_view: bool    # a view op, otherwise plain: its output shares its first input's storage
+
+
+def _is_generator(t: Any) -> bool:
+    """A schema argument type ``Generator`` or ``Generator?``."""
+    inner = t.getElementType() if isinstance(t, torch.OptionalType) else t
+    return str(inner) == "Generator"
 
 
 @functools.cache
@@ -63,12 +70,16 @@ def op_info(op: Any) -> OpInfo:
     mutated = tuple((i, a.name) for i, a in enumerate(schema.arguments)
                     if a.alias_info is not None and a.alias_info.is_write)
     view = not mutated and any(r.alias_info is not None for r in schema.returns)
-    special = (namespace in UNRECORDED_NAMESPACES or namespace in COLLECTIVE_NAMESPACES
-               or bool(mutated) or packet in _IDENTITY or torch.Tag.nondeterministic_seeded in tags
-               or torch.Tag.dynamic_output_shape in tags or packet in _ALLOCATIONS
-               or packet in _FILL or packet in _FILL_FROM_ARG or packet in _RANDOM_LIKE)
     dropout_arg = next(((i, a.name, float(a.default_value or 0.0))
                         for i, a in enumerate(schema.arguments) if a.name == "dropout_p"), None)
+    generator_arg = next(((i, a.name) for i, a in enumerate(schema.arguments)
+                          if _is_generator(a.type)), None)
+    random = (torch.Tag.nondeterministic_seeded in tags or dropout_arg is not None
+              or generator_arg is not None)
+    special = (namespace in UNRECORDED_NAMESPACES or namespace in COLLECTIVE_NAMESPACES
+               or bool(mutated) or packet in _IDENTITY or random
+               or torch.Tag.dynamic_output_shape in tags or packet in _ALLOCATIONS
+               or packet in _FILL or packet in _FILL_FROM_ARG or packet in _RANDOM_LIKE)
     return OpInfo(
         name=name,
         unrecorded=namespace in UNRECORDED_NAMESPACES,
@@ -76,8 +87,9 @@ def op_info(op: Any) -> OpInfo:
         view=view,
         aliasing=view or packet in _UNANNOTATED_VIEWS,
         mutated=mutated,
-        random=torch.Tag.nondeterministic_seeded in tags,
+        random=random,
         dropout_arg=dropout_arg,
+        generator_arg=generator_arg,
         dynamic_shape=torch.Tag.dynamic_output_shape in tags,
         metadata_only=packet in _FILL or packet in _FILL_FROM_ARG or packet in _RANDOM_LIKE,
         allocation=packet in _ALLOCATIONS,
@@ -96,7 +108,15 @@ def arg(args: tuple, kwargs: dict, position: int, name: str, default: Any = None
 
 
 def is_random_call(info: OpInfo, args: tuple, kwargs: dict) -> bool:
-    """Whether this call draws random numbers: attention ops are tagged random even at dropout 0."""
+    """Whether this call draws random numbers, so replay must restore the generator it drew from.
+
+    The rule: an op is random if it carries the ``nondeterministic_seeded`` tag (ATen's random
+    ops; ``register_kernel(..., random=True)`` adds it), or its schema takes a ``Generator``, or
+    it takes a ``dropout_p`` argument. Many custom ops carry no tag although they draw random
+    numbers (flash-attn's forward with attention dropout, Triton kernels with fused dropout), so
+    the schema decides too. An op with a ``dropout_p`` draws only when ``dropout_p`` is not 0:
+    attention ops are tagged random even at dropout 0.
+    """
     if not info.random:
         return False
     if info.dropout_arg is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -51,6 +52,13 @@ class RegionProfile:
             self._frontiers[key] = solve_frontier(self.graph, beam_width=beam_width,
                                                   max_set_size=max_set_size).points
         return self._frontiers[key]
+
+    def bytes_at(self, point: Point, factor: float) -> int:
+        """A save set's bytes at ``factor`` times the reference's tokens: what grows with tokens
+        scales linearly (§3.4.1); values that do not (``Tape.token_independent``) stay."""
+        tape = self.tape
+        fixed = tape.saved_bytes(self.graph.value_ids(point.saved) & tape.token_independent)
+        return fixed + math.ceil((point.bytes - fixed) * factor)
 
     @functools.cached_property
     def _frontiers(self) -> dict[tuple[int, int], tuple[Point, ...]]:
@@ -212,5 +220,10 @@ class MemoryModel:
         return max((s.outside for s in self.samples), default=0)
 
     @property
+    def measured_fragmentation(self) -> int:
+        """The largest fragmentation a sample step measured (without the controller's raises)."""
+        return max((s.fragmentation for s in self.samples), default=0)
+
+    @property
     def fragmentation(self) -> int:
-        return max((s.fragmentation for s in self.samples), default=0) + self.extra_fragmentation
+        return self.measured_fragmentation + self.extra_fragmentation

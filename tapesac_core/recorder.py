@@ -9,9 +9,10 @@ Contract (what makes replay exact):
   after its storage was written through another alias becomes a new value too (a synthetic
   ``tapesac.alias`` node that depends on the write).
 * Parameters and buffers are recorded by name and fetched again at replay; block inputs are kept.
-* Saved values (S0 and the plan) are held strongly. If forward later writes into a held value's
-  storage, the held tensor is moved to a copy of the storage first, so it keeps the content
-  autograd saw.
+* Saved values (S0 and the plan) are held strongly, detached: nothing a block holds may keep its
+  own graph alive (the graph holds the block through the saved-tensor handles). If forward
+  later writes into a held value's storage, the held tensor is moved to a copy of the storage
+  first, so it keeps the content autograd saw.
 
 Failure modes that raise ``TapeSACError``: an op writing into a block input, parameter or buffer;
 a random op whose generator cannot be captured; a tensor subclass inside the block.
@@ -23,12 +24,13 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .errors import TapeSACError
 from .ops import OpInfo, arg, has_dynamic_shape, is_random_call, op_info
 from .tape import (ALIAS_OP, BUFFER, COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT,
                    INVISIBLE_WRITE, NO_PRODUCER, OP, PARAM, Meta, Node, Packed, Slot, Value)
+from .verify import fingerprint
 
 Tensor = torch.Tensor
 
@@ -60,6 +62,17 @@ def on_storage(t: Tensor, storage: torch.UntypedStorage) -> Tensor:
     Copying whole storages rather than views keeps every alias of a storage addressable.
     """
     return view_on(storage, _meta(t))
+
+
+def detached(t: Tensor) -> Tensor:
+    """``t``'s storage, layout and version counter without its autograd graph, unrecorded.
+
+    Autograd's saved tensors reach the block through the pack hook's handles, so a block that
+    held a tensor with a ``grad_fn`` would close a cycle through C++ graph nodes the garbage
+    collector cannot see: a forward whose backward never runs would leak the block forever.
+    """
+    with _disable_current_modes():  # no dispatch mode (the recorder) sees this bookkeeping op
+        return t.detach()
 
 
 def flat_tensors(out: Any) -> list[Tensor]:
@@ -237,7 +250,7 @@ class Recorder(TorchDispatchMode):
     def hold(self, vid: int, t: Tensor, reason: str | None = None) -> None:
         """Keep ``t`` for backward: saved by the plan, or mandatory (``reason``)."""
         block = self.block
-        block.held[vid] = t
+        block.held[vid] = detached(t)
         self.held_by_sid.setdefault(self.values[vid].sid, set()).add(vid)
         if reason is not None:
             block.mandatory.setdefault(vid, reason)
@@ -249,7 +262,7 @@ class Recorder(TorchDispatchMode):
             entry = self.by_id.get(id(t))
             if entry is None or entry[0]() is not t:
                 vid = self.new_value(t, -1, 0, INPUT, i)
-                self.block.held[vid] = t
+                self.block.held[vid] = detached(t)
 
     # ------------------------------------------------------------------ pack hook
 
@@ -263,6 +276,9 @@ class Recorder(TorchDispatchMode):
             vid, entry = self.vid_of(t), None
         counts = block.pack_count
         counts[vid] = counts.get(vid, 0) + 1
+        if block.verify and vid not in block.held and vid not in block.fingerprints \
+                and self.values[vid].kind == OP:
+            block.fingerprints[vid] = fingerprint(t)
         if vid not in block.held and vid not in block.refs:
             value = self.values[vid]
             if value.kind == OP:
@@ -300,7 +316,7 @@ class Recorder(TorchDispatchMode):
         tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
         out = func(*args, **kwargs)
         block = self.block
-        if type(out) is not Tensor or block.plan_coords:
+        if type(out) is not Tensor or block.plan_coords or block.forced:
             self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
             return out
         storage = out.untyped_storage()
@@ -337,7 +353,7 @@ class Recorder(TorchDispatchMode):
         targs = tuple([self._template(a, inputs) for a in args])
         tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
         writes = self._before_write(func, info, args, kwargs, inputs) if info.mutated else ()
-        rng = (self._capture_rng(args, kwargs)
+        rng = (self._capture_rng(info, args, kwargs)
                if info.random and is_random_call(info, args, kwargs) else None)
         if info.metadata_only and inputs:
             self._keep_meta(inputs[0], args[0])
@@ -408,7 +424,6 @@ class Recorder(TorchDispatchMode):
     def _before_write(self, func: Any, info: OpInfo, args: tuple, kwargs: dict,
                       inputs: list[int]) -> tuple[int, ...]:
         """Refuse writes into leaves; move held values the write would change. Returns slots written."""
-        block = self.block
         slots = []
         for t in self._mutated_tensors(info, args, kwargs):
             vid = self.vid_of(t)
@@ -440,8 +455,11 @@ class Recorder(TorchDispatchMode):
             "reproduce a mutation of a block input, parameter or buffer. Fix: make the op "
             "out-of-place (e.g. `x = x + y` instead of `x += y`), or do not checkpoint this module")
 
-    def _capture_rng(self, args: tuple, kwargs: dict) -> tuple:
-        generator = kwargs.get("generator")
+    def _capture_rng(self, info: OpInfo, args: tuple, kwargs: dict) -> tuple:
+        """The generator a random call draws from (its ``Generator`` argument, else the default
+        generator of its device) and that generator's state now."""
+        generator = (arg(args, kwargs, *info.generator_arg) if info.generator_arg is not None
+                     else kwargs.get("generator"))
         if generator is None:
             device = kwargs.get("device")
             if device is None:
@@ -495,7 +513,7 @@ class Recorder(TorchDispatchMode):
         for j, t in enumerate(returned):
             vid = self._new_output(t, index, j, info, inputs, outs, before_write)
             outs.append(vid)
-            if info.holds_outputs or plan_coords:
+            if info.holds_outputs or plan_coords or block.forced:
                 self._maybe_hold(func, info, name, k, km, j, vid, t, args, kwargs)
         block.nodes.append(_new_tuple(Node, (
             index, func, name, k, targs, tkwargs, inputs, [] if info.metadata_only else inputs,
@@ -553,6 +571,8 @@ class Recorder(TorchDispatchMode):
             self.hold(vid, t, COLLECTIVE)
         elif info.dynamic_shape and has_dynamic_shape(func, info, args, kwargs):
             self.hold(vid, t, DYNAMIC_SHAPE)
+        elif (name, k, j) in self.block.forced:
+            self.hold(vid, t, INVISIBLE_WRITE)
         else:
             self._hold_if_planned(name, k, km, j, vid, t)
 

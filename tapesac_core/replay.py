@@ -25,6 +25,7 @@ from .errors import TapeSACError
 from .ops import rebuild_output
 from .recorder import flat_tensors, on_storage, view_on
 from .tape import ALIAS_OP, Meta, Node, Slot, producer_closure
+from .verify import check_replayed, reproducible
 
 
 def _fill(a: Any, tensors: list[Any]) -> Any:
@@ -72,6 +73,43 @@ def view_of_storage(base: torch.Tensor, meta: Meta) -> torch.Tensor:
     return view_on(base.untyped_storage(), meta)
 
 
+class LiveStorages:
+    """A set of storages, by address, each entry dropped when its storage is freed.
+
+    Bare addresses would outlive their storages, and the caching allocator hands a freed
+    address to the next allocation: a fresh replay output would look like a tensor replay
+    must not write into and get a needless copy.
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        """Track ``t``'s storage until it is freed."""
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        ref = self._refs.get(ptr)
+        if ref is None or ref() is not storage:
+            self._refs[ptr] = weakref.ref(storage, _dropper(self._refs, ptr))
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        """``t`` lies on a tracked storage that is still alive."""
+        storage = t.untyped_storage()
+        ref = self._refs.get(storage.data_ptr())
+        return ref is not None and ref() is storage
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+
+def _dropper(refs: dict[int, weakref.ref], ptr: int) -> Any:
+    """A weakref callback removing ``ptr``'s entry, unless a newer storage took the address."""
+    def drop(ref: weakref.ref) -> None:
+        if refs.get(ptr) is ref:
+            del refs[ptr]
+    return drop
+
+
 class Replay:
     """The replay state of one block during one backward pass."""
 
@@ -81,9 +119,12 @@ class Replay:
         self.block = weakref.proxy(block)
         self.nodes, self.values, self.trace = block.nodes, block.values, block.trace
         self.env: dict[int, torch.Tensor] = {}
-        self.not_ours: set[int] = set()  # storage pointers replay must not write into
+        self.not_ours = LiveStorages()  # storages replay must not write into
         self.reads: dict[int, int] = {}
         self.unpacked: set[int] = set()  # ids of the handles already unpacked in this backward
+        # Verifying only: values not compared, since they derive from an op whose bits vary or
+        # from a value that already mismatched (only the first mismatch names the hidden write).
+        self.uncomparable: set[int] = set()
         self._take_alive_values(block)
         reads = self.reads
         for index in block.closure(block.demand, self._available):
@@ -99,7 +140,7 @@ class Replay:
             t = ref()
             if t is not None and t._version == block.values[vid].version:
                 self.env[vid] = t
-                self.not_ours.add(t.untyped_storage().data_ptr())
+                self.not_ours.add(t)
                 block.alive_taken.add(vid)
 
     def _available(self, vid: int) -> bool:
@@ -118,7 +159,7 @@ class Replay:
                     self._run(self.nodes[index])
             self.trace.replay_seconds += time.perf_counter() - start
         t = env[vid]
-        self.not_ours.add(t.untyped_storage().data_ptr())
+        self.not_ours.add(t)
         if id(handle) not in self.unpacked:  # ctx.saved_tensors may unpack one handle twice
             self.unpacked.add(id(handle))
             self._release(vid)
@@ -134,7 +175,7 @@ class Replay:
         t = self.env.get(vid)
         if t is None:
             t = self.block.kept_tensor(vid)
-            self.not_ours.add(t.untyped_storage().data_ptr())
+            self.not_ours.add(t)
         return t
 
     def _run(self, node: Node) -> None:
@@ -150,6 +191,8 @@ class Replay:
         if timer is not None:
             self.trace.node_times.setdefault(node.index, []).append(timer.stop(start))
         self.trace.replayed.append(node.index)
+        if self.block.verify:
+            self._verify(node, outs)
         reads, env = self.reads, self.env
         for vid, t in zip(node.outs, outs):
             if reads.get(vid, 0) > 0:
@@ -159,6 +202,18 @@ class Replay:
             reads[d] = left
             if left <= 0:
                 env.pop(d, None)
+
+    def _verify(self, node: Node, outs: list[torch.Tensor]) -> None:
+        """Compare what the node produced with autograd's saved content (hidden writes)."""
+        if not outs:
+            return
+        if (any(d in self.uncomparable for d in node.deps)
+                or not reproducible(node, outs[0].device.type)):
+            self.uncomparable.update(node.outs)
+            return
+        for vid, t in zip(node.outs, outs):
+            if not check_replayed(self.block, node, vid, t):
+                self.uncomparable.update(node.outs)
 
     def _execute(self, node: Node) -> list[torch.Tensor]:
         values = self.values
@@ -189,7 +244,7 @@ class Replay:
     def _prepare_write(self, node: Node, slot: int, tensors: list[torch.Tensor]) -> None:
         """Before an in-place op: never write into a tensor replay does not own; keep old content still read."""
         ptr = tensors[slot].untyped_storage().data_ptr()
-        if ptr in self.not_ours:
+        if tensors[slot] in self.not_ours:
             copy = tensors[slot].untyped_storage().clone()
             for i, t in enumerate(tensors):
                 if t.untyped_storage().data_ptr() == ptr:

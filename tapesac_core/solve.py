@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .config import TapeSACConfig
 from .plan import Point, RegionFrontier, replay_time, solve_knapsack
@@ -13,10 +13,19 @@ from .profile import RegionProfile
 from .step_time import StepTime
 
 
-def scaled(points: tuple[Point, ...], factor: float) -> tuple[Point, ...]:
-    """A frontier at another token count: sizes and times scale linearly with tokens (§3.4.1)."""
-    return tuple(Point(bytes=math.ceil(p.bytes * factor), time=p.time * factor, saved=p.saved)
-                 for p in points)
+def scaled(points: tuple[Point, ...], factor: float,
+           bytes_at: Callable[[Point, float], int] | None = None) -> tuple[Point, ...]:
+    """A frontier at another token count: times scale linearly with tokens (§3.4.1), and so do
+    sizes, or as ``bytes_at`` says (values that do not grow with tokens stay). Points another
+    one now dominates are dropped, so the result is again a frontier."""
+    size = bytes_at or (lambda p, f: math.ceil(p.bytes * f))
+    moved = sorted((Point(bytes=size(p, factor), time=p.time * factor, saved=p.saved)
+                    for p in points), key=lambda p: (p.bytes, p.time))
+    frontier: list[Point] = []
+    for p in moved:
+        if not frontier or p.time < frontier[-1].time and p.bytes > frontier[-1].bytes:
+            frontier.append(p)
+    return tuple(frontier)
 
 
 def modelled_replay(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int]) -> float:
@@ -35,8 +44,8 @@ def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int],
     must-only replay is the time outside replay (floored, see ``StepTime.model``), so the
     prediction is finite and at most must-only / outside, whatever the profiled times were.
     """
-    frontiers = {r: scaled(p.frontier(config.beam_width, config.max_set_size), tokens[r] / p.tokens)
-                 for r, p in profiles.items()}
+    frontiers = {r: scaled(p.frontier(config.beam_width, config.max_set_size), tokens[r] / p.tokens,
+                           p.bytes_at) for r, p in profiles.items()}
     budget = capacity - base
     choice = solve_knapsack(
         {r: RegionFrontier(points=f, blocks=profiles[r].blocks) for r, f in frontiers.items()},
@@ -83,7 +92,8 @@ def _describe(profile: RegionProfile, point: Point, factor: float) -> tuple[Save
     for vid in sorted(saved):
         coord = name_coord(graph.value_names[vid])
         node = tape.nodes[tape.values[vid].node]
+        grows = vid not in tape.token_independent
         rows.append(Saved(coord=coord, module=node.module,
-                          bytes=math.ceil(tape.bytes_of([vid]) * factor),
+                          bytes=math.ceil(tape.bytes_of([vid]) * (factor if grows else 1)),
                           time_removed=(replay_time(graph, saved - {vid}) - whole) * factor))
     return tuple(rows)

@@ -246,6 +246,20 @@ class Tape:
         return tuple(n.name for n in self.nodes)
 
     @functools.cached_property
+    def token_independent(self) -> frozenset[int]:
+        """Op values computed from parameters and buffers alone (a weight cast under mixed
+        precision, a gathered or transposed weight): their size does not grow with tokens.
+
+        Values of ops that read no data (factory ops, whose sizes often come from the sequence
+        length) and anything that reads a block input or an external tensor scale with tokens.
+        """
+        fixed = {v.vid for v in self.values if v.kind in (PARAM, BUFFER)}
+        for node in self.nodes:
+            if node.deps and all(d in fixed for d in node.deps):
+                fixed.update(node.outs)
+        return frozenset(v for v in fixed if self.values[v].kind == OP)
+
+    @functools.cached_property
     def fingerprint(self) -> str:
         """A stable digest of the op sequence (the same in every process, unlike ``hash``)."""
         return f"{zlib.crc32(chr(10).join(self.op_sequence()).encode()):08x}-{len(self.nodes)}"

@@ -7,7 +7,7 @@ closes; what opening and closing mean lives here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch

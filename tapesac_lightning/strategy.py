@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies import model_parallel as _model_parallel
@@ -48,7 +47,10 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
     TapeSAC. The first fit steps warm up and profile; later steps run the plan for their token
     bucket. ``memory_limit``: a fraction of device memory (of physical memory on CPU), a size
     such as ``"20GiB"``, or an int of bytes. ``regions`` names region types (class -> name, or
-    a callable); ``tokens`` counts a batch's tokens. Further keywords are ``TapeSACConfig``'s.
+    a callable); ``tokens`` counts a batch's tokens. ``mp_policy`` (FSDP2's
+    ``MixedPrecisionPolicy``), ``reshard_after_forward`` and ``offload_policy`` go to every
+    ``fully_shard`` call the strategy makes (Lightning's ``ModelParallelStrategy`` takes none of
+    them). Further keywords are ``TapeSACConfig``'s.
     """
 
     def __init__(self, memory_limit: float | int | str = 0.9, *,
@@ -57,7 +59,9 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
                  tokens: TokenCounter | None = None,
                  data_parallel_size: Literal["auto"] | int = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout, **settings: Any) -> None:
+                 timeout: timedelta | None = default_pg_timeout, mp_policy: Any = None,
+                 reshard_after_forward: bool | int | None = None, offload_policy: Any = None,
+                 **settings: Any) -> None:
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -70,6 +74,10 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
         region_namer(regions)  # validates
         self._regions = regions
         self._tokens = tokens or tokens_in
+        # Only the options given: fully_shard's own defaults stay in charge of the others.
+        self._fsdp_options = {k: v for k, v in (("mp_policy", mp_policy),
+                                                ("reshard_after_forward", reshard_after_forward),
+                                                ("offload_policy", offload_policy)) if v is not None}
         self.controller: Controller | None = None
         self.driver: StepDriver | None = None
 
@@ -109,8 +117,8 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
         shard = self._shard or (lambda m: hasattr(m, "_tapesac"))
         for _, sub in reversed(list(module.named_modules())):
             if sub is not module and shard(sub):
-                fully_shard(sub, mesh=mesh)
-        fully_shard(module, mesh=mesh)
+                fully_shard(sub, mesh=mesh, **self._fsdp_options)
+        fully_shard(module, mesh=mesh, **self._fsdp_options)
         for name in STEP_METHODS:
             if callable(getattr(module, name, None)):
                 register_fsdp_forward_method(module, name)

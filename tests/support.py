@@ -40,6 +40,13 @@ def step(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], seed: int 
     return loss.detach(), grads
 
 
+def require_deterministic() -> None:
+    """Deterministic algorithms are on: without them, CUDA's ``index_add_``, ``scatter_add_``
+    and ``index_put_(accumulate=True)`` add in a varying order and bitwise checks fail."""
+    assert torch.are_deterministic_algorithms_enabled(), (
+        "bitwise tests need torch.use_deterministic_algorithms(True) (tests/conftest.py sets it)")
+
+
 def assert_bitwise(ref: tuple, got: tuple) -> None:
     """Loss and every gradient identical, bit for bit."""
     (ref_loss, ref_grads), (loss, grads) = ref, got

@@ -5,7 +5,6 @@ import copy
 import importlib
 import logging
 
-import pytest
 import torch
 import torch._dynamo
 from support import assert_bitwise, step

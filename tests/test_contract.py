@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from support import OpCounter, assert_bitwise, brute_force_replay, process_group_of_one, step
+from support import (OpCounter, assert_bitwise, brute_force_replay, process_group_of_one,
+                     require_deterministic, step)
 
 import tapesac_core
 from tapesac_core import TapeSACError
@@ -356,6 +357,8 @@ def test_the_library_closure_agrees_with_brute_force_on_every_save_set() -> None
         for _ in range(5):
             saved = set(rng.sample(candidates, size))
             assert tape.replay_nodes(saved) == brute_force_replay(tape, saved)
+
+
 def test_a_dtensor_parameter_at_backward_is_an_error_naming_the_fsdp2_order() -> None:
     """FSDP2 applied inside a block reshards its parameters after forward: at backward the block
     would find DTensors where forward used plain tensors."""
@@ -372,3 +375,39 @@ def test_a_dtensor_parameter_at_backward_is_an_error_naming_the_fsdp2_order() ->
                                                r"backward time.*Fix: shard with FSDP2 at the "
                                                r"checkpointed module or above it"):
             out.sum().backward()
+
+
+def test_replay_forgets_storages_it_must_not_write_into_once_they_are_freed(monkeypatch) -> None:
+    # The allocator reuses a freed address: a stale entry would make replay copy a fresh output
+    # before writing into it. Replay's states are captured to look at what they track.
+    replays = []
+    init = tapesac_core.replay.Replay.__init__
+
+    def capture(self, block):
+        init(self, block)
+        replays.append(self)
+
+    monkeypatch.setattr(tapesac_core.replay.Replay, "__init__", capture)
+
+    def block(x):
+        u = x * 3
+        u.add_(1)  # replay writes into its own fresh output
+        return u.sin() + x.exp()  # sin saves u, exp its result: both handed to autograd
+
+    x = _x()
+    ref = torch.autograd.grad((block(x) ** 2).sum(), [x])
+    got = torch.autograd.grad((tapesac_core.checkpoint(block, x) ** 2).sum(), [x])
+    assert torch.equal(ref[0], got[0])
+    (replay,) = replays
+    # Left after backward: the block input only; the replayed values autograd read are freed.
+    assert len(replay.not_ours) == 1 and x in replay.not_ours
+
+
+def test_bitwise_checks_refuse_to_run_without_deterministic_algorithms() -> None:
+    require_deterministic()  # the session turned them on (tests/conftest.py)
+    torch.use_deterministic_algorithms(False)
+    try:
+        with pytest.raises(AssertionError, match="use_deterministic_algorithms"):
+            require_deterministic()
+    finally:
+        torch.use_deterministic_algorithms(True)

@@ -11,7 +11,7 @@ from examples.models import DecoderLayer, DecoderLM, ModelConfig
 from tapesac_core.controller import CONTROL, FULL, PLANNED, PROFILE, SAMPLE, WARMUP, Controller
 from tapesac_core.memory import MemoryReading
 from tapesac_core.plan import bucket, upper_edge
-from tapesac_core.units import GiB, MiB
+from tapesac_core.units import GiB, KiB, MiB
 
 
 class FakeMeter:
@@ -37,12 +37,31 @@ class FakeMeter:
                              free=32 * GiB)
 
 
-def _setup(limit, **settings):
+class CachingAllocatorMeter(FakeMeter):
+    """Reads as a caching allocator does: reserved memory is never given back, so after one step
+    near the limit it stays there; ``retries`` allocations retried in the next metered step."""
+
+    def __init__(self) -> None:
+        super().__init__(base=8 * MiB)  # small, so that 1% of the limit is less than the plan
+        self.reserved = self.start = self.retries = self.window_retries = 0
+
+    def __enter__(self) -> "CachingAllocatorMeter":
+        self.start, self.window_retries, self.retries = self.reserved, self.retries, 0
+        return self
+
+    def reading(self) -> MemoryReading:
+        r = super().reading()
+        self.reserved = max(self.reserved, r.peak)
+        return dataclasses.replace(r, reserved=self.reserved, alloc_retries=self.window_retries,
+                                   reserved_growth=self.reserved - self.start)
+
+
+def _setup(limit, meter=None, **settings):
     torch.manual_seed(0)
     model = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                                   intermediate_size=64, num_layers=3))
     tapesac_core.checkpoint_modules(model, {DecoderLayer})
-    meter = FakeMeter()
+    meter = meter or FakeMeter()
     controller = Controller(model, limit, meter=meter, warmup_steps=1, profile_steps=1,
                             control_steps=1, control_every=0, **settings)
     return model, meter, controller
@@ -122,6 +141,62 @@ def test_fragmentation_near_the_limit_shrinks_the_plan(caplog) -> None:
     assert c.memory.extra_fragmentation > 0
     assert second.saved_bytes < first.saved_bytes
     assert second.capacity < first.capacity
+
+
+def _near_limit_step(limit, caplog):
+    """Three steps to the first plan, then one planned step whose peak reads 99% of the limit."""
+    model, meter, c = _setup(limit, CachingAllocatorMeter())
+    for _ in range(3):
+        _run(model, meter, c, 32)
+    meter.extra = int(0.99 * limit) - meter.base - meter.per_token * 64
+    with caplog.at_level(logging.WARNING):
+        near = _run(model, meter, c, 32)
+    meter.extra = 0
+    assert near.mode == PLANNED and near.plan.saved_bytes > 0
+    return model, meter, c, near.plan
+
+
+def _raises(caplog) -> int:
+    return caplog.text.count("raising the fragmentation estimate")
+
+
+def test_reserved_memory_left_by_one_near_limit_step_raises_once_and_leaves_the_plan_stable(
+        caplog) -> None:
+    limit = 8 * MiB + 650 * KiB
+    model, meter, c, before = _near_limit_step(limit, caplog)
+    with caplog.at_level(logging.WARNING):
+        plans = [_run(model, meter, c, 32).plan for _ in range(6)]
+    assert meter.reserved == int(0.99 * limit)  # the allocator still holds the near-limit peak
+    assert _raises(caplog) == 1
+    assert c.memory.extra_fragmentation == max(int(int(0.99 * limit) - 0.98 * limit),
+                                               int(0.01 * limit))
+    assert 0 < plans[0].saved_bytes < before.saved_bytes  # the one real event shrank the plan
+    assert all(p.coordinates() == plans[0].coordinates() for p in plans)
+
+
+def test_allocation_retries_raise_once_although_the_peak_is_below_the_limit(caplog) -> None:
+    limit = 8 * MiB + 650 * KiB
+    model, meter, c = _setup(limit, CachingAllocatorMeter())
+    for _ in range(3):
+        _run(model, meter, c, 32)
+    meter.retries = 3  # the first planned step: the allocator freed its cache and retried
+    with caplog.at_level(logging.WARNING):
+        first = _run(model, meter, c, 32)
+        plans = [_run(model, meter, c, 32).plan for _ in range(4)]
+    assert first.mode == PLANNED and first.peak < 0.98 * limit
+    assert _raises(caplog) == 1
+    assert c.memory.extra_fragmentation == int(0.01 * limit)
+    assert plans[0].capacity < first.plan.capacity
+    assert all(p.coordinates() == plans[0].coordinates() for p in plans)
+
+
+def test_a_sample_step_that_fits_in_memory_reserved_earlier_measures_no_fragmentation(
+        caplog) -> None:
+    limit = 8 * MiB + 650 * KiB
+    model, meter, c, _ = _near_limit_step(limit, caplog)
+    assert _run(model, meter, c, 38).mode == SAMPLE  # 76 tokens: a new memory sample
+    assert meter.reserved > meter.base + meter.per_token * 76
+    assert c.memory.measured_fragmentation == 0
 
 
 def _planned(limit, **settings):

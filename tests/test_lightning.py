@@ -64,6 +64,17 @@ def test_fit_is_bitwise_torch_checkpoint_and_really_uses_tapesac(tmp_path, varia
     assert [s["plan"] for s in tapesac[0]] == [s["plan"] for s in tapesac[1]]
 
 
+def test_fsdp2_mixed_precision_is_bitwise_torch_checkpoint_under_the_same_policy(tmp_path) -> None:
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on every fully_shard call, given
+    # to the strategy and, for the baseline, to plain FSDP2 + torch.utils.checkpoint.
+    bf16 = (*SHORT, "--param-dtype", "bf16", "--dropout", "0")
+    tapesac = fit(tmp_path / "tapesac", *bf16)
+    torch_ckpt = fit(tmp_path / "torch", *bf16, "--baseline", "torch")
+    assert losses(tapesac) == losses(torch_ckpt)
+    planned = [s for s in tapesac[0] if s["mode"] == "planned"]
+    assert planned and all(s["saved_bytes"] > 0 for s in planned)
+
+
 def test_scalars_read_back_from_tensorboard(tmp_path) -> None:
     fit(tmp_path, *SHORT)
     (events,) = glob.glob(str(tmp_path / "runs" / "tapesac" / "version_0" / "events*"))

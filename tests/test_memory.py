@@ -1,13 +1,14 @@
 """Memory is measured, with torch's profiler (profile_memory=True) as the independent reference."""
 
 import copy
+import gc
 
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import tapesac_core
-from examples.models import DecoderLayer, ModelConfig, rotary_cos_sin
+from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer, rotary_cos_sin
 from tapesac_core.memory import LiveTensorMeter, MemoryReading, memory_meter, profile_memory
 
 CPU_GENERATOR_STATE = 5056  # bytes of torch.default_generator.get_state()
@@ -140,3 +141,44 @@ def test_a_device_meter_reads_the_allocator_of_its_device(monkeypatch) -> None:
     assert reading == MemoryReading(peak=700, current=300, reserved=900, total=10_000, free=1000,
                                     outside=10_000 - 1000 - 800)
     assert isinstance(memory_meter("cpu"), LiveTensorMeter)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _forward_only(model, tokens, plan) -> None:
+    """A forward with grad whose backward never runs (evaluation with grad on, a skipped step,
+    an error inside a block)."""
+    with tapesac_core.use_plan(plan):
+        try:
+            model.loss(tokens)
+        except _Interrupted:
+            pass
+
+
+def _raise(*args) -> None:
+    raise _Interrupted
+
+
+@pytest.mark.parametrize("moe,interrupted", [(False, False), (True, False), (False, True)],
+                         ids=["dense", "moe", "error_inside_a_block"])
+def test_forward_without_backward_frees_every_block_after_gc(moe, interrupted) -> None:
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(moe=moe, num_layers=2))
+    tapesac_core.checkpoint_modules(model, {DecoderLayer, MoEDecoderLayer})
+    tokens = torch.randint(0, 256, (2, 16))
+    # A plan that saves matmul outputs: blocks hold values produced inside them (with a graph).
+    region = "MoEDecoderLayer" if moe else "DecoderLayer"
+    plan = {region: {("aten.mm.default", k, 0) for k in range(7)}}
+    with tapesac_core.trace() as blocks:
+        _forward_only(model, tokens, plan)
+    assert all(len(b.saved) > len(b.tape.mandatory) for b in blocks)
+    if interrupted:  # the last block raises after its attention saved its matmuls
+        model.layers[-1].mlp.register_forward_hook(_raise)
+    with LiveTensorMeter() as meter:
+        before = meter.reading().current
+        for _ in range(3):
+            _forward_only(model, tokens, plan)
+        gc.collect()
+        assert meter.reading().current == before

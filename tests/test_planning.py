@@ -257,3 +257,43 @@ def test_anchored_coordinates_keep_the_values_of_submodules_whose_ops_did_not_ch
     with tapesac_core.use_plan(plan):
         assert_bitwise(step(plain, lambda: plain(*args).sum()),
                        step(block, lambda: block(*args).sum()))
+
+
+class _CastBlock(torch.nn.Module):
+    """A linear layer under bf16 autocast: the weight cast does not grow with tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.proj(x).float().sin()
+
+
+def test_values_that_do_not_grow_with_tokens_are_not_scaled_in_the_plan() -> None:
+    from tapesac_core.profile import region_profiles
+    from tapesac_core.solve import scaled
+
+    torch.manual_seed(0)
+    block = tapesac_core.checkpoint_module(_CastBlock(), region="cast")
+    x = torch.randn(8, 64, requires_grad=True)
+    with tapesac_core.trace(time_nodes=True) as blocks:
+        block(x).sum().backward()
+    profile = region_profiles(blocks, {"cast": 8})["cast"]
+    tape = profile.tape
+    casts = tape.token_independent
+    # The weight and bias casts to bf16 and the transposed weight: from parameters alone.
+    assert sorted(tape.coord(v) for v in casts) == [("aten._to_copy.default", 0, 0),
+                                                    ("aten._to_copy.default", 1, 0),
+                                                    ("aten.t.default", 0, 0)]
+    points = profile.frontier(beam_width=8, max_set_size=8)
+    with_weight = [p for p in points if profile.graph.value_ids(p.saved) & casts]
+    assert with_weight  # some save sets keep the weight cast
+    for p in with_weight:
+        fixed = tape.saved_bytes(profile.graph.value_ids(p.saved) & casts)
+        assert fixed > 0 and profile.bytes_at(p, 4.0) == fixed + 4 * (p.bytes - fixed)
+    at_4x = scaled(points, 4.0, profile.bytes_at)  # what the solver plans with at 4x the tokens
+    reference = {p.saved: p for p in points}
+    assert at_4x[0].bytes == 0
+    assert all(q.bytes == profile.bytes_at(reference[q.saved], 4.0) for q in at_4x)

@@ -7,6 +7,7 @@ from support import assert_bitwise, step
 
 import tapesac_core
 from tapesac_core import TapeSACError
+from tapesac_core.ops import op_info
 
 
 class Noisy(torch.nn.Module):
@@ -73,3 +74,83 @@ def test_a_random_op_whose_generator_cannot_be_captured_is_an_error() -> None:
 
     with pytest.raises(TapeSACError, match="random generator of device meta"):
         tapesac_core.checkpoint(meta_noise, x)
+
+
+class _FusedDropout(torch.autograd.Function):
+    """``x * mask``, the mask drawn inside forward (as a Triton kernel with fused dropout does)."""
+
+    @staticmethod
+    def forward(ctx, x, dropout_p):
+        mask = (torch.rand_like(x) >= dropout_p).to(x.dtype) / (1 - dropout_p)
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return grad * mask, None
+
+
+class _FusedNoise(torch.autograd.Function):
+    """``x * noise`` with Gaussian noise drawn inside forward; no ``dropout_p`` to tell."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        noise = 1 + scale * torch.randn_like(x)
+        ctx.save_for_backward(noise)
+        return x * noise
+
+    @staticmethod
+    def backward(ctx, grad):
+        (noise,) = ctx.saved_tensors
+        return grad * noise, None
+
+
+def _two_returns(x, _):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+_RANDOM_KERNELS = {
+    # Taken as random by its schema: a dropout probability above 0.
+    "dropout_p": (_FusedDropout, tapesac_core.register_kernel(
+        "tapesac_test_random::fused_dropout", _FusedDropout,
+        schema="(Tensor x, float dropout_p) -> (Tensor, Tensor)", fake=_two_returns), 0.5),
+    # Declared random at registration.
+    "random=True": (_FusedNoise, tapesac_core.register_kernel(
+        "tapesac_test_random::fused_noise", _FusedNoise,
+        schema="(Tensor x, float scale) -> (Tensor, Tensor)", fake=_two_returns, random=True), 0.5),
+}
+
+
+@pytest.mark.parametrize("kind", list(_RANDOM_KERNELS))
+def test_custom_op_that_draws_random_numbers_replays_bitwise(kind) -> None:
+    function, kernel, p = _RANDOM_KERNELS[kind]
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, requires_grad=True)
+    module = torch.nn.Linear(16, 16)
+
+    def block(fused):
+        return lambda x: (fused(module(x).sin(), p) ** 2).tanh()
+
+    ref = step(module, lambda: block(function.apply)(x).sum())
+    with tapesac_core.trace() as blocks:
+        got = step(module, lambda: tapesac_core.checkpoint(block(kernel), x).sum())
+    assert_bitwise(ref, got)
+    (node,) = [n for n in blocks[0].tape.nodes if n.name.startswith("tapesac_test_random")]
+    assert node.rng is not None and node.index in blocks[0].replayed
+
+
+def test_custom_op_with_dropout_zero_captures_no_generator() -> None:
+    _, kernel, _ = _RANDOM_KERNELS["dropout_p"]
+    x = torch.randn(4, requires_grad=True)
+    tape = tapesac_core.record(lambda x: kernel(x.sin(), 0.0).sin(), x)
+    (node,) = [n for n in tape.nodes if n.name.startswith("tapesac_test_random")]
+    assert node.rng is None
+
+
+def test_an_untagged_op_taking_a_generator_counts_as_random() -> None:
+    lib = torch.library.Library("tapesac_test_random_gen", "DEF")
+    lib.define("noisy(Tensor x, Generator? g) -> Tensor")
+    info = op_info(torch.ops.tapesac_test_random_gen.noisy.default)
+    assert (info.random, info.generator_arg, info.plain) == (True, (1, "g"), False)
+    assert not op_info(torch.ops.aten.add.Tensor).random

@@ -1,0 +1,84 @@
+"""Writes the dispatcher cannot see: found by comparing replayed values with what autograd saved.
+
+A kernel (Triton, a CUDA extension) that writes into an existing tensor out of the dispatcher's
+sight leaves no trace on the tape, so replay recreates the value from before the write: silently
+wrong gradients. In a verifying step (the controller's first step if it warms up, as it is
+neither timed nor metered, else its first profile step; or ``trace(verify=True)``) the pack hook
+takes a fingerprint of each value autograd saves and the block does not keep, and replay
+compares each value it produces anyway with it. A mismatch is logged as a warning naming the op
+and the submodule, and the op's output joins the mandatory set of its region type from the next
+block on (the verifying step itself has already used the replayed content). Values computed from
+ops that are not bitwise reproducible (atomics on CUDA without deterministic algorithms) are not
+compared.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .tape import Coord, Node
+
+logger = logging.getLogger(__name__)
+
+# Accumulating with atomics on CUDA: the order of additions, hence the bits, varies between runs
+# unless torch.use_deterministic_algorithms(True).
+_ATOMIC_ON_CUDA = frozenset({"index_add", "index_add_", "scatter_add", "scatter_add_",
+                             "index_put", "index_put_", "_index_put_impl_", "scatter_reduce",
+                             "scatter_reduce_", "index_reduce", "index_reduce_"})
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 20  # elements fingerprinted at once: 24 MiB of int64 temporaries at most
+
+_invisible: dict[str, set[Coord]] = {}  # region type -> coordinates whose outputs are mandatory
+
+
+def invisible_writes(region: str) -> frozenset[Coord]:
+    """Coordinates ``(op, k, j)`` of a region type whose outputs a hidden write changed."""
+    return frozenset(_invisible.get(region, ()))
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums of ``t``'s bits, plain and position-weighted: equal content, equal
+    fingerprint; a changed element changes it. Runs unseen by dispatch modes (the recorder),
+    in chunks, so its temporaries stay small next to the saved tensors."""
+    with _disable_current_modes(), torch.no_grad():
+        flat = t.detach().contiguous().view(-1)
+        if flat.element_size() in _INTS and flat.dtype != torch.bool:
+            flat = flat.view(_INTS[flat.element_size()])
+        else:
+            flat = flat.view(torch.uint8)
+        total = torch.zeros(2, dtype=torch.int64, device=flat.device)
+        for start in range(0, flat.numel(), _CHUNK):
+            bits = flat[start:start + _CHUNK].to(torch.int64)
+            weights = torch.arange(start + 1, start + 1 + bits.numel(), dtype=torch.int64,
+                                   device=bits.device)
+            total += torch.stack([bits.sum(), (bits * weights).sum()])
+        return total
+
+
+def reproducible(node: Node, device_type: str) -> bool:
+    """Whether replaying ``node`` gives the bits it gave in forward."""
+    if device_type != "cuda" or torch.are_deterministic_algorithms_enabled():
+        return True
+    packet = node.op._opname if hasattr(node.op, "_opname") else ""
+    return packet not in _ATOMIC_ON_CUDA
+
+
+def check_replayed(block: Any, node: Node, vid: int, t: torch.Tensor) -> bool:
+    """Compare a replayed value with its fingerprint at pack time; on a mismatch warn and make
+    the producing coordinate mandatory for the block's region. True if it matched."""
+    expected = block.fingerprints.get(vid)
+    if expected is None or torch.equal(fingerprint(t), expected):
+        return True
+    coord = block.trace.tape.coord(vid)
+    _invisible.setdefault(block.region, set()).add(coord)
+    block.trace.invisible_writes.append(coord)
+    logger.warning(
+        "block %r (region %r): replaying %s (call %d, output %d) in module %r did not reproduce "
+        "the content autograd saved: a kernel wrote into its storage out of the dispatcher's "
+        "sight. Its output is saved from now on (mandatory set)", block.name, block.region,
+        node.name, node.k, block.values[vid].j, node.module or "<block>")
+    return False

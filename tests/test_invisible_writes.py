@@ -1,0 +1,95 @@
+"""Writes the dispatcher cannot see: found by the verifying step, then saved (mandatory)."""
+
+import logging
+
+import torch
+from support import assert_bitwise, step
+
+import tapesac_core
+from tapesac_core.tape import INVISIBLE_WRITE
+
+
+@torch.library.custom_op("tapesac_test_invisible::bump", mutates_args=())
+def bump(x: torch.Tensor) -> None:
+    """Adds 1 to ``x`` in place although its schema says it writes nothing (a hidden write)."""
+    x.add_(1)
+
+
+class Inner(torch.nn.Module):
+    def forward(self, x):
+        h = x.sin()
+        bump(h.detach())  # h now holds sin(x) + 1, unknown to the tape
+        return h
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(self.inner(x) * x).tanh()  # the multiplication saves h
+
+
+def test_a_hidden_write_is_found_by_the_verifying_step_then_saved(caplog) -> None:
+    torch.manual_seed(0)
+    module, x = Block(), torch.randn(4, 8, requires_grad=True)
+    ref = step(module, lambda: module(x).sum())
+    tapesac_core.checkpoint_module(module, region="hidden_write")
+    with caplog.at_level(logging.WARNING), tapesac_core.trace(verify=True) as verifying:
+        first = step(module, lambda: module(x).sum())
+    assert verifying[0].invisible_writes == [("aten.sin.default", 0, 0)]
+    assert "aten.sin.default" in caplog.text and "'inner'" in caplog.text
+    assert not torch.equal(first[1]["proj.weight"], ref[1]["proj.weight"])  # replayed sin(x)
+    with tapesac_core.trace() as blocks:
+        got = step(module, lambda: module(x).sum())
+    assert_bitwise(ref, got)
+    tape = blocks[0].tape
+    (sin,) = [v for v in tape.mandatory if tape.coord(v) == ("aten.sin.default", 0, 0)]
+    assert tape.mandatory[sin] == INVISIBLE_WRITE
+
+
+def test_the_verifying_step_finds_nothing_where_replay_is_exact(caplog) -> None:
+    torch.manual_seed(0)
+    module, x = Block(), torch.randn(4, 8, requires_grad=True)
+    module.inner.forward = lambda x: x.sin() + 1  # the same values, written visibly
+    ref = step(module, lambda: module(x).sum())
+    tapesac_core.checkpoint_module(module, region="no_hidden_write")
+    with caplog.at_level(logging.WARNING), tapesac_core.trace(verify=True) as blocks:
+        got = step(module, lambda: module(x).sum())
+    assert_bitwise(ref, got)
+    assert blocks[0].invisible_writes == [] and "dispatcher" not in caplog.text
+    assert blocks[0].replayed  # replay ran, and was compared
+
+
+def test_the_controller_looks_for_hidden_writes_in_its_first_step_only(caplog) -> None:
+    from test_controller import FakeMeter
+
+    torch.manual_seed(0)
+    module, x = Block(), torch.randn(4, 8, requires_grad=True)
+    ref = step(module, lambda: module(x).sum())
+    tapesac_core.checkpoint_module(module, region="hidden_write_controller")
+    controller = tapesac_core.Controller(module, "1GiB", meter=FakeMeter(), warmup_steps=2)
+    reports = []
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):  # warm-up (verifying), warm-up, profile
+            with controller.step(tokens=4) as report:
+                got = step(module, lambda: module(x).sum())
+            reports.append(report)
+    assert [r.block_traces[0].invisible_writes for r in reports] == [
+        [("aten.sin.default", 0, 0)], [], []]
+    assert caplog.text.count("out of the dispatcher's sight") == 1
+    assert_bitwise(ref, got)
+
+
+def test_a_fingerprint_sees_a_changed_or_moved_element_beyond_its_first_chunk() -> None:
+    from tapesac_core.verify import fingerprint
+
+    t = torch.randn(3 << 20)  # three chunks
+    changed, swapped = t.clone(), t.clone()
+    changed[-1] += 1
+    swapped[[1, -1]] = swapped[[-1, 1]]
+    assert torch.equal(fingerprint(t), fingerprint(t.clone()))
+    assert not torch.equal(fingerprint(t), fingerprint(changed))
+    assert not torch.equal(fingerprint(t), fingerprint(swapped))
