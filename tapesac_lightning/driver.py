@@ -7,7 +7,7 @@ closes; what opening and closing mean lives here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from tapesac_core import Controller, StepReport, TapeSACError
 
-TokenCounter = Callable[[Any], "int | Mapping[str, int]"]
+TokenCounter = Callable[[Any], int | Mapping[str, int]]
 
 
 def tokens_in(batch: Any) -> int:
