@@ -534,6 +534,154 @@ def rows(methods: list[Method], rounds: list[dict[str, float]], static: int = 0)
     return out
 
 
+# ---------------------------------------------------------------------- batch growth
+
+
+def live_bytes(device: torch.device) -> int:
+    """Bytes live now: what a Controller's absolute limit counts besides the step's own."""
+    if device.type != "cpu":
+        synchronize(device)
+        return torch.accelerator.memory_allocated(device)
+    from tapesac_core.memory import LiveTensorMeter
+    with LiveTensorMeter() as meter:
+        pass
+    return meter.reading().current
+
+
+def run_growth(args: argparse.Namespace) -> dict[str, Any]:
+    """The hand-written policies, full checkpointing and TapeSAC at one fixed limit, the batch
+    grown ``args.grow`` times: the limit lies between TapeSAC must-only's and torchtitan policy's
+    measured peaks at the grown batch (``--grow-limit`` of the way; every method fits at the base
+    batch when the limit is above its peak there): each method's peak against the limit, at both
+    batches, and TapeSAC's Controller, which
+    profiles again when tokens grow past its reprofile factor and plans again under the same
+    limit; its re-planned step against must-only (interleaved rounds)."""
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    started = time.perf_counter()
+    base, block, seq, batch = build_model(args.model, args.size, args.dropout)
+    seq, batch = args.seq or seq, args.batch or batch
+    base = base.to(device=device, dtype=dtype)
+    vocab = getattr(base, "vocab_size", None) or base.config.vocab_size
+    make = lambda b: torch.randint(0, vocab, (b, seq), generator=torch.Generator().manual_seed(b)).to(device)  # noqa: E731
+    small, grown = make(batch), make(batch * args.grow)
+    methods = baseline_methods(base, block, (), args.compile_backend, {"full", "torch_sac"})
+    tapesac_model = copy.deepcopy(base)
+    tapesac_core.checkpoint_modules(tapesac_model, {block})
+    region = block.__name__
+    with tapesac_core.trace() as traced:
+        tapesac_model.loss(small).backward()
+    tapesac_model.zero_grad(set_to_none=True)
+    for which in ("tt", "attn"):
+        plan = {region: policy_coordinates(traced[0].tape, which)}
+        methods.append(Method(f"{which}_tapesac", "tapesac_policy", tapesac_model,
+                              context=partial(tapesac_core.use_plan, plan),
+                              note=f"{which} policy's saved set, TapeSAC replay"))
+    methods.append(Method("tapesac_must", "tapesac", tapesac_model, note="TapeSAC, S0 only"))
+    by = {m.name: m for m in methods}
+    for m in methods:
+        _warm(m, small)
+    at_base = {m.name: measure_peak(m, small, device) for m in methods}
+    for m in methods:
+        _warm(m, grown)
+    at_grown = {m.name: measure_peak(m, grown, device) for m in methods}
+    low, high = at_grown["tapesac_must"], at_grown["tt_torch"]
+    limit = int(low + args.grow_limit * (high - low))
+
+    # One Controller, fixed limit, through the base batch and then the grown one.
+    model = copy.deepcopy(tapesac_model)
+    static = live_bytes(device)
+    controller = Controller(model, max(static + limit, MiB), warmup_steps=1, profile_steps=2,
+                            control_steps=1, control_every=0, margin=0.0)
+    history = []
+    plans = {}
+    for label, ids in (("base", small), ("grown", grown)):
+        for _ in range(12):
+            with controller.step(tokens=ids.numel()) as report:
+                model.zero_grad(set_to_none=True)
+                model.loss(ids).backward()
+                model.zero_grad(set_to_none=True)
+            history.append({"batch": label, "mode": report.mode, "tokens": ids.numel()})
+            if report.mode == PLANNED:
+                plans[label] = report.plan
+                break
+    base_plan, grown_plan = plans.get("base"), plans.get("grown")
+    if grown_plan is not None:
+        methods.append(Method("tapesac_replanned", "tapesac", tapesac_model,
+                              context=partial(tapesac_core.use_plan, grown_plan), plan=grown_plan,
+                              note="the Controller's plan after the batch grew (profiled again)"))
+    if base_plan is not None:
+        methods.append(Method("tapesac_base_plan", "tapesac", tapesac_model,
+                              context=partial(tapesac_core.use_plan, base_plan), plan=base_plan,
+                              note="the base batch's plan kept (values over a block's bytes are replayed)"))
+    for m in methods:
+        if m.name in at_grown:
+            m.peak = at_grown[m.name]
+        else:
+            _warm(m, grown)
+            m.peak = measure_peak(m, grown, device)
+    rounds = []
+    for r in range(args.warmup + args.steps):
+        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        times = {m.name: timed(m, grown, device) for m in order}
+        if r >= args.warmup:
+            rounds.append(times)
+            for m in methods:
+                m.times.append(times[m.name])
+    rows_ = []
+    for m in methods:
+        q1, med, q3 = quartiles(m.times)
+        rows_.append({"method": m.name, "family": m.family, "note": m.note,
+                      "peak_base_bytes": at_base.get(m.name), "peak_grown_bytes": m.peak,
+                      "over_limit_bytes": max(0, m.peak - limit), "median_s": med, "q1_s": q1, "q3_s": q3,
+                      "plan_saved_bytes": getattr(m.plan, "saved_bytes", None),
+                      "plan_predicted_speedup": getattr(m.plan, "predicted_speedup", None)})
+    must = [r["tapesac_must"] for r in rounds]
+    out: dict[str, Any] = {
+        "command": args.command, "machine": machine(device), "commit": git_commit(),
+        "model": args.model, "size": args.size, "seq": seq, "batch": batch, "grow": args.grow,
+        "limit_bytes": limit,
+        "limit_from": f"TapeSAC must-only's measured peak at the grown batch + {args.grow_limit:g} x "
+                      "(torchtitan policy's - must-only's) there",
+        "controller_history": history, "rows": rows_, "steps": args.steps, "warmup": args.warmup,
+        "threads": torch.get_num_threads(), "dtype": args.dtype, "device": str(device)}
+    if grown_plan is not None:
+        ratios = [a / r["tapesac_replanned"] for a, r in zip(must, rounds)]
+        q1, med, q3 = quartiles(ratios)
+        out["replanned_speedup"] = {"median_of_ratios": med, "q1": q1, "q3": q3,
+                                    "ratio_of_medians": statistics.median(must)
+                                    / statistics.median([r["tapesac_replanned"] for r in rounds]),
+                                    "predicted": grown_plan.predicted_speedup}
+    out["wall_s"] = time.perf_counter() - started
+    return out
+
+
+def growth_section(g: dict[str, Any]) -> str:
+    lines = [f"## Batch growth x{g['grow']}: {g['model']} model, size {g['size']}", "",
+             f"Command: `{g['command']}`  ",
+             f"Limit: {_mib(g['limit_bytes'])} MiB ({g['limit_from']}), batch {g['batch']} -> "
+             f"{g['batch'] * g['grow']} x seq {g['seq']}; {g['steps']} measured interleaved rounds "
+             f"after {g['warmup']} warm-up at the grown batch. Controller steps: "
+             + ", ".join(f"{h['batch']}:{h['mode']}" for h in g["controller_history"]) + ".", "",
+             "| method | peak at base batch MiB | peak at grown batch MiB | over the limit at grown batch MiB "
+             "| median step ms at grown batch (IQR) | note |", "|---|---|---|---|---|---|"]
+    for r in g["rows"]:
+        over = r["over_limit_bytes"]
+        lines.append(f"| {r['method']} | {_mib(r['peak_base_bytes'])} | {_mib(r['peak_grown_bytes'])} "
+                     f"| {'**' + _mib(over) + '**' if over else '0 (fits)'} "
+                     f"| {1e3 * r['median_s']:.1f} ({1e3 * r['q1_s']:.1f}-{1e3 * r['q3_s']:.1f}) "
+                     f"| {_cell(r['note'])} |")
+    s = g.get("replanned_speedup")
+    if s:
+        lines += ["", f"TapeSAC re-planned vs must-only at the grown batch: measured "
+                      f"{s['ratio_of_medians']:.3f}x (ratio of medians; per-round median {s['median_of_ratios']:.3f}, "
+                      f"IQR {s['q1']:.3f}-{s['q3']:.3f}), predicted {s['predicted']:.3f}x."]
+    else:
+        lines += ["", "The Controller did not reach a planned step at the grown batch."]
+    return "\n".join(lines) + "\n"
+
+
 def machine(device: torch.device) -> dict[str, Any]:
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "cpu": platform.processor() or platform.machine()}
@@ -721,6 +869,11 @@ def parser(prog: str = "frontier.py") -> argparse.ArgumentParser:
     p.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=list(FRACTIONS))
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--families", default="", help=f"comma-separated subset of {','.join(FAMILIES)}")
+    p.add_argument("--grow", type=int, default=0,
+                   help="instead of the frontier: batch grown this many times at a fixed limit")
+    p.add_argument("--grow-limit", type=float, default=0.5,
+                   help="with --grow: the limit, from must-only's (0) to torchtitan policy's (1) "
+                        "measured peak at the grown batch")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--markdown", type=Path, default=None,
                    help="write the results section (table, comparisons, plots) to this file")
@@ -731,6 +884,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "python benchmarks/front
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser(prog).parse_args(argv)
     args.command = " ".join([prog, *map(shlex.quote, argv)])
+    if args.grow:
+        g = run_growth(args)
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        path = args.out_dir / f"frontier_growth_{args.model}_{args.size}.json"
+        path.write_text(json.dumps(g, indent=1, default=str) + "\n")
+        section = growth_section(g)
+        if args.markdown is not None:
+            update_markdown(args.markdown, f"growth:{args.model}:{args.size}", section)
+        print(section)
+        return g
     result = run(args)
     paths = write_outputs(result, args.out_dir, args.markdown)
     print(table(result))
