@@ -80,7 +80,7 @@ SIZES = {
 BUDGETS = (0.0, 0.1, 0.3, 0.5, 0.8)
 FRACTIONS = (0.1, 0.25, 0.5, 0.75, 1.0)
 TITLE = ("# TapeSAC against every baseline: the memory-time frontier\n\n"
-         "Sections between `<!-- frontier ... -->` markers are written by `benchmarks/frontier.py` "
+         "Sections between the `frontier` HTML comment markers are written by `benchmarks/frontier.py` "
          "(`tapesac bench`); the rest is written by hand.\n")
 FAMILIES = ("none", "full", "torch_sac", "tapesac_policy", "compile", "tapesac")
 
