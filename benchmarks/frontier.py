@@ -22,9 +22,15 @@ attention FLOPs from shapes for SDPA kernels FlopCounterMode does not count), me
 (forward + backward) with IQR over interleaved rounds (every method once per round, rotated
 order), and the paper's Figure 9 normalisation against ``full``.
 
+``--grow 3`` runs the batch-growth comparison instead: the hand-written policies, full
+checkpointing and TapeSAC's Controller at one fixed limit with the batch grown 3x (which exceed
+the limit, by how much; TapeSAC's re-planned speedup).
+
 Run: python benchmarks/frontier.py [--size tiny|small|1b] [--model dense|moe|qwen3]
      [--steps 10] [--warmup 2] [--compile-backend inductor] [--out-dir benchmarks/results]
-     [--markdown benchmarks/RESULTS.md]   (or: tapesac bench ...)
+     [--markdown benchmarks/RESULTS.md] [--grow 3]   (or: tapesac bench ...)
+Writes benchmarks/results/frontier_<model>_<size>.json (and _growth_), two PNG plots, and its
+section of the markdown file.
 """
 
 from __future__ import annotations
@@ -40,11 +46,10 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 import types
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
