@@ -3,6 +3,7 @@
 ``tapesac launch``: Accelerate's own launcher, taking exactly ``accelerate launch``'s arguments,
 with TapeSAC's ``tapesac_*`` keys taken out of the config YAML and carried to the workers.
 ``tapesac report RUN_OR_CHECKPOINT``: a finished run's plans, speedups and peaks, and figures.
+``tapesac bench ...``: benchmarks/frontier.py of a source checkout (TapeSAC against every baseline).
 """
 
 from __future__ import annotations
@@ -72,6 +73,25 @@ def report(args: argparse.Namespace) -> None:
         print("figures: " + ", ".join(map(str, written)))
 
 
+def bench(args: argparse.Namespace) -> None:
+    """Run ``benchmarks/frontier.py`` with the remaining arguments. It needs the example models
+    of a source checkout (they are not installed): the current directory's, else the checkout
+    this package is installed from (editable install)."""
+    import importlib.util
+
+    roots = (Path.cwd(), Path(__file__).resolve().parents[1])
+    script = next((r / "benchmarks" / "frontier.py" for r in roots
+                   if (r / "benchmarks" / "frontier.py").is_file()), None)
+    if script is None:
+        raise TapeSACError("benchmarks/frontier.py not found. Fix: run `tapesac bench` from a "
+                           "TapeSAC source checkout")
+    spec = importlib.util.spec_from_file_location("tapesac_frontier_bench", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    module.main(args.args, prog="tapesac bench")
+
+
 def parser() -> argparse.ArgumentParser:
     """``tapesac`` and its subcommands."""
     # Accelerate's parser class: its actions record which options were given, which its launcher
@@ -92,6 +112,14 @@ def parser() -> argparse.ArgumentParser:
     report_parser.add_argument("--out", default=None, help="write the figures (PNG) here")
     report_parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     report_parser.set_defaults(func=report)
+    bench_parser = commands.add_parser(
+        "bench", help="TapeSAC against every checkpointing baseline at equal memory",
+        description="benchmarks/frontier.py (from a source checkout): table, JSON and plots; "
+                    "`tapesac bench --help` lists its options.",
+        # Every argument goes to frontier.py: no option of this parser may claim a "-" one.
+        add_help=False, prefix_chars="+")
+    bench_parser.add_argument("args", nargs=argparse.REMAINDER)
+    bench_parser.set_defaults(func=bench)
     return p
 
 

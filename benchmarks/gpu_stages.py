@@ -1,0 +1,229 @@
+"""The checks of benchmarks/gpu_check.sh, one stage per call; each prints one JSON line and
+writes it to ``--out``; exit status 1 when the check fails.
+
+Stages (``--device cuda`` on a GPU, ``cpu`` to test the script here):
+
+* ``versions``     Python, torch, transformers, lightning, accelerate, matplotlib, the device;
+                   fails on anything missing, or on a device that is not there.
+* ``correctness``  bitwise replay with dropout (the device's generators): loss and every gradient
+                   of a TapeSAC step (must-only, and a plan saving attention) equal those without
+                   checkpointing.
+* ``timing``       per-op node times (CUDA events on GPU) against the wall time of the same
+                   blocks' forward: their sum lies within the wall time and is not negligible.
+* ``limit``        TapeSAC's Controller under an absolute limit between the must-only peak and
+                   no checkpointing: planned steps' metered peaks (allocator on GPU) stay under it.
+
+Run: python benchmarks/gpu_stages.py STAGE --device cuda --size small --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SIZES = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                 intermediate_size=128, seq=128, batch=4),
+    "small": dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64,
+                  intermediate_size=1536, seq=1024, batch=4),
+}
+
+
+def versions(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"python": platform.python_version()}
+    missing = []
+    for name in ("torch", "transformers", "lightning", "accelerate", "matplotlib", "tapesac_core",
+                 "tapesac_lightning", "examples.models"):
+        try:
+            module = importlib.import_module(name)
+            out[name] = getattr(module, "__version__", str(Path(module.__file__).parent))
+        except Exception as e:  # noqa: BLE001
+            missing.append(f"{name}: {type(e).__name__}: {e}")
+    import torch
+    out["device"] = args.device
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            missing.append("CUDA device requested but torch.cuda.is_available() is False")
+        else:
+            out["gpu"] = torch.cuda.get_device_name()
+            out["cuda"] = torch.version.cuda
+    out["ok"] = not missing
+    out["missing"] = missing
+    return out
+
+
+def _model(args: argparse.Namespace, dropout: float) -> tuple[Any, Any]:
+    import torch
+    from examples.models import DecoderLM, ModelConfig
+    shape = dict(SIZES[args.size])
+    seq, batch = shape.pop("seq"), shape.pop("batch")
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(dropout=dropout, **shape)).to(args.device)
+    ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1)).to(args.device)
+    return model, ids
+
+
+def correctness(args: argparse.Namespace) -> dict[str, Any]:
+    import copy
+
+    import torch
+
+    import tapesac_core
+    from examples.models import DecoderLayer
+    plain, ids = _model(args, dropout=0.1)
+    ours = copy.deepcopy(plain)
+    tapesac_core.checkpoint_modules(ours, {DecoderLayer})
+    with tapesac_core.trace() as blocks:
+        ours.loss(ids)  # recorded only, to name the attention kernel's coordinate
+    sdpa = [n for n in blocks[0].tape.nodes if "scaled_dot_product" in n.name]
+    plans = {"must-only": {}, "attention saved": {"DecoderLayer": {(sdpa[0].name, 0, 0), (sdpa[0].name, 0, 1)}} if sdpa else {}}
+
+    def step(model: Any, plan: Any) -> tuple[Any, list]:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(123)
+        with tapesac_core.use_plan(plan):
+            loss = model.loss(ids)
+            loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    ref_loss, ref_grads = step(plain, {})
+    out: dict[str, Any] = {"dropout": 0.1, "device": args.device}
+    ok = True
+    for name, plan in plans.items():
+        with tapesac_core.trace() as blocks:
+            loss, grads = step(ours, plan)
+        equal = torch.equal(loss, ref_loss) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+        replayed = sum(len(b.replayed) for b in blocks)
+        out[name] = {"bitwise_equal": equal, "replayed_nodes": replayed}
+        ok = ok and equal and replayed > 0
+    out["ok"] = ok
+    return out
+
+
+def _rope(model: Any, ids: Any) -> tuple[Any, Any]:
+    from examples.models import rotary_cos_sin
+    x = model.embed_tokens.weight
+    return rotary_cos_sin(ids.shape[1], model.config.head_dim, model.config.rope_theta, x)
+
+
+def timing(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import tapesac_core
+    from examples.models import DecoderLayer
+    from tapesac_core.timing import seconds
+    model, ids = _model(args, dropout=0.0)
+    tapesac_core.checkpoint_modules(model, {DecoderLayer})
+    device = torch.device(args.device)
+    sync = (lambda: torch.accelerator.synchronize(device)) if device.type != "cpu" else (lambda: None)
+    hidden = model.embed_tokens(ids).detach()
+    cos, sin = _rope(model, ids)
+    for _ in range(2):  # warm-up (kernels, allocator)
+        model.layers[0](hidden, cos, sin).sum().backward()
+    rows = []
+    for _ in range(3):
+        with tapesac_core.trace(time_nodes=True) as blocks:
+            sync()
+            start = time.perf_counter()
+            out = hidden
+            for layer in model.layers:
+                out = layer(out, cos, sin)
+            sync()
+            wall = time.perf_counter() - start
+            out.sum().backward()
+        forward = sum(seconds(s) for b in blocks for s in b.forward_times.values())
+        replay = sum(seconds(s) for b in blocks for ss in b.node_times.values() for s in ss)
+        rows.append({"forward_wall_s": wall, "forward_node_sum_s": forward,
+                     "share": forward / wall, "replay_node_sum_s": replay,
+                     "replay_host_wall_s": sum(b.replay_seconds for b in blocks)})
+    best = min(rows, key=lambda r: r["forward_wall_s"])
+    # Node times are each op alone; the wall adds recording (host) around them.
+    out = {"runs": rows, "ok": all(0.02 < r["share"] <= 1.05 for r in rows) and best["replay_node_sum_s"] > 0}
+    return out
+
+
+def limit(args: argparse.Namespace) -> dict[str, Any]:
+    import copy
+
+    import torch
+
+    import tapesac_core
+    from examples.models import DecoderLayer
+    from tapesac_core.controller import PLANNED
+    model, ids = _model(args, dropout=0.0)
+    device = torch.device(args.device)
+    plain = copy.deepcopy(model)
+    tapesac_core.checkpoint_modules(model, {DecoderLayer})
+
+    def peak(m: Any) -> int:
+        m.zero_grad(set_to_none=True)
+        with tapesac_core.memory_meter(device) as meter:
+            m.loss(ids).backward()
+        m.zero_grad(set_to_none=True)
+        return meter.reading().peak
+
+    peak(plain)
+    none_peak, must_peak = peak(plain), peak(model)
+    del plain
+    limit_bytes = int(must_peak + 0.5 * (none_peak - must_peak))
+    controller = tapesac_core.Controller(model, limit_bytes, warmup_steps=1, profile_steps=2,
+                                         control_steps=1, control_every=0)
+    steps = []
+    for _ in range(8):
+        with controller.step(tokens=ids.numel()) as report:
+            model.zero_grad(set_to_none=True)
+            model.loss(ids).backward()
+            model.zero_grad(set_to_none=True)
+        with tapesac_core.use_plan(report.plan) if report.plan else _null():
+            planned_peak = peak(model) if report.mode == PLANNED else None
+        steps.append({"mode": report.mode, "metered_peak": report.peak, "peak": planned_peak})
+    planned = [s for s in steps if s["mode"] == PLANNED]
+    return {"limit_bytes": limit_bytes, "none_peak": none_peak, "must_only_peak": must_peak,
+            "plan_saved_bytes": controller.plan.saved_bytes if controller.plan else None,
+            "predicted_speedup": controller.predicted_speedup, "steps": steps,
+            "ok": bool(planned) and all(s["peak"] <= limit_bytes for s in planned)}
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+STAGES = {"versions": versions, "correctness": correctness, "timing": timing, "limit": limit}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("stage", choices=sorted(STAGES))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    try:
+        result = STAGES[args.stage](args)
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    line = json.dumps({"stage": args.stage, **result}, default=str)
+    print(line)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"stage": args.stage, **result}, indent=1, default=str) + "\n")
+    sys.exit(0 if result.get("ok") else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The frontier benchmark end to end on a tiny model: every method gives a measured row, the
+JSON parses, the plots and the markdown section are written; a torch.compile failure is a row."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tapesac_core.figures import method_frontier_figure, normalised_frontier_figure
+from tapesac_core.units import MiB
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINES = {"none", "full", "full_no_stop", "tt_torch", "attn_torch", "tt_tapesac",
+             "attn_tapesac", "tapesac_must"}
+BUDGETS = {"compile@0", "compile@0.1", "compile@0.3", "compile@0.5", "compile@0.8"}
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _frontier():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import frontier
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return frontier
+
+
+def test_every_method_gives_a_measured_row_and_outputs_are_written(tmp_path: Path) -> None:
+    frontier = _frontier()
+    markdown = tmp_path / "RESULTS.md"
+    markdown.write_text("# title\n\nhand-written analysis stays\n")
+    result = frontier.main(["--size", "tiny", "--steps", "2", "--warmup", "1", "--fractions", "0.5,1",
+                            "--compile-backend", "aot_eager_decomp_partition",
+                            "--out-dir", str(tmp_path), "--markdown", str(markdown)])
+    rows = {r["method"]: r for r in result["rows"]}
+    assert BASELINES | BUDGETS <= set(rows)
+    planned = [r for r in rows.values() if r["family"] == "tapesac" and r["method"] != "tapesac_must"]
+    assert planned and all(r["limit_bytes"] is not None for r in planned)
+    for name, r in rows.items():
+        if r["error"] is not None:
+            assert r["family"] == "compile" and r["error"].strip(), name  # failure rows: compile only
+            continue
+        assert r["peak_bytes"] > 0 and r["n"] == 2 and r["median_s"] > 0, name
+        assert r["backward_flops"] > 0 and r["recomputed_flops"] is not None, name
+        assert r["memory_share"] is not None and "time_share" in r, name
+    assert rows["none"]["recomputed_flops"] == 0 and rows["full"]["recomputed_flops"] > 0
+    assert rows["full"]["memory_share"] == 0 and rows["none"]["memory_share"] == 1
+    # The same saved set, replayed: TapeSAC recomputes no more than torch's block recomputation.
+    assert rows["tt_tapesac"]["recomputed_flops"] <= rows["tt_torch"]["recomputed_flops"]
+    # TapeSAC must-only recomputes no more than full checkpointing (it skips dead nodes).
+    assert rows["tapesac_must"]["recomputed_flops"] <= rows["full_no_stop"]["recomputed_flops"]
+
+    data = json.loads((tmp_path / "frontier_dense_tiny.json").read_text())
+    assert data["rows"] == json.loads(json.dumps(result["rows"], default=str))
+    assert data["command"].startswith("python benchmarks/frontier.py --size tiny")
+    for png in ("frontier_dense_tiny_time_vs_memory.png", "frontier_dense_tiny_normalised.png"):
+        assert (tmp_path / png).read_bytes()[:8] == PNG
+    text = markdown.read_text()
+    assert text.startswith("# title\n\nhand-written analysis stays\n")
+    assert "<!-- frontier dense:tiny -->" in text and "| tapesac_must |" in text
+    assert "against each baseline" in text and "frontier_dense_tiny_normalised.png" in text
+    # A second run replaces its own section and keeps the rest.
+    frontier.update_markdown(markdown, "dense:tiny", "replaced")
+    again = markdown.read_text()
+    assert "replaced" in again and "| tapesac_must |" not in again and "analysis stays" in again
+
+
+def test_a_torch_compile_failure_is_a_row_with_the_exception_text(tmp_path: Path) -> None:
+    frontier = _frontier()
+    result = frontier.main(["--size", "tiny", "--steps", "1", "--warmup", "0", "--budgets", "0.5",
+                            "--families", "none,full,compile", "--compile-backend", "no_such_backend",
+                            "--out-dir", str(tmp_path)])
+    rows = {r["method"]: r for r in result["rows"]}
+    assert "no_such_backend" in rows["compile@0.5"]["error"]
+    assert rows["none"]["error"] is None and rows["full"]["n"] == 1
+
+
+def test_tapesac_bench_runs_the_harness_from_the_checkout(tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "tapesac_lightning.cli", "bench", "--help"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "usage: tapesac bench" in out.stdout and "--compile-backend" in out.stdout
+
+
+def test_comparison_figures_have_titled_axes_with_units() -> None:
+    points = [{"label": "full", "family": "full", "peak": 10 * MiB, "seconds": 0.1, "q1": 0.09, "q3": 0.11},
+              {"label": "tapesac@1", "family": "tapesac", "peak": 12 * MiB, "seconds": 0.09,
+               "q1": 0.08, "q3": 0.1},
+              {"label": "tapesac_must", "family": "tapesac", "peak": 10 * MiB, "seconds": 0.095,
+               "q1": 0.09, "q3": 0.1}]
+    (axes,) = method_frontier_figure(points, title="t").axes
+    assert axes.get_xlabel() == "measured step peak memory (MiB)"
+    assert axes.get_ylabel() == "median step time (ms)" and axes.get_title() == "t"
+    norm = [{"label": "x", "family": "tapesac", "memory_share": 0.2, "flop_share": 0.5,
+             "time_share": 0.4, "time_q1": 0.3, "time_q3": 0.5}]
+    (axes,) = normalised_frontier_figure(norm).axes
+    assert "%" in axes.get_xlabel() and "%" in axes.get_ylabel() and axes.get_title()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash script")
+def test_gpu_check_script_passes_on_cpu_at_tiny_size(tmp_path: Path) -> None:
+    env = dict(os.environ, GPU_CHECK_DEVICE="cpu", GPU_CHECK_SIZE="tiny", GPU_CHECK_INSTALL="0",
+               OMP_NUM_THREADS="1", PYTHON=sys.executable)
+    out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path / "check")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = (tmp_path / "check" / "summary.txt").read_text()
+    for stage in ("0_versions", "2_correctness", "3_timing", "4_limit", "5_frontier"):
+        assert f"{stage}: PASS" in summary
+    assert json.loads((tmp_path / "check" / "2_correctness.json").read_text())["must-only"]["bitwise_equal"]
+    assert (tmp_path / "check" / "frontier" / "frontier_dense_tiny.json").is_file()
