@@ -3,6 +3,9 @@
 #   0 versions   Python and package versions, the GPU; fails loudly on anything missing
 #   1 install    pip install --no-deps --no-build-isolation . (the machine has no internet)
 #   2 correctness  bitwise replay with dropout on the CUDA generators
+#   2b readiness no memory left by forwards without backward, a custom op with its own dropout
+#                replays bitwise, reserved memory raises the fragmentation estimate at most
+#                once, the MoE example bitwise under deterministic algorithms
 #   3 timing     CUDA-event node times against the wall time of the same forward
 #   4 limit      allocator peaks of planned steps against the Controller's limit
 #   5 frontier   TapeSAC vs full checkpointing vs torchtitan's policy (and the others in those
@@ -26,6 +29,7 @@ SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"  # deterministic cuBLAS (stage 2b)
 
 if [ "$SIZE" = tiny ]; then
   STAGE_SIZE=tiny
@@ -58,6 +62,7 @@ if [ "$INSTALL" = 1 ]; then
   stage 1_install "$PY" -m pip install --no-deps --no-build-isolation --no-index "$ROOT"
 fi
 stage 2_correctness "$PY" benchmarks/gpu_stages.py correctness --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/2_correctness.json"
+stage 2b_readiness "$PY" benchmarks/gpu_stages.py readiness --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/2b_readiness.json"
 stage 3_timing "$PY" benchmarks/gpu_stages.py timing --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/3_timing.json"
 stage 4_limit "$PY" benchmarks/gpu_stages.py limit --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/4_limit.json"
 stage 5_frontier "$PY" benchmarks/frontier.py --device "$DEVICE" "${FRONTIER[@]}" \

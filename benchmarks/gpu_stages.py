@@ -19,6 +19,7 @@ Run: python benchmarks/gpu_stages.py STAGE --device cuda --size small --out FILE
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import platform
@@ -184,7 +185,7 @@ def limit(args: argparse.Namespace) -> dict[str, Any]:
             model.zero_grad(set_to_none=True)
             model.loss(ids).backward()
             model.zero_grad(set_to_none=True)
-        with tapesac_core.use_plan(report.plan) if report.plan else _null():
+        with tapesac_core.use_plan(report.plan) if report.plan else contextlib.nullcontext():
             planned_peak = peak(model) if report.mode == PLANNED else None
         steps.append({"mode": report.mode, "metered_peak": report.peak, "peak": planned_peak})
     planned = [s for s in steps if s["mode"] == PLANNED]
@@ -194,15 +195,95 @@ def limit(args: argparse.Namespace) -> dict[str, Any]:
             "ok": bool(planned) and all(s["peak"] <= limit_bytes for s in planned)}
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
+def readiness(args: argparse.Namespace) -> dict[str, Any]:
+    """The GPU-readiness fixes on a real device: (1) forwards whose backward never runs leave no
+    memory behind; (2) a custom op drawing its own dropout mask replays bitwise; (3) reserved
+    memory left by a step near the limit raises the fragmentation estimate at most once; (8) the
+    MoE example (index_put_ with accumulate) is bitwise under deterministic algorithms."""
+    import copy
+    import gc
 
-    def __exit__(self, *exc: Any) -> None:
-        return None
+    import torch
+
+    import tapesac_core
+    from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
+    from tapesac_core.controller import PLANNED
+    device = torch.device(args.device)
+    out: dict[str, Any] = {}
+
+    model, ids = _model(args, dropout=0.0)
+    tapesac_core.checkpoint_modules(model, {DecoderLayer})
+    saving = tapesac_core.use_plan({"DecoderLayer": {("aten.mm.default", k, 0) for k in range(7)}})
+    with tapesac_core.memory_meter(device) as meter, saving:
+        before = meter.reading().current
+        for _ in range(3):
+            model.loss(ids)  # grad on, backward never runs
+        gc.collect()
+        out["1_leak_bytes"] = meter.reading().current - before
+
+    class FusedDropout(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dropout_p):
+            mask = (torch.rand_like(x) >= dropout_p).to(x.dtype) / (1 - dropout_p)
+            ctx.save_for_backward(mask)
+            return x * mask
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * ctx.saved_tensors[0], None
+
+    kernel = tapesac_core.register_kernel(
+        "tapesac_gpu_check::fused_dropout", FusedDropout,
+        schema="(Tensor x, float dropout_p) -> (Tensor, Tensor)",
+        fake=lambda x, _: (x.new_empty(x.shape), x.new_empty(x.shape)))
+    linear = torch.nn.Linear(64, 64, device=device)
+    x = torch.randn(32, 64, device=device)
+    grads = []
+    for fused, checkpointed in ((FusedDropout.apply, False), (kernel, True)):
+        linear.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        block = lambda x, f=fused: (f(linear(x).sin(), 0.5) ** 2).tanh()  # noqa: E731
+        (tapesac_core.checkpoint(block, x) if checkpointed else block(x)).sum().backward()
+        grads.append([p.grad.clone() for p in linear.parameters()])
+    out["2_random_custom_op_bitwise"] = all(torch.equal(a, b) for a, b in zip(*grads))
+
+    with tapesac_core.memory_meter(device) as meter:  # the must-only step's peak
+        model.loss(ids).backward()
+    model.zero_grad(set_to_none=True)
+    controller = tapesac_core.Controller(model, int(meter.reading().peak * 1.15), warmup_steps=1,
+                                         profile_steps=1, control_steps=1, control_every=0)
+    estimates = []
+    for _ in range(10):
+        with controller.step(tokens=ids.numel()) as report:
+            model.loss(ids).backward()
+            model.zero_grad(set_to_none=True)
+        if report.mode == PLANNED:
+            estimates.append(controller.memory.extra_fragmentation)
+    out["3_fragmentation_estimates"] = estimates
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.manual_seed(0)
+        moe = DecoderLM(ModelConfig(moe=True, num_layers=2)).to(device)
+        ours = copy.deepcopy(moe)
+        tapesac_core.checkpoint_modules(ours, {MoEDecoderLayer})
+        tokens = torch.randint(0, 256, (2, 64), device=device)
+        results = []
+        for m in (moe, ours):
+            loss = m.loss(tokens)
+            loss.backward()
+            results.append([loss.detach(), *[p.grad for p in m.parameters()]])
+        out["8_moe_bitwise_deterministic"] = all(torch.equal(a, b) for a, b in zip(*results))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    out["ok"] = (out["1_leak_bytes"] <= 0 and out["2_random_custom_op_bitwise"]
+                 and len(set(estimates)) <= 2 and out["8_moe_bitwise_deterministic"])
+    return out
 
 
-STAGES = {"versions": versions, "correctness": correctness, "timing": timing, "limit": limit}
+STAGES = {"versions": versions, "correctness": correctness, "timing": timing, "limit": limit,
+          "readiness": readiness}
 
 
 def main() -> None:

@@ -109,7 +109,10 @@ def test_gpu_check_script_passes_on_cpu_at_tiny_size(tmp_path: Path) -> None:
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = (tmp_path / "check" / "summary.txt").read_text()
-    for stage in ("0_versions", "2_correctness", "3_timing", "4_limit", "5_frontier"):
+    for stage in ("0_versions", "2_correctness", "2b_readiness", "3_timing", "4_limit", "5_frontier"):
         assert f"{stage}: PASS" in summary
     assert json.loads((tmp_path / "check" / "2_correctness.json").read_text())["must-only"]["bitwise_equal"]
+    readiness = json.loads((tmp_path / "check" / "2b_readiness.json").read_text())
+    assert readiness["1_leak_bytes"] == 0 and readiness["2_random_custom_op_bitwise"]
+    assert readiness["8_moe_bitwise_deterministic"] and len(set(readiness["3_fragmentation_estimates"])) <= 2
     assert (tmp_path / "check" / "frontier" / "frontier_dense_tiny.json").is_file()
