@@ -64,7 +64,8 @@ class TorchCheckpointed(LitDecoder):
             CheckpointImpl, checkpoint_wrapper)
         from torch.distributed.fsdp import fully_shard
 
-        layers = self.model.layers
+        # The example decoder keeps its layers at .layers, a Hugging Face causal LM at .model.layers.
+        layers = self.model.model.layers if hasattr(self.model, "model") else self.model.layers
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         mesh = self.device_mesh["data_parallel"]
@@ -213,6 +214,8 @@ def run(args: argparse.Namespace, module: pl.LightningModule | None = None,
     options = fsdp_options(args)
     if args.baseline == "torch":
         module.fsdp_options = options
+        if not isinstance(module, TorchCheckpointed):  # a given module gets the baseline's sharding
+            module.configure_model = TorchCheckpointed.configure_model.__get__(module)
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1,
                                          save_distributed_checkpoint=not args.full_checkpoint)
     else:
@@ -243,10 +246,10 @@ def run(args: argparse.Namespace, module: pl.LightningModule | None = None,
 
 def main() -> None:
     args = parser().parse_args()
-    run(args, *(_hf_decoder(args) if args.hf else ()))
+    run(args, *(hf_decoder(args) if args.hf else ()))
 
 
-def _hf_decoder(args: argparse.Namespace) -> tuple[pl.LightningModule, set[type[torch.nn.Module]]]:
+def hf_decoder(args: argparse.Namespace) -> tuple[pl.LightningModule, set[type[torch.nn.Module]]]:
     """A tiny-config Hugging Face Qwen3 in a LightningModule, its decoder layer as the policy."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer

@@ -6,7 +6,7 @@ Lightning's launcher re-executes this script for rank 1, so tests run it in a su
 import torch
 
 from examples.models import ModelConfig
-from examples.train_lightning import LitDecoder, parser, run
+from examples.train_lightning import LitDecoder, hf_decoder, parser, run
 
 
 class ManualDecoder(LitDecoder):
@@ -32,13 +32,9 @@ def main() -> None:
     if args.manual:
         torch.manual_seed(0)
         config = ModelConfig(dropout=args.dropout, hidden_size=128, intermediate_size=256)
-        module = ManualDecoder(config)
-        if args.baseline == "torch":
-            from examples.train_lightning import TorchCheckpointed
-            module.configure_model = TorchCheckpointed.configure_model.__get__(module)
-        run(args, module)
+        run(args, ManualDecoder(config))
     else:
-        run(args)
+        run(args, *(hf_decoder(args) if args.hf else ()))
 
 
 if __name__ == "__main__":
