@@ -128,15 +128,19 @@ def use_plan(plan: PlanSpec | Any) -> Iterator[None]:
 
 
 class _TraceScope:
-    def __init__(self, time_nodes: bool) -> None:
+    def __init__(self, time_nodes: bool, probe: Any = None) -> None:
         self.time_nodes = time_nodes
+        self.probe = probe
         self.blocks: list[BlockTrace] = []
 
 
 @contextmanager
-def trace(time_nodes: bool = False) -> Iterator[list[BlockTrace]]:
-    """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays)."""
-    scope = _TraceScope(time_nodes)
+def trace(time_nodes: bool = False, probe: Any = None) -> Iterator[list[BlockTrace]]:
+    """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays).
+
+    ``probe`` (a ``timeline.StepProbe``) is told when each block's forward starts and ends,
+    around each unpack, and when the block's saved values are freed: the memory timeline."""
+    scope = _TraceScope(time_nodes, probe)
     token = _TRACE.set(scope)
     try:
         yield scope.blocks
@@ -187,6 +191,8 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
                   _RECORDING.get)
     if scope is not None:
         scope.blocks.append(block.trace)
+        if scope.probe is not None:
+            block.probe = scope.probe.watch(block, len(scope.blocks) - 1)
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if scope is not None and scope.time_nodes:
         block.enable_timing(inputs[0].device if inputs else torch.get_default_device())
@@ -200,6 +206,8 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
     finally:
         _RECORDING.reset(token)
     block.finish(frozenset(recorder.vid_of(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
+    if block.probe is not None:
+        block.probe.forward_end()
     return out
 
 

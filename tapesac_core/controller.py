@@ -38,6 +38,7 @@ from .profile import (MemoryModel, MemorySample, RegionProfile, ReplayWall, cali
                       region_profiles)
 from .solve import modelled_replay, solve_plan
 from .step_time import StepTime, outside_per_token
+from .timeline import StepProbe
 from .units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ _ALL = "*"
 _WINDOW = 25  # recent step times per bucket that speed comparisons use
 _WALLS = 64   # recent must-only block replays per region that profiled times are checked against
 _MISMATCH_REPROFILES = 2  # profiling again cannot fix a model that is off for other reasons
-_STATE_VERSION = 2  # 2: plans carry the step time model; must-only steps keep their tokens
+_STATE_VERSION = 3  # 2: plans carry the step time model; must-only steps keep their tokens
+                    # 3: plans carry their predicted peak (the peak-aware memory model)
 
 
 @dataclass(kw_only=True)
@@ -68,6 +70,7 @@ class StepReport:
     blocks: int = 0
     predicted_speedup: float | None = None
     measured_speedup: float | None = None
+    predicted_peak: int | None = None      # bytes the plan's memory model predicts for the step
     block_traces: list = field(default_factory=list, repr=False)
 
 
@@ -151,16 +154,25 @@ class Controller:
         with ExitStack() as stack:
             if plan is not None:
                 stack.enter_context(use_plan(plan))
-            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE))
             meter = stack.enter_context(self._meter()) if metered else None
+            # Must-only metered steps also measure the memory timeline (the peak-aware model).
+            probe = StepProbe(meter.mark) if meter is not None and hasattr(meter, "mark") \
+                and mode in (PROFILE, SAMPLE) else None
+            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE, probe=probe))
             static = meter.reading().current if meter is not None else 0
+            if probe is not None:
+                probe.start()
             self._synchronize()
             start = time.perf_counter()
             yield report
             self._synchronize()
             report.time = time.perf_counter() - start
+            end_peak = probe.close() if probe is not None else 0
             reading = meter.reading() if meter is not None else None
         report.block_traces = blocks
+        if probe is not None and reading is not None and blocks:
+            self.memory.add_timeline(probe.timeline(
+                blocks, end_peak, tokens=self._primary_tokens(report.tokens), static=static))
         self._finish(report, reading, static)
 
     def _finish(self, report: StepReport, reading: MemoryReading | None, static: int) -> None:
@@ -199,8 +211,12 @@ class Controller:
             else:
                 self._record_time(self.planned_times, key, report.time)
             if reading is not None:
+                self._check_peak(report, reading)
                 self._watch_limit(reading)
         report.predicted_speedup = self.plans[key].predicted_speedup if key in self.plans else None
+        if report.plan is not None and report.plan.predicted_peak and report.predicted_peak is None:
+            report.predicted_peak = report.plan.peak_at_tokens(
+                self.memory.base(self._primary_tokens(report.tokens)))
         report.measured_speedup = self._measured(key)
         self.report = report
         self.steps += 1
@@ -317,7 +333,8 @@ class Controller:
         profiles = {r: p for r, p in self.profiles.items() if r in edges}
         return solve_plan(profiles, edges, model=self.model_key, capacity=capacity, base=base,
                           must_only_step_time=self._must_only_time(key, edges),
-                          config=self.config)
+                          config=self.config,
+                          timeline=self.memory.timeline(self._primary_tokens(edges)))
 
     def _must_only_time(self, key: tuple[int, ...], edges: dict[str, int]) -> float:
         """Modelled must-only step seconds at this bucket: the time outside replay plus the
@@ -373,8 +390,32 @@ class Controller:
         limit = self.config.memory_limit
         total = self._device_total()
         margin = self.config.margin * (total if limit.fraction is not None else limit.of(total))
-        return int(limit.of(total) - self.memory.outside - margin - self.memory.fragmentation)
+        return int(limit.of(total) - self.memory.outside - margin - self.memory.fragmentation
+                   - self.memory.model_error)
 
+    def _check_peak(self, report: StepReport, reading: MemoryReading) -> None:
+        """A metered planned step: its measured peak against the plan's predicted one (at the
+        step's tokens, ``Plan.peak_at_tokens``). Above it by more than the margin, the error is
+        added to the model (``MemoryModel.model_error``, taken off the capacity like
+        fragmentation) and every plan is solved again, so the limit holds when the model is
+        wrong."""
+        plan = report.plan
+        if plan is None or not plan.predicted_peak:
+            return
+        report.predicted_peak = plan.peak_at_tokens(
+            self.memory.base(self._primary_tokens(report.tokens)))
+        error = reading.peak - report.predicted_peak
+        limit = self.config.memory_limit
+        total = self._device_total()
+        margin = self.config.margin * (total if limit.fraction is not None else limit.of(total))
+        if error > margin and self.config.peak_correction:
+            self.memory.model_error += int(error)
+            self._forget_plans()
+            logger.info("TapeSAC: step peak %s measured above the predicted %s (%s model) by %s, "
+                        "more than the %s margin: adding the error to the memory model and "
+                        "solving the plans again", format_bytes(reading.peak),
+                        format_bytes(report.predicted_peak), plan.memory_model,
+                        format_bytes(error), format_bytes(int(margin)))
     def _watch_limit(self, reading: MemoryReading) -> None:
         """A peak near the limit: the fragmentation estimate goes up at the next step (on every
         rank together) and plans are solved again, so they can only shrink."""
@@ -494,6 +535,7 @@ class Controller:
                 "plans": {",".join(map(str, k)): p.to_json() for k, p in self.plans.items()},
                 "samples": [vars(s) for s in self.memory.samples],
                 "extra_fragmentation": self.memory.extra_fragmentation,
+                "model_error": self.memory.model_error,
                 "must_only_times": {",".join(map(str, k)): v for k, v in self.must_only_times.items()},
                 "planned_times": {",".join(map(str, k)): v for k, v in self.planned_times.items()},
                 "must_only_steps": [[list(k), t, s] for k, t, s in self.must_only_steps]}
@@ -505,15 +547,19 @@ class Controller:
                                f"model has {self.model_key!r}: it comes from another model")
         keys = lambda d: {tuple(int(x) for x in k.split(",")): v for k, v in d.items()}  # noqa: E731
         self.steps = state["steps"]
-        self.plans = {k: Plan.from_json(v, model=self.model_key) for k, v in keys(state["plans"]).items()}
         version = state.get("version", 1)
-        if version < _STATE_VERSION and self.plans:
-            # Version 1 plans predicted speedups with a time model that could explode: solve again.
-            logger.info("TapeSAC: state version %s predates the step time model (version %s): its "
-                        "%d plans are solved again after profiling", version, _STATE_VERSION,
-                        len(self.plans))
+        if version != _STATE_VERSION and state["plans"]:
+            # Version 1 plans predicted speedups with a time model that could explode, version 2
+            # plans bounded memory by Eq. 8 alone: solve again (after profiling).
+            logger.info("TapeSAC: state version %s is not this TapeSAC's (version %s: plans with "
+                        "a step time model and a predicted peak): its %d plans are solved again",
+                        version, _STATE_VERSION, len(state["plans"]))
             self.plans = {}
-        self.memory = MemoryModel(extra_fragmentation=state["extra_fragmentation"])
+        else:
+            self.plans = {k: Plan.from_json(v, model=self.model_key)
+                          for k, v in keys(state["plans"]).items()}
+        self.memory = MemoryModel(extra_fragmentation=state["extra_fragmentation"],
+                                  model_error=int(state.get("model_error", 0)))
         for s in state["samples"]:
             self.memory.add(MemorySample(**s))
         self.must_only_times = keys(state["must_only_times"])

@@ -11,13 +11,13 @@ from tapesac_core.figures import MeasuredPoint, frontier_figure, image_array
 
 SCALARS = ("tapesac/step_time_ms", "tapesac/memory_limit_bytes", "tapesac/saved_bytes",
            "tapesac/replayed_nodes", "tapesac/peak_memory_bytes", "tapesac/predicted_speedup",
-           "tapesac/measured_speedup")
+           "tapesac/measured_speedup", "tapesac/predicted_peak_bytes")
 
 
 def step_metrics(report: StepReport) -> dict[str, float]:
     """The step's ``tapesac/*`` scalars (speedups once known, peak when measured)."""
     values = (report.time * 1e3, report.limit, report.saved_bytes, report.replayed_nodes,
-              report.peak, report.predicted_speedup, report.measured_speedup)
+              report.peak, report.predicted_speedup, report.measured_speedup, report.predicted_peak)
     return {name: float(v) for name, v in zip(SCALARS, values) if v is not None}
 
 

@@ -23,7 +23,7 @@ def _plan() -> Plan:
 def test_plan_json_round_trip() -> None:
     plan = _plan()
     text = plan.to_json()
-    assert json.loads(text)["version"] == 1
+    assert json.loads(text)["version"] == 2
     assert Plan.from_json(text, model="DecoderLayer", regions={"DecoderLayer": "abc-90"}) == plan
     assert plan.coordinates() == {"DecoderLayer": [frozenset(), frozenset({("aten.mm.default", 0, 0)})]}
     assert plan.budgets() == {"DecoderLayer": [0, 3 * MiB]}

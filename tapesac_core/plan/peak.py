@@ -1,0 +1,448 @@
+"""The step's memory as it really moves: a peak-aware model of any plan's step peak (DESIGN,
+"The step's memory, as it really moves"; paper §3.4.2, the window model).
+
+A must-only sample step is measured as a timeline of segments: the meter's peak between
+consecutive events (a block's forward starts or ends, autograd unpacks a value of a block and
+its replay returns, a block's saved values are freed). A plan changes that timeline in two ways:
+
+* block ``i`` keeps ``x_i`` more bytes from its forward until it is freed (end of its backward
+  window), so every segment in between rises by ``x_i``;
+* in block ``j``'s backward window, replay holds other temporaries: the replay of the same
+  unpacks is simulated on the tape for the must-only set and for the block's save set, and the
+  segment moves by the difference.
+
+The predicted peak is the largest segment after both changes. Blocks alive in one segment are a
+contiguous range in forward order (a micro-batch's blocks from the first to the latest started),
+so the best plan under the predicted peak is an exact dynamic program over blocks in forward order
+whose state is the bytes kept since the start of the micro-batch (``solve_peak``).
+
+Pure Python, no torch: timelines and plan graphs in, predictions and choices out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .bits import members
+from .model import PlanGraph, replay_bits
+
+# Event kinds the sample step records, and the phase of the segment each one starts.
+FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE = (
+    "forward_start", "forward_end", "unpack_start", "unpack_end", "release")
+FORWARD, REPLAY, COMPUTE, OUTSIDE = "forward", "replay", "compute", "outside"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One reading at an event of the sample step: the peak since the previous event (the
+    segment this event closes) and the bytes in use now."""
+
+    kind: str
+    block: int                 # index of the block in forward order within the step
+    peak: int
+    current: int
+    vid: int | None = None     # the value unpacked (UNPACK_START / UNPACK_END)
+
+    def __post_init__(self) -> None:
+        if self.kind not in (FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE):
+            raise ValueError(f"unknown event kind {self.kind!r}")
+        if self.block < 0 or self.peak < 0 or self.current < 0:
+            raise ValueError(f"an event needs block >= 0 and bytes >= 0, got {self}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimelineBlock:
+    """A block of the sample step: its region, its index among that region's blocks (the plan's
+    per-block entry), its op sequence and the values autograd unpacked, in order."""
+
+    region: str
+    index: int
+    sequence: str
+    unpacks: tuple[int, ...] = ()
+    taken: frozenset[int] = frozenset()  # demanded values taken alive, not replayed
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    """Memory between two events: its measured peak, the blocks whose saved values are alive
+    (``first``..``last`` in forward order, empty when ``first > last``), and the block whose
+    replay runs in it (``own``, with the position of the unpack and its phase)."""
+
+    peak: int
+    first: int
+    last: int
+    phase: str = OUTSIDE
+    own: int | None = None
+    unpack: int | None = None
+    label: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeline:
+    """A must-only sample step's memory over time, at ``tokens`` primary tokens.
+
+    ``static`` is what was in use when the step began (model states: it does not scale with
+    tokens); the largest segment peak is the step's must-only peak.
+    """
+
+    tokens: int
+    static: int
+    segments: tuple[Segment, ...]
+    blocks: tuple[TimelineBlock, ...]
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.static < 0 or not self.segments:
+            raise ValueError("a timeline needs tokens >= 1, static >= 0 and at least one segment")
+        for s in self.segments:
+            if s.first <= s.last and not (0 <= s.first and s.last < len(self.blocks)):
+                raise ValueError(f"segment {s} names blocks outside the timeline's {len(self.blocks)}")
+            if s.own is not None and not 0 <= s.own < len(self.blocks):
+                raise ValueError(f"segment {s} replays a block outside the timeline")
+
+    @property
+    def peak(self) -> int:
+        return max(s.peak for s in self.segments)
+
+    def scaled(self, base: int) -> Timeline:
+        """The timeline at another token count whose must-only peak is ``base``: what each
+        segment adds to the static memory scales with it (sizes scale with tokens, §3.4.1)."""
+        grow = self.peak - self.static
+        factor = (base - self.static) / grow if grow > 0 else 1.0
+        segments = tuple(Segment(peak=round(self.static + (s.peak - self.static) * factor),
+                                 first=s.first, last=s.last, phase=s.phase, own=s.own,
+                                 unpack=s.unpack, label=s.label) for s in self.segments)
+        return Timeline(tokens=self.tokens, static=self.static, segments=segments,
+                        blocks=self.blocks)
+
+
+def timeline_of(events: Sequence[Event], blocks: Sequence[TimelineBlock], *, tokens: int,
+                static: int, end_peak: int, names: Sequence[str] | None = None) -> Timeline:
+    """The timeline of a sample step from its events in order; ``end_peak`` is the peak between
+    the last event and the end of the step. A block's saved values count from its forward start
+    until its release (to the end of the step if it was never released); alive sets are widened
+    to a contiguous range, which only adds bytes."""
+    n = len(blocks)
+    started = [math.inf] * n
+    released = [math.inf] * n
+    unpack_pos: Counter[int] = Counter()
+    positions = []  # per event, the position of its unpack within its block
+    for k, e in enumerate(events):
+        if e.block >= n:
+            raise ValueError(f"event {e} names block {e.block}, the step had {n}")
+        if e.kind == FORWARD_START:
+            started[e.block] = min(started[e.block], k)
+        elif e.kind == RELEASE:
+            released[e.block] = min(released[e.block], k)
+        if e.kind == UNPACK_START:
+            positions.append(unpack_pos[e.block])
+            unpack_pos[e.block] += 1
+        else:
+            positions.append(unpack_pos[e.block] - 1 if e.kind == UNPACK_END else None)
+    names = list(names) if names is not None else [f"block {i}" for i in range(n)]
+    last_forward = max((k for k, e in enumerate(events) if e.kind == FORWARD_END), default=-1)
+    first_unpack = min((k for k, e in enumerate(events) if e.kind == UNPACK_START), default=len(events))
+    segments = []
+    for k in range(len(events) + 1):
+        # Segment k lies between event k-1 and event k.
+        # A block is released inside its finalizer, before its tensors go: the segment after
+        # the release still starts with them, so it counts them too.
+        alive = [i for i in range(n) if started[i] <= k - 1 and released[i] >= k - 1]
+        first, last = (min(alive), max(alive)) if alive else (0, -1)
+        peak = events[k].peak if k < len(events) else end_peak
+        opener = events[k - 1] if k > 0 else None
+        phase, own, unpack = OUTSIDE, None, None
+        if opener is None:
+            label = "before the first block (embedding)"
+        elif opener.kind == FORWARD_START:
+            phase, label = FORWARD, f"forward of {names[opener.block]}"
+        elif opener.kind in (UNPACK_START, UNPACK_END):
+            phase = REPLAY if opener.kind == UNPACK_START else COMPUTE
+            own, unpack = opener.block, positions[k - 1]
+            label = f"backward window of {names[opener.block]}"
+        elif k - 1 >= last_forward and k - 1 < first_unpack:
+            label = "between forward and backward (the loss)"
+        elif not alive and k - 1 > first_unpack:
+            label = "after backward (optimizer step)"
+        elif opener.kind == RELEASE:
+            label = f"backward, after {names[opener.block]} freed its values"
+        else:
+            label = f"forward, after {names[opener.block]}"
+        segments.append(Segment(peak=peak, first=first, last=last, phase=phase, own=own,
+                                unpack=unpack, label=label))
+    return Timeline(tokens=tokens, static=static, segments=tuple(segments), blocks=tuple(blocks))
+
+
+# ---------------------------------------------------------------------- replay memory
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayMemory:
+    """Bytes replay holds in one block's backward window, per unpack in order: the most while
+    its closure runs (``replay``) and while autograd computes with the value (``compute``)."""
+
+    replay: tuple[int, ...]
+    compute: tuple[int, ...]
+
+
+def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int],
+                  taken: Iterable[int] = ()) -> ReplayMemory:
+    """Simulate replay (as ``replay.Replay`` runs it) for the unpacks of one backward window.
+
+    Available without replay: the graph's available values, ``saved`` and ``taken`` (values
+    alive elsewhere); storages they use cost nothing. Each unpack of a missing value runs its
+    producer closure in tape order; every output exists while its node runs, and is kept while
+    a later read remains; autograd's reads are the unpacks themselves. An unpacked value is
+    counted until the next unpack (autograd computes with it).
+    """
+    saved, taken = frozenset(saved), frozenset(taken)
+    available = graph.available | saved | taken
+    held = {graph.value_storage[v] for v in available}
+    stop = 0
+    for v in available:
+        stop |= 1 << v
+    reads: Counter[int] = Counter()
+    demand_bits = 0
+    for v in unpacks:
+        if v not in available:
+            reads[v] += 1
+            demand_bits |= 1 << v
+    for n in members(_closure(graph, demand_bits, stop)):
+        for d in graph.node_deps[n]:
+            reads[d] += 1
+    env: set[int] = set()
+    refs: Counter[int] = Counter()   # storage -> values of env on it
+    live = 0
+    sizes = graph.storage_bytes
+
+    def keep(v: int) -> int:
+        s = graph.value_storage[v]
+        env.add(v)
+        refs[s] += 1
+        return sizes[s] if refs[s] == 1 and s not in held else 0
+
+    def drop(v: int) -> int:
+        if v not in env:
+            return 0
+        env.discard(v)
+        s = graph.value_storage[v]
+        refs[s] -= 1
+        return sizes[s] if refs[s] == 0 and s not in held else 0
+
+    replay, compute = [], []
+    for v in unpacks:
+        top = live
+        if v not in available and v not in env:
+            stop_now = stop
+            for u in env:
+                stop_now |= 1 << u
+            for n in members(_closure(graph, 1 << v, stop_now)):
+                outs = graph.node_outs[n]
+                new = {graph.value_storage[o] for o in outs} - held
+                new = {s for s in new if refs[s] == 0}
+                top = max(top, live + sum(sizes[s] for s in new))
+                for o in outs:
+                    if reads[o] > 0:
+                        live += keep(o)
+                for d in graph.node_deps[n]:
+                    reads[d] -= 1
+                    if reads[d] <= 0:
+                        live -= drop(d)
+        replay.append(top)
+        hold = 0
+        if v not in available:
+            reads[v] -= 1
+            if reads[v] <= 0:
+                freed = drop(v)
+                live -= freed
+                hold = freed  # autograd still holds it while it computes
+        compute.append(live + hold)
+    return ReplayMemory(replay=tuple(replay), compute=tuple(compute))
+
+
+def _closure(graph: PlanGraph, targets: int, stop: int) -> int:
+    """Nodes to run so that the values in bitset ``targets`` exist, stopping at ``stop``."""
+    view = _Demand(graph, targets)
+    return replay_bits(view, stop)  # type: ignore[arg-type]
+
+
+class _Demand:
+    """``graph`` with another demand set (what ``replay_bits`` reads of it)."""
+
+    __slots__ = ("node_time", "out_bits", "dep_bits", "demand_bits")
+
+    def __init__(self, graph: PlanGraph, demand_bits: int) -> None:
+        self.node_time, self.out_bits, self.dep_bits = graph.node_time, graph.out_bits, graph.dep_bits
+        self.demand_bits = demand_bits
+
+
+# ---------------------------------------------------------------------- choices and the solver
+
+
+@dataclass(frozen=True, kw_only=True)
+class Option:
+    """One choice for a block: the bytes it keeps beyond S0, the replay time it removes, and
+    how it moves the block's replay bytes at each unpack of its window (``replay``, ``compute``
+    deltas against must-only; empty: not simulated, no change)."""
+
+    bytes: int
+    gain: float
+    point: int
+    replay: tuple[int, ...] = ()
+    compute: tuple[int, ...] = ()
+
+    def delta(self, segment: Segment) -> int:
+        deltas = self.replay if segment.phase == REPLAY else self.compute
+        return deltas[segment.unpack] if segment.unpack is not None and segment.unpack < len(deltas) else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """A plan's predicted step peak and the segment where it falls."""
+
+    peak: int
+    segment: int
+    label: str
+
+
+def predict(timeline: Timeline, options: Sequence[Option]) -> Prediction:
+    """The step peak when block ``i`` takes ``options[i]`` (one per timeline block)."""
+    if len(options) != len(timeline.blocks):
+        raise ValueError(f"one option per block: {len(timeline.blocks)} blocks, {len(options)} options")
+    prefix = [0]
+    for o in options:
+        prefix.append(prefix[-1] + o.bytes)
+    best, where = -1, 0
+    for k, s in enumerate(timeline.segments):
+        value = s.peak + (prefix[s.last + 1] - prefix[s.first] if s.first <= s.last else 0)
+        if s.own is not None:
+            value += options[s.own].delta(s)
+        if value > best:
+            best, where = value, k
+    return Prediction(peak=best, segment=where, label=timeline.segments[where].label)
+
+
+def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: int,
+               resolution: int = 4096) -> tuple[int, ...] | None:
+    """Per block, the index into its menu maximising total gain with the predicted peak within
+    ``capacity``; None when even the first option of every menu (must-only, 0 bytes) exceeds it.
+
+    Exact dynamic program over blocks in forward order. Blocks whose alive ranges overlap form a
+    group (a micro-batch); the state is the bytes kept by the group's blocks so far, in units of
+    ``(capacity - lowest segment peak) / resolution`` with each option's bytes rounded up, so the
+    result fits in true bytes. A segment is checked at its last alive block, with that block's own
+    option; it counts the whole group up to there (a narrower range only has fewer bytes), and a
+    segment replaying a block other than its last alive one takes that block's worst delta.
+    """
+    n = len(timeline.blocks)
+    if len(menus) != n or any(not m or m[0].bytes != 0 for m in menus):
+        raise ValueError("one menu per timeline block, each starting with a 0-byte option")
+    if resolution < 1:
+        raise ValueError(f"resolution must be >= 1, got {resolution}")
+    segments = timeline.segments
+    worst = [max(o.delta(s) for o in menus[s.own]) if s.own is not None else 0 for s in segments]
+    by_last: dict[int, list[tuple[int, Segment]]] = {}
+    joined = [False] * n  # block i shares a segment with block i - 1
+    for k, s in enumerate(segments):
+        if s.first > s.last:
+            if s.peak + worst[k] > capacity:
+                return None
+            continue
+        by_last.setdefault(s.last, []).append((k, s))
+        for i in range(s.first + 1, s.last + 1):
+            joined[i] = True
+    lowest = min((s.peak for s in segments if s.first <= s.last), default=capacity)
+    unit = max(1, -(-max(1, capacity - lowest) // resolution))
+    units = max(0, capacity - lowest) // unit + 1
+    minus = -math.inf
+    layer = [0.0] + [minus] * (units - 1)
+    history = []  # per block: (layer before it, its options as (weight, gain, limit), reset state)
+    for i in range(n):
+        reset = None
+        if i > 0 and not joined[i]:
+            # A new group: the earlier blocks' bytes are freed; continue from the best state.
+            reset = max(range(units), key=layer.__getitem__)
+            layer = [layer[reset]] + [minus] * (units - 1)
+        choices = []
+        for option in menus[i]:
+            limit = units - 1
+            for k, s in by_last.get(i, ()):
+                extra = option.delta(s) if s.own == i else worst[k]
+                head = capacity - s.peak - extra
+                limit = min(limit, head // unit if head >= 0 else -1)
+            choices.append((-(-option.bytes // unit), option.gain, limit))
+        cur = [minus] * units
+        for w, g, limit in choices:
+            if limit < w:
+                continue
+            cur[w:limit + 1] = [a if a >= (t := b + g) else t
+                                for a, b in zip(cur[w:limit + 1], layer[:limit + 1 - w])]
+        history.append((layer, choices, reset))
+        layer = cur
+        if all(v == minus for v in layer):
+            return None
+    state = max(range(units), key=layer.__getitem__)
+    value = layer[state]
+    picks = [0] * n
+    for i in range(n - 1, -1, -1):
+        prev, choices, reset = history[i]
+        for c, (w, g, limit) in enumerate(choices):
+            if w <= state <= limit and prev[state - w] + g == value:
+                picks[i], state, value = c, state - w, prev[state - w]
+                break
+        else:  # pragma: no cover - the layer was built from these choices
+            raise AssertionError("backtracking found no option")
+        if reset is not None:
+            state = reset
+    return tuple(picks)
+
+
+def menus_of(timeline: Timeline, regions: Mapping[str, RegionMenu]) -> list[list[Option]]:
+    """Per timeline block, its region's options (the shared frontier), with the replay
+    deltas simulated on the region's tape for blocks that ran its op sequence."""
+    menus = []
+    cache: dict[tuple, list[Option]] = {}
+    for b in timeline.blocks:
+        region = regions.get(b.region)
+        if region is None:
+            menus.append([Option(bytes=0, gain=0.0, point=0)])
+            continue
+        key = (b.region, b.unpacks, b.taken) if b.sequence == region.sequence else (b.region,)
+        if key not in cache:
+            cache[key] = region.options(b.unpacks, b.taken) if len(key) > 1 else region.options()
+        menus.append(cache[key])
+    return menus
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionMenu:
+    """A region's frontier for the peak model: points' bytes (at the plan's tokens), gains, save
+    sets (value ids of ``graph``), and ``scale`` from the graph's bytes to the plan's tokens."""
+
+    sequence: str
+    graph: PlanGraph
+    bytes: tuple[int, ...]
+    gains: tuple[float, ...]
+    saved: tuple[frozenset[int], ...]
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (len(self.bytes) == len(self.gains) == len(self.saved)) or not self.bytes \
+                or self.bytes[0] != 0:
+            raise ValueError("a region menu needs one bytes, gain and set per point, the first at 0 bytes")
+
+    def options(self, unpacks: Sequence[int] = (), taken: Iterable[int] = ()) -> list[Option]:
+        """Every point as an option; with ``unpacks``, each with its replay-byte deltas."""
+        if not unpacks:
+            return [Option(bytes=b, gain=g, point=i) for i, (b, g) in enumerate(zip(self.bytes, self.gains))]
+        base = replay_memory(self.graph, (), unpacks, taken)
+        out = []
+        for i, (b, g, s) in enumerate(zip(self.bytes, self.gains, self.saved)):
+            mem = base if not s else replay_memory(self.graph, s, unpacks, taken)
+            out.append(Option(
+                bytes=b, gain=g, point=i,
+                replay=tuple(math.ceil((x - y) * self.scale) for x, y in zip(mem.replay, base.replay)),
+                compute=tuple(math.ceil((x - y) * self.scale) for x, y in zip(mem.compute, base.compute))))
+        return out
