@@ -117,3 +117,26 @@ def test_moe_routing_on_fresh_batches_stays_under_the_limit():
         limit = int((must_only + fraction * everything) / 0.98)
         planned, _, _ = _run(base, limit, fresh=True, steps=8)
         assert max(p for p, _ in planned) <= limit
+
+
+def test_a_longer_sequence_mid_run_samples_again_and_stays_under_the_limit(dense):
+    base, must_only, everything = dense
+    limit = int((must_only + 0.6 * everything) / 0.98)
+    model = copy.deepcopy(base)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    controller = Controller(model, limit, warmup_steps=1, profile_steps=1, control_steps=1,
+                            control_every=0, peak_correction=False)
+    for step in range(3):
+        train_step(model, optimizer, _ids(0), controller)
+    modes, peaks = [], []
+    for step in range(3, 7):
+        seq = 104  # x 1.5: a new bucket, whose memory is sampled again (a new timeline)
+        with LiveTensorMeter() as meter:
+            report, _ = train_step(model, optimizer, _ids(0, seq=seq), controller)
+        modes.append(report.mode)
+        peaks.append(meter.reading().peak)
+    assert modes[0] == "sample" and modes[-1] == PLANNED
+    plan = report.plan
+    assert plan.memory_model == "peak" and plan.predicted_peak <= plan.capacity
+    assert sorted(controller.memory.timelines) == [4 * SEQ, 4 * 104]
+    assert max(peaks) <= limit
