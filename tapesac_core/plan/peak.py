@@ -22,12 +22,12 @@ Pure Python, no torch: timelines and plan graphs in, predictions and choices out
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .bits import members
-from .model import PlanGraph, replay_bits
+from .model import PlanGraph
 
 # Event kinds the sample step records, and the phase of the segment each one starts.
 FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE = (
@@ -200,82 +200,78 @@ def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int]
     saved, taken = frozenset(saved), frozenset(taken)
     available = graph.available | saved | taken
     held = {graph.value_storage[v] for v in available}
-    stop = 0
-    for v in available:
-        stop |= 1 << v
-    reads: Counter[int] = Counter()
-    demand_bits = 0
+    deps_of, outs_of = graph.node_deps, graph.node_outs
+    sizes, storage = graph.storage_bytes, graph.value_storage
+    cost = [0 if s in held else b for s, b in enumerate(sizes)]  # bytes a live storage costs
+    reads = [0] * len(storage)
     for v in unpacks:
         if v not in available:
             reads[v] += 1
-            demand_bits |= 1 << v
-    for n in members(_closure(graph, demand_bits, stop)):
-        for d in graph.node_deps[n]:
+    for n in _walk(graph, [v for v in set(unpacks) if reads[v]], available.__contains__):
+        for d in deps_of[n]:
             reads[d] += 1
     env: set[int] = set()
-    refs: Counter[int] = Counter()   # storage -> values of env on it
+    refs = [0] * len(sizes)  # storage -> values of env on it
     live = 0
-    sizes = graph.storage_bytes
 
-    def keep(v: int) -> int:
-        s = graph.value_storage[v]
-        env.add(v)
-        refs[s] += 1
-        return sizes[s] if refs[s] == 1 and s not in held else 0
-
-    def drop(v: int) -> int:
-        if v not in env:
-            return 0
-        env.discard(v)
-        s = graph.value_storage[v]
-        refs[s] -= 1
-        return sizes[s] if refs[s] == 0 and s not in held else 0
+    def ready(v: int) -> bool:
+        return v in available or v in env
 
     replay, compute = [], []
     for v in unpacks:
         top = live
-        if v not in available and v not in env:
-            stop_now = stop
-            for u in env:
-                stop_now |= 1 << u
-            for n in members(_closure(graph, 1 << v, stop_now)):
-                outs = graph.node_outs[n]
-                new = {graph.value_storage[o] for o in outs} - held
-                new = {s for s in new if refs[s] == 0}
-                top = max(top, live + sum(sizes[s] for s in new))
+        if not ready(v):
+            for n in sorted(_walk(graph, [v], ready)):
+                outs = outs_of[n]
+                new = {storage[o] for o in outs if not refs[storage[o]]}
+                top = max(top, live + sum(cost[s] for s in new))
                 for o in outs:
                     if reads[o] > 0:
-                        live += keep(o)
-                for d in graph.node_deps[n]:
+                        env.add(o)
+                        s = storage[o]
+                        refs[s] += 1
+                        if refs[s] == 1:
+                            live += cost[s]
+                for d in deps_of[n]:
                     reads[d] -= 1
-                    if reads[d] <= 0:
-                        live -= drop(d)
+                    if reads[d] <= 0 and d in env:
+                        env.discard(d)
+                        s = storage[d]
+                        refs[s] -= 1
+                        if not refs[s]:
+                            live -= cost[s]
         replay.append(top)
         hold = 0
         if v not in available:
             reads[v] -= 1
-            if reads[v] <= 0:
-                freed = drop(v)
-                live -= freed
-                hold = freed  # autograd still holds it while it computes
+            if reads[v] <= 0 and v in env:
+                env.discard(v)
+                s = storage[v]
+                refs[s] -= 1
+                if not refs[s]:
+                    live -= cost[s]
+                    hold = cost[s]  # autograd still holds it while it computes
         compute.append(live + hold)
     return ReplayMemory(replay=tuple(replay), compute=tuple(compute))
 
 
-def _closure(graph: PlanGraph, targets: int, stop: int) -> int:
-    """Nodes to run so that the values in bitset ``targets`` exist, stopping at ``stop``."""
-    view = _Demand(graph, targets)
-    return replay_bits(view, stop)  # type: ignore[arg-type]
-
-
-class _Demand:
-    """``graph`` with another demand set (what ``replay_bits`` reads of it)."""
-
-    __slots__ = ("node_time", "out_bits", "dep_bits", "demand_bits")
-
-    def __init__(self, graph: PlanGraph, demand_bits: int) -> None:
-        self.node_time, self.out_bits, self.dep_bits = graph.node_time, graph.out_bits, graph.dep_bits
-        self.demand_bits = demand_bits
+def _walk(graph: PlanGraph, targets: Iterable[int], ready) -> set[int]:
+    """Nodes to run so that ``targets`` exist, stopping at values ``ready`` says exist (the
+    producer closure, walked from the targets: replay's own walk, ``tape.producer_closure``)."""
+    producer, deps_of = graph.producer, graph.node_deps
+    needed: set[int] = set()
+    stack = [v for v in targets if not ready(v)]
+    seen = set(stack)
+    while stack:
+        n = producer[stack.pop()]
+        if n in needed:
+            continue
+        needed.add(n)
+        for d in deps_of[n]:
+            if d not in seen and not ready(d):
+                seen.add(d)
+                stack.append(d)
+    return needed
 
 
 # ---------------------------------------------------------------------- choices and the solver
@@ -342,12 +338,14 @@ def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: 
     if resolution < 1:
         raise ValueError(f"resolution must be >= 1, got {resolution}")
     segments = timeline.segments
-    worst = [max(o.delta(s) for o in menus[s.own]) if s.own is not None else 0 for s in segments]
+    worst = {}  # segment -> the largest delta of its replaying block (when not its last alive)
     by_last: dict[int, list[tuple[int, Segment]]] = {}
     joined = [False] * n  # block i shares a segment with block i - 1
     for k, s in enumerate(segments):
+        if s.own is not None and s.own != s.last:
+            worst[k] = max(o.delta(s) for o in menus[s.own])
         if s.first > s.last:
-            if s.peak + worst[k] > capacity:
+            if s.peak + worst.get(k, 0) > capacity:
                 return None
             continue
         by_last.setdefault(s.last, []).append((k, s))
@@ -365,20 +363,23 @@ def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: 
             # A new group: the earlier blocks' bytes are freed; continue from the best state.
             reset = max(range(units), key=layer.__getitem__)
             layer = [layer[reset]] + [minus] * (units - 1)
+        fixed, own = _constraints(by_last.get(i, ()), i, worst)
         choices = []
         for option in menus[i]:
-            limit = units - 1
-            for k, s in by_last.get(i, ()):
-                extra = option.delta(s) if s.own == i else worst[k]
-                head = capacity - s.peak - extra
-                limit = min(limit, head // unit if head >= 0 else -1)
+            top = max(fixed, _own_peak(own, option))
+            head = capacity - top
+            limit = min(units - 1, head // unit if head >= 0 else -1)
             choices.append((-(-option.bytes // unit), option.gain, limit))
         cur = [minus] * units
+        # States above the highest reachable one stay unreachable: skip them.
+        high = max((k for k in range(units - 1, -1, -1) if layer[k] != minus), default=-1) \
+            if reset is None else 0
         for w, g, limit in choices:
-            if limit < w:
+            stop = min(limit, high + w)
+            if stop < w:
                 continue
-            cur[w:limit + 1] = [a if a >= (t := b + g) else t
-                                for a, b in zip(cur[w:limit + 1], layer[:limit + 1 - w])]
+            cur[w:stop + 1] = [a if a >= (t := b + g) else t
+                               for a, b in zip(cur[w:stop + 1], layer[:stop + 1 - w])]
         history.append((layer, choices, reset))
         layer = cur
         if all(v == minus for v in layer):
@@ -397,6 +398,39 @@ def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: 
         if reset is not None:
             state = reset
     return tuple(picks)
+
+
+def _constraints(segments: Iterable[tuple[int, Segment]], block: int, worst: Mapping[int, int]):
+    """A block's constraints: the highest segment that does not depend on its option, and per
+    phase the peaks and unpack positions of the segments its own replay runs in."""
+    fixed = -math.inf
+    own: dict[str, tuple[list[int], list[int]]] = {REPLAY: ([], []), COMPUTE: ([], [])}
+    for k, s in segments:
+        if s.own == block and s.unpack is not None and s.phase in own:
+            peaks, positions = own[s.phase]
+            peaks.append(s.peak)
+            positions.append(s.unpack)
+        else:
+            fixed = max(fixed, s.peak + worst.get(k, 0))
+    return fixed, own
+
+
+def _own_peak(own: Mapping[str, tuple[list[int], list[int]]], option: Option) -> float:
+    """The highest of a block's own replay segments when it takes ``option``."""
+    top = -math.inf
+    for phase, deltas in ((REPLAY, option.replay), (COMPUTE, option.compute)):
+        peaks, positions = own[phase]
+        if not peaks:
+            continue
+        if len(deltas) < len(peaks) and any(u >= len(deltas) for u in positions):
+            deltas = tuple(deltas) + (0,) * (max(positions) + 1 - len(deltas))
+        if not deltas:
+            top = max(top, max(peaks))
+        elif positions == list(range(len(positions))):
+            top = max(top, max(map(operator.add, peaks, deltas)))
+        else:
+            top = max(top, max(map(operator.add, peaks, (deltas[u] for u in positions))))
+    return top
 
 
 def menus_of(timeline: Timeline, regions: Mapping[str, RegionMenu]) -> list[list[Option]]:
