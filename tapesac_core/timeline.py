@@ -11,6 +11,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .plan.peak import (FORWARD_END, FORWARD_START, RELEASE, UNPACK_END, UNPACK_START, Event,
                         Timeline, TimelineBlock, timeline_of)
 
@@ -27,11 +29,12 @@ class StepProbe:
         """The step starts: the first segment is measured from now."""
         self._mark()
 
-    def event(self, kind: str, block: int, vid: int | None = None) -> None:
+    def event(self, kind: str, block: int, vid: int | None = None, node: int | None = None) -> None:
         if self.closed:
             return
         peak, current = self._mark()
-        self.events.append(Event(kind=kind, block=block, peak=peak, current=current, vid=vid))
+        self.events.append(Event(kind=kind, block=block, peak=peak, current=current, vid=vid,
+                                 node=node))
 
     def watch(self, block: Any, index: int) -> BlockProbe:
         """Start watching ``block`` (the ``index``-th of the step): its forward starts now."""
@@ -48,16 +51,23 @@ class StepProbe:
     def timeline(self, traces: list, end_peak: int, *, tokens: int, static: int) -> Timeline:
         """The timeline of the step whose blocks ``traces`` (``BlockTrace`` in forward order) are."""
         unpacks: list[list[int]] = [[] for _ in traces]
+        groups: list[list[int]] = [[] for _ in traces]
+        last: list[int | None] = [None] * len(traces)
         for e in self.events:
             if e.kind == UNPACK_START and e.block < len(traces):
+                # Consecutive unpacks by one autograd node call form a group.
+                same = e.node is not None and e.node == last[e.block]
+                groups[e.block].append(groups[e.block][-1] if same and groups[e.block]
+                                       else len(groups[e.block]))
+                last[e.block] = e.node
                 unpacks[e.block].append(e.vid)
         per_region: dict[str, int] = {}
         blocks = []
-        for t, order in zip(traces, unpacks):
+        for t, order, group in zip(traces, unpacks, groups):
             region = t.tape.region
             blocks.append(TimelineBlock(region=region, index=per_region.get(region, 0),
                                         sequence=t.tape.fingerprint, unpacks=tuple(order),
-                                        taken=frozenset(t.alive_taken)))
+                                        taken=frozenset(t.alive_taken), groups=tuple(group)))
             per_region[region] = per_region.get(region, 0) + 1
         return timeline_of(self.events, blocks, tokens=tokens, static=static, end_peak=end_peak,
                            names=[t.tape.name for t in traces])
@@ -75,7 +85,10 @@ class BlockProbe:
         self.probe.event(FORWARD_END, self.index)
 
     def unpack(self, vid: int, take: Callable[[], Any]) -> Any:
-        self.probe.event(UNPACK_START, self.index, vid)
+        # The autograd node unpacking (alive while it runs): its saved values are unpacked
+        # together, then it computes with all of them.
+        node = torch._C._current_autograd_node()
+        self.probe.event(UNPACK_START, self.index, vid, None if node is None else id(node))
         out = take()
         self.probe.event(UNPACK_END, self.index, vid)
         return out

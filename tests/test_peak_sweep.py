@@ -69,7 +69,10 @@ def test_predicted_peak_within_3_percent_never_above_the_limit_and_the_capacity_
     planned, measured_must_only, report = _run(base, limit)
     plan = report.plan
     measured, predicted = planned[0]
-    assert plan.memory_model == "peak" and plan.peak_at.startswith("backward window of layers.")
+    # Where the peak falls depends on the plan (and so on measured op times): a block's window
+    # or the loss, which all saved values reach.
+    assert plan.memory_model == "peak" and (plan.peak_at.startswith("backward window of layers.")
+                                            or plan.peak_at == "between forward and backward (the loss)")
     assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
     assert max(p for p, _ in planned) <= limit
     # Every saved value removes replay time (no memory filled with values of zero gain).

@@ -45,6 +45,7 @@ class Event:
     peak: int
     current: int
     vid: int | None = None     # the value unpacked (UNPACK_START / UNPACK_END)
+    node: int | None = None    # the autograd node that unpacked it (its id, while it runs)
 
     def __post_init__(self) -> None:
         if self.kind not in (FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE):
@@ -63,6 +64,7 @@ class TimelineBlock:
     sequence: str
     unpacks: tuple[int, ...] = ()
     taken: frozenset[int] = frozenset()  # demanded values taken alive, not replayed
+    groups: tuple[int, ...] = ()  # per unpack, the autograd node call it belongs to (numbered)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,14 +190,16 @@ class ReplayMemory:
 
 
 def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int],
-                  taken: Iterable[int] = ()) -> ReplayMemory:
+                  taken: Iterable[int] = (), groups: Sequence[int] = ()) -> ReplayMemory:
     """Simulate replay (as ``replay.Replay`` runs it) for the unpacks of one backward window.
 
     Available without replay: the graph's available values, ``saved`` and ``taken`` (values
     alive elsewhere); storages they use cost nothing. Each unpack of a missing value runs its
     producer closure in tape order; every output exists while its node runs, and is kept while
-    a later read remains; autograd's reads are the unpacks themselves. An unpacked value is
-    counted until the next unpack (autograd computes with it).
+    a later read remains; autograd's reads are the unpacks themselves. An unpacked value that
+    replay no longer holds is still held by autograd until its node has computed: until the
+    unpacks of the same ``groups`` entry (one autograd node call) are done, or, without
+    groups, until the next unpack.
     """
     saved, taken = frozenset(saved), frozenset(taken)
     available = graph.available | saved | taken
@@ -218,7 +222,10 @@ def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int]
         return v in available or v in env
 
     replay, compute = [], []
-    for v in unpacks:
+    grabbed: dict[int, int] = {}  # storage -> bytes autograd holds for the current node
+    for position, v in enumerate(unpacks):
+        if position == 0 or not groups or groups[position] != groups[position - 1]:
+            grabbed.clear()
         top = live
         if not ready(v):
             for n in sorted(_walk(graph, [v], ready)):
@@ -240,8 +247,8 @@ def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int]
                         refs[s] -= 1
                         if not refs[s]:
                             live -= cost[s]
-        replay.append(top)
-        hold = 0
+        held_now = sum(b for s, b in grabbed.items() if not refs[s])
+        replay.append(top + held_now)
         if v not in available:
             reads[v] -= 1
             if reads[v] <= 0 and v in env:
@@ -250,8 +257,8 @@ def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int]
                 refs[s] -= 1
                 if not refs[s]:
                     live -= cost[s]
-                    hold = cost[s]  # autograd still holds it while it computes
-        compute.append(live + hold)
+                    grabbed[s] = cost[s]  # autograd still holds it while its node computes
+        compute.append(live + sum(b for s, b in grabbed.items() if not refs[s]))
     return ReplayMemory(replay=tuple(replay), compute=tuple(compute))
 
 
@@ -443,9 +450,11 @@ def menus_of(timeline: Timeline, regions: Mapping[str, RegionMenu]) -> list[list
         if region is None:
             menus.append([Option(bytes=0, gain=0.0, point=0)])
             continue
-        key = (b.region, b.unpacks, b.taken) if b.sequence == region.sequence else (b.region,)
+        key = (b.region, b.unpacks, b.taken, b.groups) if b.sequence == region.sequence \
+            else (b.region,)
         if key not in cache:
-            cache[key] = region.options(b.unpacks, b.taken) if len(key) > 1 else region.options()
+            cache[key] = region.options(b.unpacks, b.taken, b.groups) if len(key) > 1 \
+                else region.options()
         menus.append(cache[key])
     return menus
 
@@ -467,14 +476,15 @@ class RegionMenu:
                 or self.bytes[0] != 0:
             raise ValueError("a region menu needs one bytes, gain and set per point, the first at 0 bytes")
 
-    def options(self, unpacks: Sequence[int] = (), taken: Iterable[int] = ()) -> list[Option]:
+    def options(self, unpacks: Sequence[int] = (), taken: Iterable[int] = (),
+                groups: Sequence[int] = ()) -> list[Option]:
         """Every point as an option; with ``unpacks``, each with its replay-byte deltas."""
         if not unpacks:
             return [Option(bytes=b, gain=g, point=i) for i, (b, g) in enumerate(zip(self.bytes, self.gains))]
-        base = replay_memory(self.graph, (), unpacks, taken)
+        base = replay_memory(self.graph, (), unpacks, taken, groups)
         out = []
         for i, (b, g, s) in enumerate(zip(self.bytes, self.gains, self.saved)):
-            mem = base if not s else replay_memory(self.graph, s, unpacks, taken)
+            mem = base if not s else replay_memory(self.graph, s, unpacks, taken, groups)
             out.append(Option(
                 bytes=b, gain=g, point=i,
                 replay=tuple(math.ceil((x - y) * self.scale) for x, y in zip(mem.replay, base.replay)),
