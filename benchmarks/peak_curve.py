@@ -66,6 +66,10 @@ def run(base, ids, limit, memory_model):
             "flops": flops, "replay_removed": removed / plan.replay_time if plan.replay_time else 0.0}
 
 
+def used(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--moe", action="store_true")
@@ -93,7 +97,8 @@ def main() -> None:
             r.update(memory_model=memory_model, fraction=f,
                      extra_memory=(r["peak"] - r["must_only_peak"]) / gap,
                      flops_eliminated=(must_flops - r["flops"]) / (must_flops - plain_flops),
-                     capacity_used=(r["peak"] - r["must_only_peak"]) / max(1, r["capacity"] - r["must_only_peak"]),
+                     capacity_used=(r["peak"] - r["must_only_peak"]) / (r["capacity"] - r["must_only_peak"])
+                     if r["capacity"] - r["must_only_peak"] > 0.005 * r["capacity"] else None,
                      prediction_error=(r["predicted_peak"] - r["peak"]) / r["peak"])
             rows.append(r)
     print(f"plain peak {format_bytes(plain_peak)}, must-only peak {format_bytes(must_only)}; "
@@ -104,7 +109,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['memory_model']} | {r['fraction']:.3f} | {format_bytes(r['limit'])} "
               f"| {format_bytes(r['peak'])} | {format_bytes(r['predicted_peak'])} "
-              f"({r['prediction_error']:+.1%}) | {r['capacity_used']:.0%} | {r['extra_memory']:.1%} "
+              f"({r['prediction_error']:+.1%}) | {used(r['capacity_used'])} | {r['extra_memory']:.1%} "
               f"| {r['flops_eliminated']:.1%} | {r['replay_removed']:.1%} | {r['peak_at']} |")
     out = ROOT / "benchmarks" / "results" / f"peak_curve_{'moe' if args.moe else 'dense'}.json"
     out.write_text(json.dumps({"plain_peak": plain_peak, "must_only_peak": must_only,

@@ -143,3 +143,51 @@ def test_a_longer_sequence_mid_run_samples_again_and_stays_under_the_limit(dense
     assert plan.memory_model == "peak" and plan.predicted_peak <= plan.capacity
     assert sorted(controller.memory.timelines) == [4 * SEQ, 4 * 104]
     assert max(peaks) <= limit
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_dropout=0.1))
+    model.train()
+    tapesac_core.checkpoint_modules(model, {Qwen3DecoderLayer})
+    return model
+
+
+def _qwen3_run(base, limit):
+    model = copy.deepcopy(base)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    controller = Controller(model, limit, warmup_steps=1, profile_steps=1, control_steps=1,
+                            control_every=0, peak_correction=False)
+    ids = _ids(0, vocab=128)
+    planned, must_only = [], None
+    for _ in range(5):
+        with LiveTensorMeter() as meter:
+            with controller.step(tokens=ids.numel()) as report:
+                model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if report.mode == PLANNED:
+            planned.append((meter.reading().peak, report.predicted_peak))
+        elif report.mode == CONTROL:
+            must_only = meter.reading().peak
+    return planned, must_only, report
+
+
+def test_hugging_face_qwen3_predicted_within_3_percent_and_under_the_limit():
+    pytest.importorskip("transformers")
+    base = _qwen3()
+    _, must_only, report = _qwen3_run(base, "1GiB")
+    everything = report.plan.saved_bytes
+    assert everything > 0
+    for fraction in (0.2, 0.6):
+        limit = int((must_only + fraction * everything) / 0.98)
+        planned, measured_must_only, report = _qwen3_run(base, limit)
+        measured, predicted = planned[0]
+        assert report.plan.memory_model == "peak"
+        assert abs(predicted - measured) <= 0.03 * measured, (fraction, predicted, measured)
+        assert max(p for p, _ in planned) <= limit
