@@ -117,6 +117,7 @@ class Controller:
         self._checked: set[tuple[int, ...]] = set()
         self._planned_since_control: dict[tuple[int, ...], int] = {}
         self._raise_fragmentation = 0  # seen near the limit; applied at the next step, on all ranks
+        self._raise_model_error = 0    # a peak above its prediction; likewise
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ public state
@@ -278,11 +279,14 @@ class Controller:
                                                             self.config.resample_tolerance)
         if needs_profile and not self._profile_steps_done:
             self.profiles = {}
-        profile, sample, raise_by = self._reduce_max([
+        profile, sample, raise_by, model_error = self._reduce_max([
             int(needs_profile or self._profile_steps_done > 0), int(needs_sample),
-            self._raise_fragmentation])
-        self._raise_fragmentation = 0
+            self._raise_fragmentation, self._raise_model_error])
+        self._raise_fragmentation = self._raise_model_error = 0
         self._apply_fragmentation(raise_by)
+        if model_error > 0:  # every rank adds the largest error any rank saw
+            self.memory.model_error += model_error
+            self._forget_plans()
         if profile:
             self._reprofile = False
             return PROFILE
@@ -397,8 +401,8 @@ class Controller:
         """A metered planned step: its measured peak against the plan's predicted one (at the
         step's tokens, ``Plan.peak_at_tokens``). Above it by more than the margin, the error is
         added to the model (``MemoryModel.model_error``, taken off the capacity like
-        fragmentation) and every plan is solved again, so the limit holds when the model is
-        wrong."""
+        fragmentation) at the next step, on every rank together (the largest error any rank
+        saw), and every plan is solved again, so the limit holds when the model is wrong."""
         plan = report.plan
         if plan is None or not plan.predicted_peak:
             return
@@ -409,13 +413,13 @@ class Controller:
         total = self._device_total()
         margin = self.config.margin * (total if limit.fraction is not None else limit.of(total))
         if error > margin and self.config.peak_correction:
-            self.memory.model_error += int(error)
-            self._forget_plans()
+            self._raise_model_error = int(error)
             logger.info("TapeSAC: step peak %s measured above the predicted %s (%s model) by %s, "
-                        "more than the %s margin: adding the error to the memory model and "
-                        "solving the plans again", format_bytes(reading.peak),
+                        "more than the %s margin: the error is added to the memory model "
+                        "and the plans are solved again at the next step", format_bytes(reading.peak),
                         format_bytes(report.predicted_peak), plan.memory_model,
                         format_bytes(error), format_bytes(int(margin)))
+
     def _watch_limit(self, reading: MemoryReading) -> None:
         """A peak near the limit: the fragmentation estimate goes up at the next step (on every
         rank together) and plans are solved again, so they can only shrink."""

@@ -186,10 +186,10 @@ def test_a_step_above_its_predicted_peak_adds_the_error_and_solves_again(caplog)
     with caplog.at_level(logging.INFO):
         checked = _run(model, meter, c, 32)
     error = checked.peak - checked.predicted_peak
-    assert error > 0.02 * limit and c.memory.model_error == error
-    assert "above the predicted" in caplog.text and not c.plans
+    assert error > 0.02 * limit and "above the predicted" in caplog.text
     meter.extra = 0
-    again = _run(model, meter, c, 32)
+    again = _run(model, meter, c, 32)  # the error is applied at the next step (all ranks agree)
+    assert c.memory.model_error == error
     # The error comes off the capacity (and the near-limit watch may take fragmentation off too).
     assert again.plan.capacity <= first.plan.capacity - error
     assert again.plan.saved_bytes < first.plan.saved_bytes
