@@ -358,7 +358,8 @@ class Controller:
     def step_frontier(self, key: tuple[int, ...]) -> dict[str, Any]:
         """Predicted step (peak bytes, seconds) along each region's frontier at this bucket, and the
         chosen, must-only and full-recomputation points (for plots). Full recomputation's peak is
-        taken as the must-only peak."""
+        taken as the must-only peak; the chosen plan sits at its memory model's predicted peak
+        (``peak_at``: where in the step it falls), the curves at Eq. 8's bytes."""
         plan = self.plans[key]
         edges = self._edges(key)
         profiles = {r: p for r, p in self.profiles.items() if r in edges}
@@ -373,7 +374,9 @@ class Controller:
                          for pt in points]
             full += p.blocks * max(0.0, p.full_recompute_time - p.must_only_replay_time) * scale
         return {"curves": curves, "must_only": (plan.base, seconds), "full": (plan.base, full),
-                "chosen": (plan.base + plan.saved_bytes, seconds / plan.predicted_speedup),
+                "chosen": (plan.predicted_peak or plan.base + plan.saved_bytes,
+                           seconds / plan.predicted_speedup),
+                "peak_at": plan.peak_at,
                 "capacity": plan.capacity}
 
     def _measured(self, key: tuple[int, ...]) -> float | None:

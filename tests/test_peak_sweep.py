@@ -191,3 +191,29 @@ def test_hugging_face_qwen3_predicted_within_3_percent_and_under_the_limit():
         assert report.plan.memory_model == "peak"
         assert abs(predicted - measured) <= 0.03 * measured, (fraction, predicted, measured)
         assert max(p for p, _ in planned) <= limit
+
+
+def test_two_micro_batches_in_one_step_the_second_starts_from_freed_memory(dense):
+    base, must_only, everything = dense
+    model = copy.deepcopy(base)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    limit = int((must_only + 0.6 * everything) / 0.98)
+    controller = Controller(model, limit, warmup_steps=1, profile_steps=1, control_steps=1,
+                            control_every=0, peak_correction=False)
+    planned = []
+    for _ in range(4):
+        with LiveTensorMeter() as meter:
+            with controller.step(tokens=4 * SEQ) as report:
+                for micro in range(2):  # gradient accumulation: two micro-batches, one step
+                    model.loss(_ids(micro)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if report.mode == PLANNED:
+            planned.append((meter.reading().peak, report.predicted_peak))
+    timeline = controller.memory.timeline(4 * SEQ)
+    assert len(timeline.blocks) == 8 and report.plan.regions["DecoderLayer"].blocks.__len__() == 8
+    # No segment holds blocks of both micro-batches: the first's are freed before the second's.
+    assert all(s.last < 4 or s.first >= 4 for s in timeline.segments if s.first <= s.last)
+    measured, predicted = planned[0]
+    assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
+    assert measured <= limit
