@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from tapesac_core.plan import Graph
+from tapesac_core.plan import Graph, peak
 from tapesac_core.plan.peak import (FORWARD_END, FORWARD_START, RELEASE, UNPACK_END, UNPACK_START,
                                     Event, Option, RegionMenu, Segment, Timeline, TimelineBlock,
                                     predict, replay_memory, solve_peak, timeline_of)
@@ -55,7 +55,10 @@ def test_predict_counts_a_block_only_while_it_is_alive() -> None:
     assert predict(t, [Option(bytes=0, gain=0, point=0)] * 3).peak == 130
 
 
-def test_solve_peak_is_exact_against_brute_force() -> None:
+@pytest.mark.parametrize("arrays", [True, False], ids=["numpy", "lists"])
+def test_solve_peak_is_exact_against_brute_force(arrays, monkeypatch) -> None:
+    if not arrays:
+        monkeypatch.setattr(peak, "np", None)
     rng = random.Random(7)
     for trial in range(40):
         n = rng.randint(1, 4)

@@ -29,6 +29,11 @@ from dataclasses import dataclass
 
 from .model import PlanGraph
 
+try:  # the DP's layers as arrays; without numpy the same DP runs on lists, only slower
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy comes with matplotlib and most torch installs
+    np = None
+
 # Event kinds the sample step records, and the phase of the segment each one starts.
 FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE = (
     "forward_start", "forward_end", "unpack_start", "unpack_end", "release")
@@ -362,37 +367,39 @@ def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: 
     unit = max(1, -(-max(1, capacity - lowest) // resolution))
     units = max(0, capacity - lowest) // unit + 1
     minus = -math.inf
-    layer = [0.0] + [minus] * (units - 1)
+    matrices: dict = {}  # per menu and phase, its options' deltas as one array (numpy only)
+    layer = _Layer.start(units)
     history = []  # per block: (layer before it, its options as (weight, gain, limit), reset state)
     for i in range(n):
         reset = None
         if i > 0 and not joined[i]:
             # A new group: the earlier blocks' bytes are freed; continue from the best state.
-            reset = max(range(units), key=layer.__getitem__)
-            layer = [layer[reset]] + [minus] * (units - 1)
+            reset = layer.best()
+            layer = _Layer.start(units, layer.values[reset])
         fixed, own = _constraints(by_last.get(i, ()), i, worst)
+        tops = _own_peaks(own, menus[i], matrices)
         choices = []
-        for option in menus[i]:
-            top = max(fixed, _own_peak(own, option))
-            head = capacity - top
-            limit = min(units - 1, head // unit if head >= 0 else -1)
+        for option, own_top in zip(menus[i], tops):
+            top = max(fixed, own_top)
+            if top == -math.inf:  # no segment ends at this block
+                limit = units - 1
+            else:
+                head = capacity - int(top)
+                limit = min(units - 1, head // unit if head >= 0 else -1)
             choices.append((-(-option.bytes // unit), option.gain, limit))
-        cur = [minus] * units
+        cur = _Layer.start(units, minus)
         # States above the highest reachable one stay unreachable: skip them.
-        high = max((k for k in range(units - 1, -1, -1) if layer[k] != minus), default=-1) \
-            if reset is None else 0
+        high = layer.high() if reset is None else 0
         for w, g, limit in choices:
             stop = min(limit, high + w)
-            if stop < w:
-                continue
-            cur[w:stop + 1] = [a if a >= (t := b + g) else t
-                               for a, b in zip(cur[w:stop + 1], layer[:stop + 1 - w])]
-        history.append((layer, choices, reset))
+            if stop >= w:
+                cur.take(layer, w, stop, g)
+        history.append((layer.values, choices, reset))
         layer = cur
-        if all(v == minus for v in layer):
+        if layer.high() < 0:
             return None
-    state = max(range(units), key=layer.__getitem__)
-    value = layer[state]
+    state = layer.best()
+    value = layer.values[state]
     picks = [0] * n
     for i in range(n - 1, -1, -1):
         prev, choices, reset = history[i]
@@ -405,6 +412,46 @@ def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: 
         if reset is not None:
             state = reset
     return tuple(picks)
+
+
+class _Layer:
+    """Best gain per state of the DP (-inf: unreachable), on a numpy array or a list."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values) -> None:
+        self.values = values
+
+    @classmethod
+    def start(cls, units: int, first: float = 0.0) -> _Layer:
+        if np is not None:
+            values = np.full(units, -math.inf)
+            values[0] = first
+            return cls(values)
+        return cls([first] + [-math.inf] * (units - 1))
+
+    def best(self) -> int:
+        """The first state of the highest gain."""
+        v = self.values
+        return int(np.argmax(v)) if np is not None else max(range(len(v)), key=v.__getitem__)
+
+    def high(self) -> int:
+        """The highest reachable state (-1: none)."""
+        v = self.values
+        if np is not None:
+            reachable = np.flatnonzero(v != -math.inf)
+            return int(reachable[-1]) if len(reachable) else -1
+        return next((k for k in range(len(v) - 1, -1, -1) if v[k] != -math.inf), -1)
+
+    def take(self, prev: _Layer, w: int, stop: int, g: float) -> None:
+        """States ``w..stop`` may come from ``prev``'s ``0..stop-w`` plus an option of weight
+        ``w`` and gain ``g``."""
+        if np is not None:
+            np.maximum(self.values[w:stop + 1], prev.values[:stop + 1 - w] + g,
+                       out=self.values[w:stop + 1])
+        else:
+            self.values[w:stop + 1] = [a if a >= (t := b + g) else t for a, b in
+                                       zip(self.values[w:stop + 1], prev.values[:stop + 1 - w])]
 
 
 def _constraints(segments: Iterable[tuple[int, Segment]], block: int, worst: Mapping[int, int]):
@@ -420,6 +467,34 @@ def _constraints(segments: Iterable[tuple[int, Segment]], block: int, worst: Map
         else:
             fixed = max(fixed, s.peak + worst.get(k, 0))
     return fixed, own
+
+
+def _own_peaks(own: Mapping[str, tuple[list[int], list[int]]], menu: Sequence[Option],
+               matrices: dict) -> list[float]:
+    """Per option of ``menu``, the highest of the block's own replay segments (``_own_peak``),
+    all options at once on arrays when numpy is there (menus are shared by blocks)."""
+    if np is None:
+        return [_own_peak(own, option) for option in menu]
+    tops = np.full(len(menu), -math.inf)
+    for phase in (REPLAY, COMPUTE):
+        peaks, positions = own[phase]
+        if not peaks:
+            continue
+        key = (id(menu), phase)
+        if key not in matrices:
+            width = max([len(o.replay if phase == REPLAY else o.compute) for o in menu]
+                        + [max(positions) + 1])
+            m = np.zeros((len(menu), width), dtype=np.int64)
+            for row, o in enumerate(menu):
+                deltas = o.replay if phase == REPLAY else o.compute
+                m[row, :len(deltas)] = deltas
+            matrices[key] = (m, menu)  # the menu is kept so its id stays its own
+        m, _ = matrices[key]
+        if m.shape[1] <= max(positions):
+            m = np.pad(m, ((0, 0), (0, max(positions) + 1 - m.shape[1])))
+        rise = (m[:, positions] + np.asarray(peaks, dtype=np.int64)).max(axis=1)
+        tops = np.maximum(tops, rise)
+    return [int(t) if t != -math.inf else -math.inf for t in tops.tolist()]
 
 
 def _own_peak(own: Mapping[str, tuple[list[int], list[int]]], option: Option) -> float:
