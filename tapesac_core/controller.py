@@ -11,7 +11,11 @@ compared with them (measured speedup); measured and predicted speedups off by mo
 profiling. A bucket without a plan whose tokens lie more than
 ``resample_tolerance`` from every memory sample is sampled first, a region is profiled again when
 its tokens exceed ``reprofile_factor`` times its reference's, and an observed peak near the limit
-raises the fragmentation estimate (plans only shrink). Under torch.distributed all ranks agree
+raises the fragmentation estimate (plans only shrink). Metered must-only steps (the first
+profiling step, sample steps) also record the memory timeline (``timeline.StepProbe``), from which
+the peak-aware model (``memory_model="peak"``, ``plan.peak``) predicts each plan's step peak; a
+metered planned step above its predicted peak by more than the margin adds the error to the model
+and solves again. Under torch.distributed all ranks agree
 each step on the largest token counts and on any flag, rank 0 solves with the smallest budget, and
 every rank applies the same plan.
 """

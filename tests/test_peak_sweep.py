@@ -247,3 +247,28 @@ def test_two_micro_batches_in_one_step_the_second_starts_from_freed_memory(dense
     measured, predicted = planned[0]
     assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
     assert measured <= limit
+
+
+def test_measuring_the_timeline_leaves_the_step_bitwise_and_sees_every_block():
+    from support import assert_bitwise, step
+
+    from tapesac_core.checkpoint import trace
+    from tapesac_core.timeline import StepProbe
+
+    model = _model()
+    ids = _ids(0)
+    ref = step(model, lambda: model.loss(ids))
+    meter = LiveTensorMeter()
+    with meter:
+        probe = StepProbe(meter.mark)
+        with trace(probe=probe) as blocks:
+            probe.start()
+            got = step(model, lambda: model.loss(ids))
+        end = probe.close()
+    assert_bitwise(ref, got)
+    timeline = probe.timeline(blocks, end, tokens=ids.numel(), static=0)
+    kinds = [e.kind for e in probe.events]
+    assert kinds.count("forward_start") == kinds.count("release") == 4
+    assert kinds.count("unpack_start") == kinds.count("unpack_end") == sum(
+        len(b.unpacks) for b in timeline.blocks) > 0
+    assert timeline.peak == meter.reading().peak  # the segments cover the whole window
