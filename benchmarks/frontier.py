@@ -584,7 +584,6 @@ def run_growth(args: argparse.Namespace) -> dict[str, Any]:
                               context=partial(tapesac_core.use_plan, plan),
                               note=f"{which} policy's saved set, TapeSAC replay"))
     methods.append(Method("tapesac_must", "tapesac", tapesac_model, note="TapeSAC, S0 only"))
-    by = {m.name: m for m in methods}
     for m in methods:
         _warm(m, small)
     at_base = {m.name: measure_peak(m, small, device) for m in methods}

@@ -1,5 +1,7 @@
-"""Planner speed and quality: frontier time on a 2,000-node tape-like graph, and the gap
-between the beam-search frontier and the exact one on random small graphs.
+"""Planner speed and quality: frontier time on a 2,000-node tape-like graph, the peak-aware
+solve (replay simulated per frontier point, then the DP over blocks) on a timeline of that graph
+repeated as 48 blocks, and the gap between the beam-search frontier and the exact one on random
+small graphs.
 
 Run: python benchmarks/planner_speed.py [--nodes 2000] [--graphs 300]
 """
@@ -12,6 +14,8 @@ import statistics
 import time
 from functools import partial
 
+from tapesac_core.plan.peak import (RegionMenu, Segment, Timeline, TimelineBlock, menus_of,
+                                    predict, solve_peak)
 from tapesac_core.plan import (
     PlanGraph,
     Point,
@@ -168,6 +172,21 @@ def random_small_graph(rng: random.Random, max_candidates: int = 16) -> PlanGrap
             return graph
 
 
+def peak_timeline(graph: PlanGraph, blocks: int) -> Timeline:
+    """A must-only step of ``blocks`` copies of ``graph`` in one micro-batch: forwards rising by
+    1 MB each, the loss, then each block's window (a replay and a compute segment per unpack
+    of its demanded values, latest first) 5 MB above its forward end."""
+    unpacks = tuple(sorted(graph.demand - graph.available, reverse=True))
+    mb = 10**6
+    segs = [Segment(peak=10**9 + i * mb, first=0, last=i, phase="forward") for i in range(blocks)]
+    segs.append(Segment(peak=10**9 + blocks * mb, first=0, last=blocks - 1))
+    for j in reversed(range(blocks)):
+        segs += [Segment(peak=10**9 + (j + 5) * mb, first=0, last=j, phase=phase, own=j, unpack=u)
+                 for u in range(len(unpacks)) for phase in ("replay", "compute")]
+    return Timeline(tokens=1, static=0, segments=tuple(segs), blocks=tuple(
+        TimelineBlock(region="r", index=i, sequence="s", unpacks=unpacks) for i in range(blocks)))
+
+
 def knapsack_instance(rng: random.Random) -> dict[str, RegionFrontier]:
     """4 region types x 64 blocks x 40-point frontiers."""
     regions = {}
@@ -205,6 +224,19 @@ def main() -> None:
     seconds, result = timed(lambda: solve_frontier(graph), args.runs)
     print(f"frontier: median {seconds:.3f} s over {args.runs} runs, {result.sets_evaluated} sets "
           f"evaluated, {result.walks} tape walks, {len(result.points)} points")
+
+    menu = RegionMenu(sequence="s", graph=graph, bytes=tuple(p.bytes for p in result.points),
+                      gains=tuple(result.points[0].time - p.time for p in result.points),
+                      saved=tuple(graph.value_ids(p.saved) for p in result.points))
+    timeline = peak_timeline(graph, blocks=48)
+    seconds, menus = timed(lambda: menus_of(timeline, {"r": menu}), 1)
+    print(f"peak model: replay simulated for {len(result.points)} points x "
+          f"{len(timeline.blocks[0].unpacks)} unpacks: {seconds:.3f} s")
+    spread = timeline.peak + 12 * result.points[len(result.points) // 2].bytes
+    seconds, picks = timed(lambda: solve_peak(timeline, menus, spread), 1)
+    print(f"peak model: DP over {len(timeline.blocks)} blocks x {len(menu.bytes)} options, "
+          f"{len(timeline.segments)} segments: {seconds:.3f} s, predicted peak "
+          f"{predict(timeline, [m[c] for m, c in zip(menus, picks)]).peak / spread:.1%} of capacity")
 
     regions = knapsack_instance(random.Random(0))
     full = sum(r.blocks * r.points[-1].bytes for r in regions.values())

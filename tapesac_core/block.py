@@ -89,6 +89,7 @@ class Block:
         self.verify = False  # fingerprint packed values; replay compares (see verify.py)
         self.fingerprints: dict[int, torch.Tensor] = {}
         self.forced = invisible_writes(region)  # coordinates held as mandatory: hidden writes
+        self.probe: Any = None  # a timeline.BlockProbe on metered sample steps
         self.trace = BlockTrace(Tape(name, region, self.nodes, self.values, self.storage_bytes,
                                      frozenset(), {}, frozenset()))
 
@@ -210,6 +211,11 @@ class Block:
                 "higher-order gradients, or use torch.utils.checkpoint for it")
         vid = packed.vid
         self.trace.unpacked.add(vid)
+        if self.probe is not None:
+            return self.probe.unpack(vid, lambda: self._take(vid, packed, gid))
+        return self._take(vid, packed, gid)
+
+    def _take(self, vid: int, packed: Packed, gid: int) -> torch.Tensor:
         if self.is_kept(vid):
             return self.kept_tensor(vid)
         return self._replay_for(gid).take(vid, packed)

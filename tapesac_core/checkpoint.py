@@ -139,10 +139,12 @@ def use_plan(plan: PlanSpec | Any) -> Iterator[None]:
 
 
 class _TraceScope:
-    def __init__(self, time_nodes: bool, one_micro_batch: bool, verify: bool) -> None:
+    def __init__(self, time_nodes: bool, one_micro_batch: bool, verify: bool,
+                 probe: Any = None) -> None:
         self.time_nodes = time_nodes
         self.one_micro_batch = one_micro_batch
         self.verify = verify
+        self.probe = probe
         self.blocks: list[BlockTrace] = []
 
     def check_micro_batch(self, name: str) -> None:
@@ -157,17 +159,19 @@ class _TraceScope:
 
 
 @contextmanager
-def trace(time_nodes: bool = False, one_micro_batch: bool = False,
-          verify: bool = False) -> Iterator[list[BlockTrace]]:
+def trace(time_nodes: bool = False, one_micro_batch: bool = False, verify: bool = False,
+          probe: Any = None) -> Iterator[list[BlockTrace]]:
     """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays).
 
     With ``one_micro_batch``, a block recorded after another block of the trace ran its backward
     is a ``TapeSACError`` (one forward and backward per trace, as a controller step is).
     ``verify``: compare every value replay produces with the content autograd saved, to find
     writes the dispatcher cannot see (``tapesac_core.verify``); costs a fingerprint per saved
-    value and a host sync per replayed value.
+    value and a host sync per replayed value. ``probe`` (a ``timeline.StepProbe``) is told when
+    each block's forward starts and ends, around each unpack, and when the block's saved values
+    are freed: the memory timeline.
     """
-    scope = _TraceScope(time_nodes, one_micro_batch, verify)
+    scope = _TraceScope(time_nodes, one_micro_batch, verify, probe)
     token = _TRACE.set(scope)
     try:
         yield scope.blocks
@@ -237,6 +241,8 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
                   _RECORDING.get)
     if scope is not None:
         scope.blocks.append(block.trace)
+        if scope.probe is not None:
+            block.probe = scope.probe.watch(block, len(scope.blocks) - 1)
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if scope is not None:
         block.verify = scope.verify
@@ -252,6 +258,8 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
     finally:
         _RECORDING.reset(token)
     block.finish(frozenset(recorder.vid_of(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
+    if block.probe is not None:
+        block.probe.forward_end()
     return out
 
 

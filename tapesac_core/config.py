@@ -90,6 +90,10 @@ class TapeSACConfig:
     beam_width: int = 24
     max_set_size: int = 12
     knapsack_resolution: int = 4096
+    memory_model: str = "peak"     # "peak": the step's measured memory timeline and the tapes
+                                   # predict each plan's peak (plan.peak); "sum": the paper's Eq. 8
+    peak_correction: bool = True   # a metered step above the predicted peak by more than the
+                                   # margin adds the error to the model and solves again
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_limit", parse_memory_limit(self.memory_limit))
@@ -108,5 +112,7 @@ class TapeSACConfig:
             raise ValueError(f"near_limit must lie in (0, 1], got {self.near_limit}")
         if self.replay_tolerance <= 0 or self.speedup_band <= 0 or self.mismatch_windows < 1:
             raise ValueError("replay_tolerance and speedup_band must be > 0, mismatch_windows >= 1")
+        if self.memory_model not in ("peak", "sum"):
+            raise ValueError(f"memory_model is 'peak' or 'sum' (Eq. 8), got {self.memory_model!r}")
         if self.beam_width < 1 or self.max_set_size < 1 or self.knapsack_resolution < 1:
             raise ValueError("beam_width, max_set_size and knapsack_resolution must be >= 1")

@@ -11,7 +11,11 @@ compared with them (measured speedup); measured and predicted speedups off by mo
 profiling. A bucket without a plan whose tokens lie more than
 ``resample_tolerance`` from every memory sample is sampled first, a region is profiled again when
 its tokens exceed ``reprofile_factor`` times its reference's, and an observed peak near the limit
-raises the fragmentation estimate (plans only shrink). Under torch.distributed all ranks agree
+raises the fragmentation estimate (plans only shrink). Metered must-only steps (the first
+profiling step, sample steps) also record the memory timeline (``timeline.StepProbe``), from which
+the peak-aware model (``memory_model="peak"``, ``plan.peak``) predicts each plan's step peak; a
+metered planned step above its predicted peak by more than the margin adds the error to the model
+and solves again. Under torch.distributed all ranks agree
 each step on the largest token counts and on any flag, rank 0 solves with the smallest budget, and
 every rank applies the same plan.
 """
@@ -38,6 +42,7 @@ from .profile import (MemoryModel, MemorySample, RegionProfile, ReplayWall, cali
                       region_profiles)
 from .solve import modelled_replay, solve_plan
 from .step_time import StepTime, outside_per_token
+from .timeline import StepProbe
 from .units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -48,7 +53,8 @@ _ALL = "*"
 _WINDOW = 25  # recent step times per bucket that speed comparisons use
 _WALLS = 64   # recent must-only block replays per region that profiled times are checked against
 _MISMATCH_REPROFILES = 2  # profiling again cannot fix a model that is off for other reasons
-_STATE_VERSION = 2  # 2: plans carry the step time model; must-only steps keep their tokens
+_STATE_VERSION = 3  # 2: plans carry the step time model; must-only steps keep their tokens
+                    # 3: plans carry their predicted peak (the peak-aware memory model)
 
 
 @dataclass(kw_only=True)
@@ -72,6 +78,7 @@ class StepReport:
     measured_speedup_vs_full: float | None = None  # vs full-checkpointing control steps
     measured_reason: str | None = None     # why measured_speedup is None
     torch_checkpointed: int = 0            # blocks run under torch.utils.checkpoint (full steps)
+    predicted_peak: int | None = None      # bytes the plan's memory model predicts for the step
     block_traces: list = field(default_factory=list, repr=False)
 
 
@@ -165,6 +172,7 @@ class Controller:
         self._planned_since_control: dict[tuple[int, ...], int] = {}
         self._planned_since_full: dict[tuple[int, ...], int] = {}
         self._raise_fragmentation = 0  # seen near the limit; applied at the next step, on all ranks
+        self._raise_model_error = 0    # a peak above its prediction; likewise
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ public state
@@ -206,18 +214,27 @@ class Controller:
             if plan is not None:
                 stack.enter_context(use_plan(plan))
             torch_checkpointed = stack.enter_context(torch_checkpointing()) if mode == FULL else []
-            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE, one_micro_batch=True,
-                                               verify=self._verifies(mode)))
             meter = stack.enter_context(self._meter()) if metered else None
+            # Must-only metered steps also measure the memory timeline (the peak-aware model).
+            probe = StepProbe(meter.mark) if meter is not None and hasattr(meter, "mark") \
+                and mode in (PROFILE, SAMPLE) else None
+            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE, one_micro_batch=True,
+                                               verify=self._verifies(mode), probe=probe))
             static = meter.reading().current if meter is not None else 0
+            if probe is not None:
+                probe.start()
             self._synchronize()
             start = time.perf_counter()
             yield report
             self._synchronize()
             report.time = time.perf_counter() - start
+            end_peak = probe.close() if probe is not None else 0
             reading = meter.reading() if meter is not None else None
         report.block_traces = blocks
         report.torch_checkpointed = len(torch_checkpointed)
+        if probe is not None and reading is not None and blocks:
+            self.memory.add_timeline(probe.timeline(
+                blocks, end_peak, tokens=self._primary_tokens(report.tokens), static=static))
         self._finish(report, reading, static)
 
     def _finish(self, report: StepReport, reading: MemoryReading | None, static: int) -> None:
@@ -260,8 +277,12 @@ class Controller:
             else:
                 self._record_time(self.planned_times, key, report.time)
             if reading is not None:
+                self._check_peak(report, reading)
                 self._watch_limit(reading)
         report.predicted_speedup = self.plans[key].predicted_speedup if key in self.plans else None
+        if report.plan is not None and report.plan.predicted_peak and report.predicted_peak is None:
+            report.predicted_peak = report.plan.peak_at_tokens(
+                self.memory.base(self._primary_tokens(report.tokens)))
         report.measured_speedup = self._measured(key)
         report.measured_reason = self._unmeasured_reason(key)
         report.measured_speedup_vs_full = self._measured(key, self.full_times)
@@ -325,11 +346,14 @@ class Controller:
                                                             self.config.resample_tolerance)
         if needs_profile and not self._profile_steps_done:
             self.profiles = {}
-        profile, sample, raise_by = self._reduce_max([
+        profile, sample, raise_by, model_error = self._reduce_max([
             int(needs_profile or self._profile_steps_done > 0), int(needs_sample),
-            self._raise_fragmentation])
-        self._raise_fragmentation = 0
+            self._raise_fragmentation, self._raise_model_error])
+        self._raise_fragmentation = self._raise_model_error = 0
         self._apply_fragmentation(raise_by)
+        if model_error > 0:  # every rank adds the largest error any rank saw
+            self.memory.model_error += model_error
+            self._forget_plans()
         if profile:
             self._reprofile = False
             return PROFILE
@@ -392,7 +416,8 @@ class Controller:
         profiles = {r: p for r, p in self.profiles.items() if r in edges}
         return solve_plan(profiles, edges, model=self.model_key, capacity=capacity, base=base,
                           must_only_step_time=self._must_only_time(key, edges),
-                          config=self.config)
+                          config=self.config,
+                          timeline=self.memory.timeline(self._primary_tokens(edges)))
 
     def _must_only_time(self, key: tuple[int, ...], edges: dict[str, int]) -> float:
         """Modelled must-only step seconds at this bucket: the time outside replay plus the
@@ -412,7 +437,8 @@ class Controller:
     def step_frontier(self, key: tuple[int, ...]) -> dict[str, Any]:
         """Predicted step (peak bytes, seconds) along each region's frontier at this bucket, and the
         chosen, must-only and full-recomputation points (for plots). Full recomputation's peak is
-        taken as the must-only peak."""
+        taken as the must-only peak; the chosen plan sits at its memory model's predicted peak
+        (``peak_at``: where in the step it falls), the curves at Eq. 8's bytes."""
         plan = self.plans[key]
         edges = self._edges(key)
         profiles = {r: p for r, p in self.profiles.items() if r in edges}
@@ -427,7 +453,9 @@ class Controller:
                          for pt in points]
             full += p.blocks * max(0.0, p.full_recompute_time - p.must_only_replay_time) * scale
         return {"curves": curves, "must_only": (plan.base, seconds), "full": (plan.base, full),
-                "chosen": (plan.base + plan.saved_bytes, seconds / plan.predicted_speedup),
+                "chosen": (plan.predicted_peak or plan.base + plan.saved_bytes,
+                           seconds / plan.predicted_speedup),
+                "peak_at": plan.peak_at,
                 "capacity": plan.capacity}
 
     def _measured(self, key: tuple[int, ...],
@@ -462,7 +490,31 @@ class Controller:
         limit = self.config.memory_limit
         total = self._device_total()
         margin = self.config.margin * (total if limit.fraction is not None else limit.of(total))
-        return int(limit.of(total) - self.memory.outside - margin - self.memory.fragmentation)
+        return int(limit.of(total) - self.memory.outside - margin - self.memory.fragmentation
+                   - self.memory.model_error)
+
+    def _check_peak(self, report: StepReport, reading: MemoryReading) -> None:
+        """A metered planned step: its measured peak against the plan's predicted one (at the
+        step's tokens, ``Plan.peak_at_tokens``). Above it by more than the margin, the error is
+        added to the model (``MemoryModel.model_error``, taken off the capacity like
+        fragmentation) at the next step, on every rank together (the largest error any rank
+        saw), and every plan is solved again, so the limit holds when the model is wrong."""
+        plan = report.plan
+        if plan is None or not plan.predicted_peak:
+            return
+        report.predicted_peak = plan.peak_at_tokens(
+            self.memory.base(self._primary_tokens(report.tokens)))
+        error = reading.peak - report.predicted_peak
+        limit = self.config.memory_limit
+        total = self._device_total()
+        margin = self.config.margin * (total if limit.fraction is not None else limit.of(total))
+        if error > margin and self.config.peak_correction:
+            self._raise_model_error = int(error)
+            logger.info("TapeSAC: step peak %s measured above the predicted %s (%s model) by %s, "
+                        "more than the %s margin: the error is added to the memory model "
+                        "and the plans are solved again at the next step", format_bytes(reading.peak),
+                        format_bytes(report.predicted_peak), plan.memory_model,
+                        format_bytes(error), format_bytes(int(margin)))
 
     def _watch_limit(self, reading: MemoryReading) -> None:
         """A step that came near the limit: the fragmentation estimate goes up at the next step
@@ -596,6 +648,7 @@ class Controller:
                 "plans": {",".join(map(str, k)): p.to_json() for k, p in self.plans.items()},
                 "samples": [vars(s) for s in self.memory.samples],
                 "extra_fragmentation": self.memory.extra_fragmentation,
+                "model_error": self.memory.model_error,
                 "must_only_times": {",".join(map(str, k)): v for k, v in self.must_only_times.items()},
                 "planned_times": {",".join(map(str, k)): v for k, v in self.planned_times.items()},
                 "full_times": {",".join(map(str, k)): v for k, v in self.full_times.items()},
@@ -608,15 +661,19 @@ class Controller:
                                f"model has {self.model_key!r}: it comes from another model")
         keys = lambda d: {tuple(int(x) for x in k.split(",")): v for k, v in d.items()}  # noqa: E731
         self.steps = state["steps"]
-        self.plans = {k: Plan.from_json(v, model=self.model_key) for k, v in keys(state["plans"]).items()}
         version = state.get("version", 1)
-        if version < _STATE_VERSION and self.plans:
-            # Version 1 plans predicted speedups with a time model that could explode: solve again.
-            logger.info("TapeSAC: state version %s predates the step time model (version %s): its "
-                        "%d plans are solved again after profiling", version, _STATE_VERSION,
-                        len(self.plans))
+        if version != _STATE_VERSION and state["plans"]:
+            # Version 1 plans predicted speedups with a time model that could explode, version 2
+            # plans bounded memory by Eq. 8 alone: solve again (after profiling).
+            logger.info("TapeSAC: state version %s is not this TapeSAC's (version %s: plans with "
+                        "a step time model and a predicted peak): its %d plans are solved again",
+                        version, _STATE_VERSION, len(state["plans"]))
             self.plans = {}
-        self.memory = MemoryModel(extra_fragmentation=state["extra_fragmentation"])
+        else:
+            self.plans = {k: Plan.from_json(v, model=self.model_key)
+                          for k, v in keys(state["plans"]).items()}
+        self.memory = MemoryModel(extra_fragmentation=state["extra_fragmentation"],
+                                  model_error=int(state.get("model_error", 0)))
         for s in state["samples"]:
             self.memory.add(MemorySample(**s))
         self.must_only_times = keys(state["must_only_times"])

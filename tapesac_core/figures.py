@@ -52,6 +52,8 @@ def frontier_figure(frontier: Mapping[str, Any], measured: Sequence[MeasuredPoin
              ("chosen", "chosen plan (predicted)", "*", "tab:red"))
     for key, label, marker, color in marks:
         x, y = frontier[key]
+        if key == "chosen" and frontier.get("peak_at"):
+            label = f"chosen plan (predicted; peak at {frontier['peak_at']})"
         axes.plot(x / MiB, y * 1e3, marker, color=color, markersize=10 if marker == "*" else 7,
                   linestyle="none", label=label)
     axes.axvline(frontier["capacity"] / MiB, color="tab:orange", linestyle="--",

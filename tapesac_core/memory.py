@@ -82,7 +82,20 @@ class AcceleratorMeter:
         torch.accelerator.reset_peak_memory_stats(self.device)
         self._reserved_start = torch.accelerator.memory_reserved(self.device)
         self._retries_start = alloc_retries(self.device)
+        self._peak = self._reserved = 0  # over the marks so far (each mark resets the statistics)
         return self
+
+    def mark(self) -> tuple[int, int]:
+        """Peak allocated since the previous mark (or the window's start) and allocated now.
+
+        The caching allocator counts on the host as it serves blocks, in stream order, so no
+        synchronisation is needed; its peak is reset for the next segment.
+        """
+        peak = torch.accelerator.max_memory_allocated(self.device)
+        self._peak = max(self._peak, peak)
+        self._reserved = max(self._reserved, torch.accelerator.max_memory_reserved(self.device))
+        torch.accelerator.reset_peak_memory_stats(self.device)
+        return peak, torch.accelerator.memory_allocated(self.device)
 
     def __exit__(self, *exc: Any) -> None:
         torch.accelerator.synchronize(self.device)
@@ -90,8 +103,8 @@ class AcceleratorMeter:
     def reading(self) -> MemoryReading:
         free, total = torch.accelerator.get_memory_info(self.device)
         reserved_now = torch.accelerator.memory_reserved(self.device)
-        reserved = torch.accelerator.max_memory_reserved(self.device)
-        return MemoryReading(peak=torch.accelerator.max_memory_allocated(self.device),
+        reserved = max(self._reserved, torch.accelerator.max_memory_reserved(self.device))
+        return MemoryReading(peak=max(self._peak, torch.accelerator.max_memory_allocated(self.device)),
                              current=torch.accelerator.memory_allocated(self.device),
                              reserved=reserved, total=total, free=free,
                              outside=max(0, total - free - reserved_now),
@@ -117,6 +130,7 @@ class LiveTensorMeter:
     def __init__(self) -> None:
         self.current = 0
         self.peak = 0
+        self.segment_peak = 0  # peak since the last mark
         self._refs: dict[int, weakref.ref] = {}
         self._mode: _StorageTracker | None = None
 
@@ -133,6 +147,7 @@ class LiveTensorMeter:
         self._refs[key] = weakref.ref(storage, lambda _, k=key, n=size: self._freed(k, n))
         self.current += size
         self.peak = max(self.peak, self.current)
+        self.segment_peak = max(self.segment_peak, self.current)
 
     def _freed(self, key: int, size: int) -> None:
         self.current -= size
@@ -150,10 +165,15 @@ class LiveTensorMeter:
             # A gradient has no Python object until it is read; its storage is live anyway.
             if t.is_leaf and t.grad is not None:
                 self.track(t.grad)
-        self.peak = self.current
+        self.peak = self.segment_peak = self.current
         self._mode = _StorageTracker(self)
         self._mode.__enter__()
         return self
+
+    def mark(self) -> tuple[int, int]:
+        """Peak live bytes since the previous mark (or the window's start), and live bytes now."""
+        peak, self.segment_peak = self.segment_peak, self.current
+        return peak, self.current
 
     def __exit__(self, *exc: Any) -> None:
         mode, self._mode = self._mode, None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .block import BlockTrace
 from .plan import PlanGraph, Point, solve_frontier
+from .plan.peak import Timeline
 from .plan.tape_graph import graph_of
 from .tape import Tape
 from .timing import seconds
@@ -188,6 +189,19 @@ class MemoryModel:
 
     samples: list[MemorySample] = field(default_factory=list)
     extra_fragmentation: int = 0  # raised when observed peaks come near the limit
+    model_error: int = 0          # raised when a metered step exceeded its predicted peak
+    timelines: dict[int, Timeline] = field(default_factory=dict)  # per sampled token count
+
+    def add_timeline(self, timeline: Timeline) -> None:
+        """The memory timeline of a must-only sample step (the peak-aware model's input)."""
+        self.timelines[timeline.tokens] = timeline
+
+    def timeline(self, tokens: int) -> Timeline | None:
+        """The timeline sampled nearest ``tokens`` (None before any): its shape is scaled to
+        the must-only peak at ``tokens`` when solving (``Timeline.scaled``)."""
+        if not self.timelines:
+            return None
+        return self.timelines[min(self.timelines, key=lambda t: (abs(t - tokens), -t))]
 
     def add(self, sample: MemorySample) -> None:
         self.samples = sorted([s for s in self.samples if s.tokens != sample.tokens] + [sample],

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 
 from .config import TapeSACConfig
 from .plan import Point, RegionFrontier, replay_time, solve_knapsack
+from .plan.peak import RegionMenu, Timeline, menus_of, predict, solve_peak
 from .plan.plan import Plan, RegionPlan, Saved
 from .plan.tape_graph import name_coord
 from .profile import RegionProfile
@@ -37,8 +38,14 @@ def modelled_replay(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, 
 
 def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int], *, model: str,
                capacity: int, base: int, must_only_step_time: float,
-               config: TapeSACConfig) -> Plan:
-    """The plan maximising replay time removed with Σ bytes ≤ capacity − base (Eqs. 8-9).
+               config: TapeSACConfig, timeline: Timeline | None = None) -> Plan:
+    """The plan maximising replay time removed with its predicted step peak ≤ capacity.
+
+    With ``config.memory_model == "peak"`` and a ``timeline`` of a must-only sample step whose
+    blocks match the profiles, the peak is the timeline model's (``plan.peak``: saved values
+    alive from their block's forward to its backward, replay temporaries of the block that
+    sets the peak from the set it saves), scaled so its must-only peak is ``base``. Otherwise
+    Eq. 8: Σ bytes ≤ capacity − base.
 
     Its predicted speedup comes from ``StepTime``: ``must_only_step_time`` minus the modelled
     must-only replay is the time outside replay (floored, see ``StepTime.model``), so the
@@ -47,12 +54,18 @@ def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int],
     frontiers = {r: scaled(p.frontier(config.beam_width, config.max_set_size), tokens[r] / p.tokens,
                            p.bytes_at) for r, p in profiles.items()}
     budget = capacity - base
-    choice = solve_knapsack(
-        {r: RegionFrontier(points=f, blocks=profiles[r].blocks) for r, f in frontiers.items()},
-        budget, resolution=config.knapsack_resolution)
-    regions = {r: _region_plan(profiles[r], frontiers[r], choice.choices[r], tokens[r])
+    peak = _peak_choice(profiles, frontiers, tokens, timeline, capacity, base, config) \
+        if config.memory_model == "peak" and timeline is not None else None
+    if peak is not None:
+        choices, saved_bytes, gain, predicted, peak_at = peak
+    else:
+        choice = solve_knapsack(
+            {r: RegionFrontier(points=f, blocks=profiles[r].blocks) for r, f in frontiers.items()},
+            budget, resolution=config.knapsack_resolution)
+        choices, saved_bytes, gain = choice.choices, choice.bytes, choice.gain
+        predicted, peak_at = base + saved_bytes, "the start of backward (Eq. 8 bound)"
+    regions = {r: _region_plan(profiles[r], frontiers[r], choices[r], tokens[r])
                for r in sorted(profiles)}
-    gain = choice.gain
     full = sum(p.blocks * (p.full_recompute_time - p.must_only_replay_time) * tokens[r] / p.tokens
                for r, p in profiles.items())
     step = StepTime.of_step(must_only_step_time, modelled_replay(profiles, tokens))
@@ -61,9 +74,51 @@ def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int],
         f"the must-only step needs {base} bytes of the {capacity} the limit leaves: nothing "
         "more is saved",)
     return Plan(model=model, regions=regions, capacity=capacity, base=base,
-                saved_bytes=choice.bytes, predicted_speedup=step.speedup(gain),
+                saved_bytes=saved_bytes, predicted_speedup=step.speedup(gain),
                 predicted_speedup_vs_full=(step.must_only + max(0.0, full)) / planned_time, notes=notes,
-                step_time=step.must_only, replay_time=step.replay)
+                step_time=step.must_only, replay_time=step.replay,
+                memory_model="peak" if peak is not None else "sum", predicted_peak=predicted,
+                peak_at=peak_at, static=timeline.static if timeline is not None else 0)
+
+
+def region_menus(profiles: Mapping[str, RegionProfile], frontiers: Mapping[str, tuple[Point, ...]],
+                 tokens: Mapping[str, int]) -> dict[str, RegionMenu]:
+    """Each region's frontier (at ``tokens``) for the timeline model."""
+    menus = {}
+    for r, points in frontiers.items():
+        p = profiles[r]
+        menus[r] = RegionMenu(sequence=p.sequence, graph=p.graph,
+                              bytes=tuple(pt.bytes for pt in points),
+                              gains=tuple(points[0].time - pt.time for pt in points),
+                              saved=tuple(p.graph.value_ids(pt.saved) for pt in points),
+                              scale=tokens[r] / p.tokens)
+    return menus
+
+
+def _peak_choice(profiles: Mapping[str, RegionProfile], frontiers: Mapping[str, tuple[Point, ...]],
+                 tokens: Mapping[str, int], timeline: Timeline, capacity: int, base: int,
+                 config: TapeSACConfig):
+    """Per region the point of each block, bytes, gain, predicted peak and where it falls,
+    under the timeline model; None when the timeline's blocks do not match the profiles (the
+    caller falls back to Eq. 8)."""
+    counts: dict[str, int] = {}
+    for b in timeline.blocks:
+        counts[b.region] = counts.get(b.region, 0) + 1
+    if any(counts.get(r, 0) != p.blocks for r, p in profiles.items()):
+        return None
+    scaled_timeline = timeline.scaled(base)
+    menus = menus_of(scaled_timeline, region_menus(profiles, frontiers, tokens))
+    picks = solve_peak(scaled_timeline, menus, capacity, resolution=config.knapsack_resolution)
+    if picks is None:
+        picks = (0,) * len(menus)
+    options = [m[c] for m, c in zip(menus, picks)]
+    prediction = predict(scaled_timeline, options)
+    choices: dict[str, list[int]] = {r: [0] * p.blocks for r, p in profiles.items()}
+    for b, o in zip(timeline.blocks, options):
+        if b.region in choices:
+            choices[b.region][b.index] = o.point
+    return ({r: tuple(c) for r, c in choices.items()}, sum(o.bytes for o in options),
+            math.fsum(o.gain for o in options), prediction.peak, prediction.label)
 
 
 def _region_plan(profile: RegionProfile, points: tuple[Point, ...], chosen: tuple[int, ...],

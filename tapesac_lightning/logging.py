@@ -11,14 +11,15 @@ from tapesac_core.figures import MeasuredPoint, frontier_figure, image_array
 
 SCALARS = ("tapesac/step_time_ms", "tapesac/memory_limit_bytes", "tapesac/saved_bytes",
            "tapesac/replayed_nodes", "tapesac/peak_memory_bytes", "tapesac/predicted_speedup",
-           "tapesac/measured_speedup", "tapesac/measured_speedup_vs_full")
+           "tapesac/measured_speedup", "tapesac/measured_speedup_vs_full",
+           "tapesac/predicted_peak_bytes")
 
 
 def step_metrics(report: StepReport) -> dict[str, float]:
     """The step's ``tapesac/*`` scalars (speedups once known, peak when measured)."""
     values = (report.time * 1e3, report.limit, report.saved_bytes, report.replayed_nodes,
               report.peak, report.predicted_speedup, report.measured_speedup,
-              report.measured_speedup_vs_full)
+              report.measured_speedup_vs_full, report.predicted_peak)
     return {name: float(v) for name, v in zip(SCALARS, values) if v is not None}
 
 

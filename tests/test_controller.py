@@ -1,6 +1,7 @@
 """The controller's state machine, with memory readings the test chooses (an injected meter)."""
 
 import dataclasses
+import json
 import logging
 
 import pytest
@@ -387,3 +388,54 @@ def test_secondary_regions_bucket_their_largest_count_so_far_with_their_own_fact
     assert reports[-1].plan.regions["vision"].tokens == upper_edge(4, 2.0) == 31
     # Memory is sampled by primary tokens only: the vision count never asked for a new sample.
     assert [s.tokens for s in c.memory.samples] == [64]
+
+
+def test_a_step_above_its_predicted_peak_adds_the_error_and_solves_again(caplog) -> None:
+    # Capacity leaves about 1.9 MiB beside the must-only peak (64.25 MiB); the plan saves less.
+    limit = int((64.25 + 1.91) * MiB / 0.98)
+    model, meter, c = _setup(limit)
+    for _ in range(3):
+        _run(model, meter, c, 32)
+    first = _run(model, meter, c, 32)
+    assert first.mode == PLANNED and first.predicted_peak == first.plan.peak_at_tokens(c.memory.base(64))
+    assert c.memory.model_error == 0 and first.plan.saved_bytes > 0
+    meter.extra = 2 * MiB  # the model was wrong: the step measures 2 MiB more than before
+    c._checked.clear()     # meter the next planned step again
+    with caplog.at_level(logging.INFO):
+        checked = _run(model, meter, c, 32)
+    error = checked.peak - checked.predicted_peak
+    assert error > 0.02 * limit and "above the predicted" in caplog.text
+    meter.extra = 0
+    again = _run(model, meter, c, 32)  # the error is applied at the next step (all ranks agree)
+    assert c.memory.model_error == error
+    # The error comes off the capacity (and the near-limit watch may take fragmentation off too).
+    assert again.plan.capacity <= first.plan.capacity - error
+    assert again.plan.saved_bytes < first.plan.saved_bytes
+
+
+def test_without_peak_correction_the_error_is_only_reported() -> None:
+    limit = int((64.25 + 1.91) * MiB / 0.98)
+    model, meter, c = _setup(limit, peak_correction=False)
+    for _ in range(3):
+        _run(model, meter, c, 32)
+    meter.extra = 2 * MiB
+    report = _run(model, meter, c, 32)
+    assert report.peak - report.predicted_peak > 0.02 * limit
+    assert c.memory.model_error == 0 and c.plans
+
+
+def test_a_state_of_an_older_version_is_solved_again_with_an_info_log(caplog) -> None:
+    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    for _ in range(4):
+        _run(model, meter, c, 32)
+    state = c.state_dict()
+    assert state["version"] == 3
+    old = {**state, "version": 2, "plans": {k: json.dumps({**json.loads(v), "version": 1})
+                                            for k, v in state["plans"].items()}}
+    model2, meter2, fresh = _setup(64 * MiB + 2 * MiB)
+    with caplog.at_level(logging.INFO):
+        fresh.load_state_dict(old)
+    assert not fresh.plans and "state version 2" in caplog.text and "solved again" in caplog.text
+    modes = [_run(model2, meter2, fresh, 32).mode for _ in range(3)]
+    assert modes == [PROFILE, PLANNED, PLANNED]  # profiled again, then the bucket is solved anew
+    assert fresh.plan.version == 2 and fresh.plan.predicted_peak > 0

@@ -23,7 +23,7 @@ def _plan() -> Plan:
 def test_plan_json_round_trip() -> None:
     plan = _plan()
     text = plan.to_json()
-    assert json.loads(text)["version"] == 1
+    assert json.loads(text)["version"] == 2
     assert Plan.from_json(text, model="DecoderLayer", regions={"DecoderLayer": "abc-90"}) == plan
     assert plan.coordinates() == {"DecoderLayer": [frozenset(), frozenset({("aten.mm.default", 0, 0)})]}
     assert plan.budgets() == {"DecoderLayer": [0, 3 * MiB]}
@@ -101,3 +101,19 @@ def test_config_is_frozen_and_validated() -> None:
         TapeSACConfig(memory_limit=0.9, primary_bucket_factor=1.0)
     with pytest.raises(TypeError):
         TapeSACConfig(0.9)  # type: ignore[misc]
+
+
+def test_a_version_1_plan_still_reads_for_reports_and_explain_names_the_peak() -> None:
+    data = json.loads(_plan().to_json())
+    for key in ("memory_model", "predicted_peak", "peak_at", "static"):
+        del data[key]
+    old = Plan.from_json(json.dumps({**data, "version": 1}))
+    assert old.version == 1 and old.memory_model == "sum" and old.predicted_peak == 0
+    assert "predicted step peak" not in old.explain()
+    plan = Plan(**{**vars(_plan()), "memory_model": "peak", "predicted_peak": 13 * GiB,
+                   "peak_at": "backward window of layers.3", "static": 10 * GiB})
+    assert Plan.from_json(plan.to_json()) == plan
+    assert ("predicted step peak 13.00 GiB (peak-aware timeline model), at backward window of "
+            "layers.3") in plan.explain()
+    # At a step whose must-only peak is 11 GiB (the plan's is 12): 10 + 3 * (1 / 2) GiB.
+    assert plan.peak_at_tokens(11 * GiB) == int(11.5 * GiB)

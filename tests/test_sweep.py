@@ -1,4 +1,5 @@
-"""Planning under real measured memory on CPU: a sweep of absolute limits on the example model."""
+"""Planning under real measured memory on CPU: a sweep of absolute limits on the example model,
+under Eq. 8 (``memory_model="sum"``; the peak-aware model's sweep is tests/test_peak_sweep.py)."""
 
 import copy
 
@@ -34,7 +35,7 @@ def _run(base, limit, steps=6, seq=64):
     model = copy.deepcopy(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     controller = Controller(model, limit, warmup_steps=1, profile_steps=2, control_steps=1,
-                            control_every=0)
+                            control_every=0, memory_model="sum")
     peaks = []
     for step in range(steps):
         peak, report = _peak_of_step(model, optimizer, _ids(step, seq), controller)
@@ -84,7 +85,7 @@ def test_a_longer_sequence_mid_run_replans_and_stays_under_the_limit(sweep) -> N
     model = copy.deepcopy(_model())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     controller = Controller(model, limit, warmup_steps=1, profile_steps=1, control_steps=1,
-                            control_every=0)
+                            control_every=0, memory_model="sum")
     for step in range(4):
         _, report = _peak_of_step(model, optimizer, _ids(step), controller)
     old = report.plan

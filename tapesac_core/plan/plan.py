@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from ..units import format_bytes
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: the predicted peak and the memory model that predicted it
+_READABLE = (1, 2)  # version 1 plans (Eq. 8, no predicted peak) are read for reports
 Coord = tuple[str, int, int]
 Anchor = tuple[str, str, int, int]  # (module path, op name, call within the module, output)
 
@@ -52,6 +53,19 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     step_time: float = 0.0                       # modelled must-only step, seconds (0: unknown)
     replay_time: float = 0.0                     # its modelled replay, seconds
+    memory_model: str = "sum"                    # "sum" (Eq. 8) or "peak" (the timeline model)
+    predicted_peak: int = 0                      # the step peak the memory model predicts (0: unknown)
+    peak_at: str = ""                            # where in the step it falls
+    static: int = 0                              # of the peak, what does not scale with tokens
+
+    def peak_at_tokens(self, base: int) -> int:
+        """The predicted peak for a step of the bucket whose must-only peak is ``base`` (the plan
+        is solved at the bucket's upper edge, where it is ``self.base``): what the peak adds to
+        the static memory scales with what the must-only peak adds (sizes scale with tokens)."""
+        grow = self.base - self.static
+        if not self.predicted_peak or grow <= 0:
+            return self.predicted_peak
+        return round(self.static + (self.predicted_peak - self.static) * (base - self.static) / grow)
 
     def coordinates(self) -> dict[str, list[frozenset[Coord]]]:
         """The form ``use_plan`` takes: per region, one coordinate set per block."""
@@ -83,6 +97,8 @@ class Plan:
             "predicted_speedup": self.predicted_speedup,
             "predicted_speedup_vs_full": self.predicted_speedup_vs_full, "notes": list(self.notes),
             "step_time": self.step_time, "replay_time": self.replay_time,
+            "memory_model": self.memory_model, "predicted_peak": self.predicted_peak,
+            "peak_at": self.peak_at, "static": self.static,
             "regions": {r: {"sequence": p.sequence, "tokens": p.tokens, "note": p.note,
                             "blocks": [sorted(map(list, b)) for b in p.blocks],
                             "block_bytes": list(p.block_bytes),
@@ -98,7 +114,7 @@ class Plan:
                   regions: Mapping[str, str] | None = None) -> Plan:
         """Read a plan; ``model``/``regions`` (name -> op-sequence fingerprint) check it fits."""
         data = json.loads(text)
-        if data.get("version") != PLAN_VERSION:
+        if data.get("version") not in _READABLE:
             raise ValueError(f"plan file has version {data.get('version')!r}; this TapeSAC reads "
                              f"version {PLAN_VERSION}. Solve the plan again (delete the plan cache)")
         if model is not None and data["model"] != model:
@@ -109,7 +125,10 @@ class Plan:
             saved_bytes=data["saved_bytes"], predicted_speedup=data["predicted_speedup"],
             predicted_speedup_vs_full=data["predicted_speedup_vs_full"],
             notes=tuple(data["notes"]), step_time=float(data.get("step_time", 0.0)),
-            replay_time=float(data.get("replay_time", 0.0)),
+            replay_time=float(data.get("replay_time", 0.0)), version=data["version"],
+            memory_model=str(data.get("memory_model", "sum")),
+            predicted_peak=int(data.get("predicted_peak", 0)), peak_at=str(data.get("peak_at", "")),
+            static=int(data.get("static", 0)),
             regions={r: RegionPlan(
                 sequence=p["sequence"], tokens=p["tokens"], note=p["note"],
                 blocks=tuple(frozenset(_coord(c) for c in b) for b in p["blocks"]),
@@ -138,6 +157,11 @@ class Plan:
                  f"must-only peak {format_bytes(self.base)}, saves {format_bytes(self.saved_bytes)} "
                  f"more; predicted speedup {self.predicted_speedup:.3f}x vs must-only, "
                  f"{self.predicted_speedup_vs_full:.3f}x vs full recomputation{measured}{model}"]
+        if self.predicted_peak:
+            how = ("Eq. 8: every saved byte at once" if self.memory_model == "sum"
+                   else "peak-aware timeline model")
+            lines.append(f"predicted step peak {format_bytes(self.predicted_peak)} ({how}), "
+                         f"at {self.peak_at or 'the start of backward'}")
         for region, p in sorted(self.regions.items()):
             sizes = [len(b) for b in p.blocks]
             lines.append(f"region {region} ({len(p.blocks)} blocks at {p.tokens} tokens; values "

@@ -1,0 +1,567 @@
+"""The step's memory as it really moves: a peak-aware model of any plan's step peak (DESIGN,
+"The step's memory, as it really moves"; paper §3.4.2, the window model).
+
+A must-only sample step is measured as a timeline of segments: the meter's peak between
+consecutive events (a block's forward starts or ends, autograd unpacks a value of a block and
+its replay returns, a block's saved values are freed). A plan changes that timeline in two ways:
+
+* block ``i`` keeps ``x_i`` more bytes from its forward until it is freed (end of its backward
+  window), so every segment in between rises by ``x_i``;
+* in block ``j``'s backward window, replay holds other temporaries: the replay of the same
+  unpacks is simulated on the tape for the must-only set and for the block's save set, and the
+  segment moves by the difference.
+
+The predicted peak is the largest segment after both changes. Blocks alive in one segment are a
+contiguous range in forward order (a micro-batch's blocks from the first to the latest started),
+so the best plan under the predicted peak is an exact dynamic program over blocks in forward order
+whose state is the bytes kept since the start of the micro-batch (``solve_peak``).
+
+Pure Python, no torch: timelines and plan graphs in, predictions and choices out.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .model import PlanGraph
+
+try:  # the DP's layers as arrays; without numpy the same DP runs on lists, only slower
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy comes with matplotlib and most torch installs
+    np = None
+
+# Event kinds the sample step records, and the phase of the segment each one starts.
+FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE = (
+    "forward_start", "forward_end", "unpack_start", "unpack_end", "release")
+FORWARD, REPLAY, COMPUTE, OUTSIDE = "forward", "replay", "compute", "outside"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One reading at an event of the sample step: the peak since the previous event (the
+    segment this event closes) and the bytes in use now."""
+
+    kind: str
+    block: int                 # index of the block in forward order within the step
+    peak: int
+    current: int
+    vid: int | None = None     # the value unpacked (UNPACK_START / UNPACK_END)
+    node: int | None = None    # the autograd node that unpacked it (its id, while it runs)
+
+    def __post_init__(self) -> None:
+        if self.kind not in (FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE):
+            raise ValueError(f"unknown event kind {self.kind!r}")
+        if self.block < 0 or self.peak < 0 or self.current < 0:
+            raise ValueError(f"an event needs block >= 0 and bytes >= 0, got {self}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimelineBlock:
+    """A block of the sample step: its region, its index among that region's blocks (the plan's
+    per-block entry), its op sequence and the values autograd unpacked, in order."""
+
+    region: str
+    index: int
+    sequence: str
+    unpacks: tuple[int, ...] = ()
+    taken: frozenset[int] = frozenset()  # demanded values taken alive, not replayed
+    groups: tuple[int, ...] = ()  # per unpack, the autograd node call it belongs to (numbered)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    """Memory between two events: its measured peak, the blocks whose saved values are alive
+    (``first``..``last`` in forward order, empty when ``first > last``), and the block whose
+    replay runs in it (``own``, with the position of the unpack and its phase)."""
+
+    peak: int
+    first: int
+    last: int
+    phase: str = OUTSIDE
+    own: int | None = None
+    unpack: int | None = None
+    label: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeline:
+    """A must-only sample step's memory over time, at ``tokens`` primary tokens.
+
+    ``static`` is what was in use when the step began (model states: it does not scale with
+    tokens); the largest segment peak is the step's must-only peak.
+    """
+
+    tokens: int
+    static: int
+    segments: tuple[Segment, ...]
+    blocks: tuple[TimelineBlock, ...]
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.static < 0 or not self.segments:
+            raise ValueError("a timeline needs tokens >= 1, static >= 0 and at least one segment")
+        for s in self.segments:
+            if s.first <= s.last and not (0 <= s.first and s.last < len(self.blocks)):
+                raise ValueError(f"segment {s} names blocks outside the timeline's {len(self.blocks)}")
+            if s.own is not None and not 0 <= s.own < len(self.blocks):
+                raise ValueError(f"segment {s} replays a block outside the timeline")
+
+    @property
+    def peak(self) -> int:
+        return max(s.peak for s in self.segments)
+
+    def scaled(self, base: int) -> Timeline:
+        """The timeline at another token count whose must-only peak is ``base``: what each
+        segment adds to the static memory scales with it (sizes scale with tokens, §3.4.1)."""
+        grow = self.peak - self.static
+        factor = (base - self.static) / grow if grow > 0 else 1.0
+        segments = tuple(Segment(peak=round(self.static + (s.peak - self.static) * factor),
+                                 first=s.first, last=s.last, phase=s.phase, own=s.own,
+                                 unpack=s.unpack, label=s.label) for s in self.segments)
+        return Timeline(tokens=self.tokens, static=self.static, segments=segments,
+                        blocks=self.blocks)
+
+
+def timeline_of(events: Sequence[Event], blocks: Sequence[TimelineBlock], *, tokens: int,
+                static: int, end_peak: int, names: Sequence[str] | None = None) -> Timeline:
+    """The timeline of a sample step from its events in order; ``end_peak`` is the peak between
+    the last event and the end of the step. A block's saved values count from its forward start
+    until its release (to the end of the step if it was never released); alive sets are widened
+    to a contiguous range, which only adds bytes."""
+    n = len(blocks)
+    started = [math.inf] * n
+    released = [math.inf] * n
+    unpack_pos: Counter[int] = Counter()
+    positions = []  # per event, the position of its unpack within its block
+    for k, e in enumerate(events):
+        if e.block >= n:
+            raise ValueError(f"event {e} names block {e.block}, the step had {n}")
+        if e.kind == FORWARD_START:
+            started[e.block] = min(started[e.block], k)
+        elif e.kind == RELEASE:
+            released[e.block] = min(released[e.block], k)
+        if e.kind == UNPACK_START:
+            positions.append(unpack_pos[e.block])
+            unpack_pos[e.block] += 1
+        else:
+            positions.append(unpack_pos[e.block] - 1 if e.kind == UNPACK_END else None)
+    names = list(names) if names is not None else [f"block {i}" for i in range(n)]
+    last_forward = max((k for k, e in enumerate(events) if e.kind == FORWARD_END), default=-1)
+    first_unpack = min((k for k, e in enumerate(events) if e.kind == UNPACK_START), default=len(events))
+    segments = []
+    for k in range(len(events) + 1):
+        # Segment k lies between event k-1 and event k.
+        # A block is released inside its finalizer, before its tensors go: the segment after
+        # the release still starts with them, so it counts them too.
+        alive = [i for i in range(n) if started[i] <= k - 1 and released[i] >= k - 1]
+        first, last = (min(alive), max(alive)) if alive else (0, -1)
+        peak = events[k].peak if k < len(events) else end_peak
+        opener = events[k - 1] if k > 0 else None
+        phase, own, unpack = OUTSIDE, None, None
+        if opener is None:
+            label = "before the first block (embedding)"
+        elif opener.kind == FORWARD_START:
+            phase, label = FORWARD, f"forward of {names[opener.block]}"
+        elif opener.kind in (UNPACK_START, UNPACK_END):
+            phase = REPLAY if opener.kind == UNPACK_START else COMPUTE
+            own, unpack = opener.block, positions[k - 1]
+            label = f"backward window of {names[opener.block]}"
+        elif k - 1 >= last_forward and k - 1 < first_unpack:
+            label = "between forward and backward (the loss)"
+        elif not alive and k - 1 > first_unpack:
+            label = "after backward (optimizer step)"
+        elif opener.kind == RELEASE:
+            label = f"backward, after {names[opener.block]} freed its values"
+        else:
+            label = f"forward, after {names[opener.block]}"
+        segments.append(Segment(peak=peak, first=first, last=last, phase=phase, own=own,
+                                unpack=unpack, label=label))
+    return Timeline(tokens=tokens, static=static, segments=tuple(segments), blocks=tuple(blocks))
+
+
+# ---------------------------------------------------------------------- replay memory
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayMemory:
+    """Bytes replay holds in one block's backward window, per unpack in order: the most while
+    its closure runs (``replay``) and while autograd computes with the value (``compute``)."""
+
+    replay: tuple[int, ...]
+    compute: tuple[int, ...]
+
+
+def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int],
+                  taken: Iterable[int] = (), groups: Sequence[int] = ()) -> ReplayMemory:
+    """Simulate replay (as ``replay.Replay`` runs it) for the unpacks of one backward window.
+
+    Available without replay: the graph's available values, ``saved`` and ``taken`` (values
+    alive elsewhere); storages they use cost nothing. Each unpack of a missing value runs its
+    producer closure in tape order; every output exists while its node runs, and is kept while
+    a later read remains; autograd's reads are the unpacks themselves. An unpacked value that
+    replay no longer holds is still held by autograd until its node has computed: until the
+    unpacks of the same ``groups`` entry (one autograd node call) are done, or, without
+    groups, until the next unpack.
+    """
+    saved, taken = frozenset(saved), frozenset(taken)
+    available = graph.available | saved | taken
+    held = {graph.value_storage[v] for v in available}
+    deps_of, outs_of = graph.node_deps, graph.node_outs
+    sizes, storage = graph.storage_bytes, graph.value_storage
+    cost = [0 if s in held else b for s, b in enumerate(sizes)]  # bytes a live storage costs
+    reads = [0] * len(storage)
+    for v in unpacks:
+        if v not in available:
+            reads[v] += 1
+    for n in _walk(graph, [v for v in set(unpacks) if reads[v]], available.__contains__):
+        for d in deps_of[n]:
+            reads[d] += 1
+    env: set[int] = set()
+    refs = [0] * len(sizes)  # storage -> values of env on it
+    live = 0
+
+    def ready(v: int) -> bool:
+        return v in available or v in env
+
+    replay, compute = [], []
+    grabbed: dict[int, int] = {}  # storage -> bytes autograd holds for the current node
+    for position, v in enumerate(unpacks):
+        if position == 0 or not groups or groups[position] != groups[position - 1]:
+            grabbed.clear()
+        top = live
+        if not ready(v):
+            for n in sorted(_walk(graph, [v], ready)):
+                outs = outs_of[n]
+                new = {storage[o] for o in outs if not refs[storage[o]]}
+                top = max(top, live + sum(cost[s] for s in new))
+                for o in outs:
+                    if reads[o] > 0:
+                        env.add(o)
+                        s = storage[o]
+                        refs[s] += 1
+                        if refs[s] == 1:
+                            live += cost[s]
+                for d in deps_of[n]:
+                    reads[d] -= 1
+                    if reads[d] <= 0 and d in env:
+                        env.discard(d)
+                        s = storage[d]
+                        refs[s] -= 1
+                        if not refs[s]:
+                            live -= cost[s]
+        held_now = sum(b for s, b in grabbed.items() if not refs[s])
+        replay.append(top + held_now)
+        if v not in available:
+            reads[v] -= 1
+            if reads[v] <= 0 and v in env:
+                env.discard(v)
+                s = storage[v]
+                refs[s] -= 1
+                if not refs[s]:
+                    live -= cost[s]
+                    grabbed[s] = cost[s]  # autograd still holds it while its node computes
+        compute.append(live + sum(b for s, b in grabbed.items() if not refs[s]))
+    return ReplayMemory(replay=tuple(replay), compute=tuple(compute))
+
+
+def _walk(graph: PlanGraph, targets: Iterable[int], ready) -> set[int]:
+    """Nodes to run so that ``targets`` exist, stopping at values ``ready`` says exist (the
+    producer closure, walked from the targets: replay's own walk, ``tape.producer_closure``)."""
+    producer, deps_of = graph.producer, graph.node_deps
+    needed: set[int] = set()
+    stack = [v for v in targets if not ready(v)]
+    seen = set(stack)
+    while stack:
+        n = producer[stack.pop()]
+        if n in needed:
+            continue
+        needed.add(n)
+        for d in deps_of[n]:
+            if d not in seen and not ready(d):
+                seen.add(d)
+                stack.append(d)
+    return needed
+
+
+# ---------------------------------------------------------------------- choices and the solver
+
+
+@dataclass(frozen=True, kw_only=True)
+class Option:
+    """One choice for a block: the bytes it keeps beyond S0, the replay time it removes, and
+    how it moves the block's replay bytes at each unpack of its window (``replay``, ``compute``
+    deltas against must-only; empty: not simulated, no change)."""
+
+    bytes: int
+    gain: float
+    point: int
+    replay: tuple[int, ...] = ()
+    compute: tuple[int, ...] = ()
+
+    def delta(self, segment: Segment) -> int:
+        deltas = self.replay if segment.phase == REPLAY else self.compute
+        return deltas[segment.unpack] if segment.unpack is not None and segment.unpack < len(deltas) else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """A plan's predicted step peak and the segment where it falls."""
+
+    peak: int
+    segment: int
+    label: str
+
+
+def predict(timeline: Timeline, options: Sequence[Option]) -> Prediction:
+    """The step peak when block ``i`` takes ``options[i]`` (one per timeline block)."""
+    if len(options) != len(timeline.blocks):
+        raise ValueError(f"one option per block: {len(timeline.blocks)} blocks, {len(options)} options")
+    prefix = [0]
+    for o in options:
+        prefix.append(prefix[-1] + o.bytes)
+    best, where = -1, 0
+    for k, s in enumerate(timeline.segments):
+        value = s.peak + (prefix[s.last + 1] - prefix[s.first] if s.first <= s.last else 0)
+        if s.own is not None:
+            value += options[s.own].delta(s)
+        if value > best:
+            best, where = value, k
+    return Prediction(peak=best, segment=where, label=timeline.segments[where].label)
+
+
+def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: int,
+               resolution: int = 4096) -> tuple[int, ...] | None:
+    """Per block, the index into its menu maximising total gain with the predicted peak within
+    ``capacity``; None when even the first option of every menu (must-only, 0 bytes) exceeds it.
+
+    Exact dynamic program over blocks in forward order. Blocks whose alive ranges overlap form a
+    group (a micro-batch); the state is the bytes kept by the group's blocks so far, in units of
+    ``(capacity - lowest segment peak) / resolution`` with each option's bytes rounded up, so the
+    result fits in true bytes. A segment is checked at its last alive block, with that block's own
+    option; it counts the whole group up to there (a narrower range only has fewer bytes), and a
+    segment replaying a block other than its last alive one takes that block's worst delta.
+    """
+    n = len(timeline.blocks)
+    if len(menus) != n or any(not m or m[0].bytes != 0 for m in menus):
+        raise ValueError("one menu per timeline block, each starting with a 0-byte option")
+    if resolution < 1:
+        raise ValueError(f"resolution must be >= 1, got {resolution}")
+    segments = timeline.segments
+    worst = {}  # segment -> the largest delta of its replaying block (when not its last alive)
+    by_last: dict[int, list[tuple[int, Segment]]] = {}
+    joined = [False] * n  # block i shares a segment with block i - 1
+    for k, s in enumerate(segments):
+        if s.own is not None and s.own != s.last:
+            worst[k] = max(o.delta(s) for o in menus[s.own])
+        if s.first > s.last:
+            if s.peak + worst.get(k, 0) > capacity:
+                return None
+            continue
+        by_last.setdefault(s.last, []).append((k, s))
+        for i in range(s.first + 1, s.last + 1):
+            joined[i] = True
+    lowest = min((s.peak for s in segments if s.first <= s.last), default=capacity)
+    unit = max(1, -(-max(1, capacity - lowest) // resolution))
+    units = max(0, capacity - lowest) // unit + 1
+    minus = -math.inf
+    matrices: dict = {}  # per menu and phase, its options' deltas as one array (numpy only)
+    layer = _Layer.start(units)
+    history = []  # per block: (layer before it, its options as (weight, gain, limit), reset state)
+    for i in range(n):
+        reset = None
+        if i > 0 and not joined[i]:
+            # A new group: the earlier blocks' bytes are freed; continue from the best state.
+            reset = layer.best()
+            layer = _Layer.start(units, layer.values[reset])
+        fixed, own = _constraints(by_last.get(i, ()), i, worst)
+        tops = _own_peaks(own, menus[i], matrices)
+        choices = []
+        for option, own_top in zip(menus[i], tops):
+            top = max(fixed, own_top)
+            if top == -math.inf:  # no segment ends at this block
+                limit = units - 1
+            else:
+                head = capacity - int(top)
+                limit = min(units - 1, head // unit if head >= 0 else -1)
+            choices.append((-(-option.bytes // unit), option.gain, limit))
+        cur = _Layer.start(units, minus)
+        # States above the highest reachable one stay unreachable: skip them.
+        high = layer.high() if reset is None else 0
+        for w, g, limit in choices:
+            stop = min(limit, high + w)
+            if stop >= w:
+                cur.take(layer, w, stop, g)
+        history.append((layer.values, choices, reset))
+        layer = cur
+        if layer.high() < 0:
+            return None
+    state = layer.best()
+    value = layer.values[state]
+    picks = [0] * n
+    for i in range(n - 1, -1, -1):
+        prev, choices, reset = history[i]
+        for c, (w, g, limit) in enumerate(choices):
+            if w <= state <= limit and prev[state - w] + g == value:
+                picks[i], state, value = c, state - w, prev[state - w]
+                break
+        else:  # pragma: no cover - the layer was built from these choices
+            raise AssertionError("backtracking found no option")
+        if reset is not None:
+            state = reset
+    return tuple(picks)
+
+
+class _Layer:
+    """Best gain per state of the DP (-inf: unreachable), on a numpy array or a list."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values) -> None:
+        self.values = values
+
+    @classmethod
+    def start(cls, units: int, first: float = 0.0) -> _Layer:
+        if np is not None:
+            values = np.full(units, -math.inf)
+            values[0] = first
+            return cls(values)
+        return cls([first] + [-math.inf] * (units - 1))
+
+    def best(self) -> int:
+        """The first state of the highest gain."""
+        v = self.values
+        return int(np.argmax(v)) if np is not None else max(range(len(v)), key=v.__getitem__)
+
+    def high(self) -> int:
+        """The highest reachable state (-1: none)."""
+        v = self.values
+        if np is not None:
+            reachable = np.flatnonzero(v != -math.inf)
+            return int(reachable[-1]) if len(reachable) else -1
+        return next((k for k in range(len(v) - 1, -1, -1) if v[k] != -math.inf), -1)
+
+    def take(self, prev: _Layer, w: int, stop: int, g: float) -> None:
+        """States ``w..stop`` may come from ``prev``'s ``0..stop-w`` plus an option of weight
+        ``w`` and gain ``g``."""
+        if np is not None:
+            np.maximum(self.values[w:stop + 1], prev.values[:stop + 1 - w] + g,
+                       out=self.values[w:stop + 1])
+        else:
+            self.values[w:stop + 1] = [a if a >= (t := b + g) else t for a, b in
+                                       zip(self.values[w:stop + 1], prev.values[:stop + 1 - w])]
+
+
+def _constraints(segments: Iterable[tuple[int, Segment]], block: int, worst: Mapping[int, int]):
+    """A block's constraints: the highest segment that does not depend on its option, and per
+    phase the peaks and unpack positions of the segments its own replay runs in."""
+    fixed = -math.inf
+    own: dict[str, tuple[list[int], list[int]]] = {REPLAY: ([], []), COMPUTE: ([], [])}
+    for k, s in segments:
+        if s.own == block and s.unpack is not None and s.phase in own:
+            peaks, positions = own[s.phase]
+            peaks.append(s.peak)
+            positions.append(s.unpack)
+        else:
+            fixed = max(fixed, s.peak + worst.get(k, 0))
+    return fixed, own
+
+
+def _own_peaks(own: Mapping[str, tuple[list[int], list[int]]], menu: Sequence[Option],
+               matrices: dict) -> list[float]:
+    """Per option of ``menu``, the highest of the block's own replay segments (``_own_peak``),
+    all options at once on arrays when numpy is there (menus are shared by blocks)."""
+    if np is None:
+        return [_own_peak(own, option) for option in menu]
+    tops = np.full(len(menu), -math.inf)
+    for phase in (REPLAY, COMPUTE):
+        peaks, positions = own[phase]
+        if not peaks:
+            continue
+        key = (id(menu), phase)
+        if key not in matrices:
+            width = max([len(o.replay if phase == REPLAY else o.compute) for o in menu]
+                        + [max(positions) + 1])
+            m = np.zeros((len(menu), width), dtype=np.int64)
+            for row, o in enumerate(menu):
+                deltas = o.replay if phase == REPLAY else o.compute
+                m[row, :len(deltas)] = deltas
+            matrices[key] = (m, menu)  # the menu is kept so its id stays its own
+        m, _ = matrices[key]
+        if m.shape[1] <= max(positions):
+            m = np.pad(m, ((0, 0), (0, max(positions) + 1 - m.shape[1])))
+        rise = (m[:, positions] + np.asarray(peaks, dtype=np.int64)).max(axis=1)
+        tops = np.maximum(tops, rise)
+    return [int(t) if t != -math.inf else -math.inf for t in tops.tolist()]
+
+
+def _own_peak(own: Mapping[str, tuple[list[int], list[int]]], option: Option) -> float:
+    """The highest of a block's own replay segments when it takes ``option``."""
+    top = -math.inf
+    for phase, deltas in ((REPLAY, option.replay), (COMPUTE, option.compute)):
+        peaks, positions = own[phase]
+        if not peaks:
+            continue
+        if len(deltas) < len(peaks) and any(u >= len(deltas) for u in positions):
+            deltas = tuple(deltas) + (0,) * (max(positions) + 1 - len(deltas))
+        if not deltas:
+            top = max(top, max(peaks))
+        elif positions == list(range(len(positions))):
+            top = max(top, max(map(operator.add, peaks, deltas)))
+        else:
+            top = max(top, max(map(operator.add, peaks, (deltas[u] for u in positions))))
+    return top
+
+
+def menus_of(timeline: Timeline, regions: Mapping[str, RegionMenu]) -> list[list[Option]]:
+    """Per timeline block, its region's options (the shared frontier), with the replay
+    deltas simulated on the region's tape for blocks that ran its op sequence."""
+    menus = []
+    cache: dict[tuple, list[Option]] = {}
+    for b in timeline.blocks:
+        region = regions.get(b.region)
+        if region is None:
+            menus.append([Option(bytes=0, gain=0.0, point=0)])
+            continue
+        key = (b.region, b.unpacks, b.taken, b.groups) if b.sequence == region.sequence \
+            else (b.region,)
+        if key not in cache:
+            cache[key] = region.options(b.unpacks, b.taken, b.groups) if len(key) > 1 \
+                else region.options()
+        menus.append(cache[key])
+    return menus
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionMenu:
+    """A region's frontier for the peak model: points' bytes (at the plan's tokens), gains, save
+    sets (value ids of ``graph``), and ``scale`` from the graph's bytes to the plan's tokens."""
+
+    sequence: str
+    graph: PlanGraph
+    bytes: tuple[int, ...]
+    gains: tuple[float, ...]
+    saved: tuple[frozenset[int], ...]
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (len(self.bytes) == len(self.gains) == len(self.saved)) or not self.bytes \
+                or self.bytes[0] != 0:
+            raise ValueError("a region menu needs one bytes, gain and set per point, the first at 0 bytes")
+
+    def options(self, unpacks: Sequence[int] = (), taken: Iterable[int] = (),
+                groups: Sequence[int] = ()) -> list[Option]:
+        """Every point as an option; with ``unpacks``, each with its replay-byte deltas."""
+        if not unpacks:
+            return [Option(bytes=b, gain=g, point=i) for i, (b, g) in enumerate(zip(self.bytes, self.gains))]
+        base = replay_memory(self.graph, (), unpacks, taken, groups)
+        out = []
+        for i, (b, g, s) in enumerate(zip(self.bytes, self.gains, self.saved)):
+            mem = base if not s else replay_memory(self.graph, s, unpacks, taken, groups)
+            out.append(Option(
+                bytes=b, gain=g, point=i,
+                replay=tuple(math.ceil((x - y) * self.scale) for x, y in zip(mem.replay, base.replay)),
+                compute=tuple(math.ceil((x - y) * self.scale) for x, y in zip(mem.compute, base.compute))))
+        return out

@@ -1,0 +1,143 @@
+"""The peak-aware memory model (plan/peak.py): pure functions, exact numbers."""
+
+import itertools
+import random
+
+import pytest
+
+from tapesac_core.plan import Graph, peak
+from tapesac_core.plan.peak import (FORWARD_END, FORWARD_START, RELEASE, UNPACK_END, UNPACK_START,
+                                    Event, Option, RegionMenu, Segment, Timeline, TimelineBlock,
+                                    predict, replay_memory, solve_peak, timeline_of)
+
+
+def _chain():
+    # x -> a (10 B) -> b (20 B) -> c (40 B); backward reads a, b and c, in reverse order.
+    return Graph({"a": (1.0, 10, ["x"]), "b": (2.0, 20, ["a"]), "c": (4.0, 40, ["b"])},
+                 demand=["a", "b", "c"])
+
+
+def test_replay_memory_follows_replay_order_and_frees_at_last_read() -> None:
+    g = _chain()
+    a, b, c = (g.ids[n] for n in "abc")
+    mo = replay_memory(g, (), [c, b, a])
+    # Unpacking c replays a, b, c: a and b stay (read again later), c is handed to autograd.
+    # While c's node runs: a + b + c = 70; then a + b live and c held by autograd (70).
+    assert mo.replay == (70, 30, 10)
+    assert mo.compute == (70, 30, 10)
+    saved_b = replay_memory(g, {b}, [c, b, a])
+    # b saved: c is replayed from b alone (40); a from x when unpacked (10).
+    assert saved_b.replay == (40, 0, 10)
+    assert saved_b.compute == (40, 0, 10)
+    taken = replay_memory(g, (), [c, b, a], taken={c})
+    # c alive elsewhere (a block output): nothing replayed for it.
+    assert taken.replay == (0, 30, 10) and taken.compute == (0, 30, 10)
+
+
+def _timeline(peaks, first_last, own=None):
+    segs = tuple(Segment(peak=p, first=f, last=l, phase="compute" if o is not None else "outside",
+                         own=o, unpack=0 if o is not None else None, label=f"s{k}")
+                 for k, (p, (f, l), o) in enumerate(zip(peaks, first_last, own or [None] * len(peaks))))
+    n = 1 + max(l for _, l in first_last)
+    return Timeline(tokens=1, static=0, segments=segs,
+                    blocks=tuple(TimelineBlock(region="r", index=i, sequence="s") for i in range(n)))
+
+
+def test_predict_counts_a_block_only_while_it_is_alive() -> None:
+    # Three blocks; the loss segment holds all, block 2's window holds 0..2, block 0's only 0.
+    t = _timeline([100, 130, 120, 110, 90], [(0, 0), (0, 2), (0, 2), (0, 0), (1, 0)],
+                  own=[None, None, 2, 0, None])
+    opts = [Option(bytes=5, gain=1.0, point=1), Option(bytes=7, gain=1.0, point=1),
+            Option(bytes=11, gain=1.0, point=1, compute=(-8,))]
+    p = predict(t, opts)
+    assert p.peak == 130 + 5 + 7 + 11 and p.label == "s1"
+    # Eq. 8 would charge every byte at the must-only peak too; here block 0's window sees 5 only.
+    assert predict(t, [Option(bytes=0, gain=0, point=0)] * 3).peak == 130
+
+
+@pytest.mark.parametrize("arrays", [True, False], ids=["numpy", "lists"])
+def test_solve_peak_is_exact_against_brute_force(arrays, monkeypatch) -> None:
+    if not arrays:
+        monkeypatch.setattr(peak, "np", None)
+    rng = random.Random(7)
+    for trial in range(40):
+        n = rng.randint(1, 4)
+        # Single micro-batch: forward segments 0..i, the loss, backward windows 0..j.
+        ranges = [(0, i) for i in range(n)] + [(0, n - 1)] + [(0, j) for j in reversed(range(n))] \
+            + [(1, 0)]
+        owns = [None] * (n + 1) + list(reversed(range(n))) + [None]
+        peaks = [rng.randint(50, 100) for _ in ranges]
+        t = _timeline(peaks, ranges, owns)
+        menus = []
+        for _ in range(n):
+            opts = [Option(bytes=0, gain=0.0, point=0)]
+            for p in range(1, rng.randint(1, 4)):
+                opts.append(Option(bytes=opts[-1].bytes + rng.randint(1, 30),
+                                   gain=opts[-1].gain + rng.randint(1, 9),
+                                   point=p, compute=(-rng.randint(0, 20),)))
+            menus.append(opts)
+        capacity = max(peaks) + rng.randint(0, 60)
+        picks = solve_peak(t, menus, capacity, resolution=capacity)  # 1-byte units: exact
+        best = max((sum(menus[i][c].gain for i, c in enumerate(combo)), combo)
+                   for combo in itertools.product(*[range(len(m)) for m in menus])
+                   if predict(t, [menus[i][c] for i, c in enumerate(combo)]).peak <= capacity)
+        got = [menus[i][c] for i, c in enumerate(picks)]
+        assert predict(t, got).peak <= capacity
+        assert sum(o.gain for o in got) == best[0], trial
+
+
+def test_solve_peak_rounds_bytes_up_so_the_plan_fits() -> None:
+    t = _timeline([100, 100], [(0, 0), (0, 1)])
+    menus = [[Option(bytes=0, gain=0.0, point=0), Option(bytes=7, gain=1.0, point=1)]] * 2
+    assert solve_peak(t, menus, 114, resolution=4096) == (1, 1)
+    assert solve_peak(t, menus, 113, resolution=4096) in ((0, 1), (1, 0))
+    # 13 bytes of room in 2 units of 7 bytes: 8 bytes round up to 2 units and no longer fit.
+    eight = [[Option(bytes=0, gain=0.0, point=0), Option(bytes=8, gain=1.0, point=1)]] * 2
+    assert solve_peak(t, eight, 113, resolution=2) == (0, 0)
+    assert solve_peak(t, eight, 113, resolution=13) in ((0, 1), (1, 0))
+    assert solve_peak(_timeline([120, 100], [(1, 0), (0, 1)]), menus, 110) is None
+
+
+def test_a_second_micro_batch_starts_from_freed_memory() -> None:
+    # Micro-batch 1: blocks 0, 1; micro-batch 2: blocks 2, 3 (block 0, 1 freed before).
+    t = _timeline([100, 100], [(0, 1), (2, 3)])
+    menus = [[Option(bytes=0, gain=0.0, point=0), Option(bytes=10, gain=1.0, point=1)]] * 4
+    assert solve_peak(t, menus, 120, resolution=120) == (1, 1, 1, 1)
+    assert predict(t, [m[1] for m in menus]).peak == 120
+
+
+def test_timeline_of_events_alive_ranges_and_labels() -> None:
+    ev = lambda kind, b, peak, vid=None: Event(kind=kind, block=b, peak=peak, current=0, vid=vid)  # noqa: E731
+    events = [ev(FORWARD_START, 0, 10), ev(FORWARD_END, 0, 20), ev(FORWARD_START, 1, 21),
+              ev(FORWARD_END, 1, 30), ev(UNPACK_START, 1, 50, 7), ev(UNPACK_END, 1, 45, 7),
+              ev(RELEASE, 1, 44), ev(UNPACK_START, 0, 40, 3), ev(UNPACK_END, 0, 38, 3),
+              ev(RELEASE, 0, 37)]
+    blocks = [TimelineBlock(region="r", index=i, sequence="s") for i in range(2)]
+    t = timeline_of(events, blocks, tokens=8, static=5, end_peak=60, names=["L0", "L1"])
+    got = [(s.peak, s.first, s.last, s.phase, s.own, s.unpack, s.label) for s in t.segments]
+    assert got == [
+        (10, 0, -1, "outside", None, None, "before the first block (embedding)"),
+        (20, 0, 0, "forward", None, None, "forward of L0"),
+        (21, 0, 0, "outside", None, None, "forward, after L0"),
+        (30, 0, 1, "forward", None, None, "forward of L1"),
+        (50, 0, 1, "outside", None, None, "between forward and backward (the loss)"),
+        (45, 0, 1, "replay", 1, 0, "backward window of L1"),
+        (44, 0, 1, "compute", 1, 0, "backward window of L1"),
+        (40, 0, 1, "outside", None, None, "backward, after L1 freed its values"),
+        (38, 0, 0, "replay", 0, 0, "backward window of L0"),
+        (37, 0, 0, "compute", 0, 0, "backward window of L0"),
+        (60, 0, 0, "outside", None, None, "backward, after L0 freed its values"),
+    ]
+    assert t.peak == 60 and t.scaled(115).peak == 115
+    assert [s.peak for s in t.scaled(115).segments][:2] == [15, 35]  # 5 + (p - 5) * 2
+
+
+def test_region_menu_options_carry_replay_deltas_scaled_to_tokens() -> None:
+    g = _chain()
+    menu = RegionMenu(sequence="s", graph=g, bytes=(0, 40), gains=(0.0, 3.0),
+                      saved=(frozenset(), frozenset({1})), scale=2.0)
+    base, saved = menu.options([2, 1, 0])
+    assert base.replay == (0, 0, 0) and base.compute == (0, 0, 0)
+    assert saved.replay == (-60, -60, 0) and saved.compute == (-60, -60, 0)
+    with pytest.raises(ValueError, match="first at 0 bytes"):
+        RegionMenu(sequence="s", graph=g, bytes=(5,), gains=(0.0,), saved=(frozenset(),))
