@@ -119,11 +119,14 @@ class FakeAllocator:
         self.calls: list[str] = []
         self.stats = {"max_memory_allocated": 700, "memory_allocated": 300,
                       "max_memory_reserved": 900, "memory_reserved": 800}
+        self.retries = 2
 
     def install(self, monkeypatch) -> None:
         for name, value in self.stats.items():
             monkeypatch.setattr(torch.accelerator, name, lambda device, v=value: v)
         monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda device: (1000, 10_000))
+        monkeypatch.setattr(torch.accelerator, "memory_stats",
+                            lambda device: {"num_alloc_retries": self.retries})
         for name in ("synchronize", "reset_peak_memory_stats"):
             monkeypatch.setattr(torch.accelerator, name,
                                 lambda device, n=name: self.calls.append(f"{n}({device})"))
@@ -138,8 +141,10 @@ def test_a_device_meter_reads_the_allocator_of_its_device(monkeypatch) -> None:
         reading = meter.reading()
     assert allocator.calls[-1] == "synchronize(cuda:1)"
     # Peak and current are allocated bytes; outside = total − free − reserved now (Eq. 9).
+    # Reserved grew by 100 over the 800 reserved at entry; no allocation retried in between.
     assert reading == MemoryReading(peak=700, current=300, reserved=900, total=10_000, free=1000,
-                                    outside=10_000 - 1000 - 800)
+                                    outside=10_000 - 1000 - 800, reserved_growth=100,
+                                    alloc_retries=0)
     assert isinstance(memory_meter("cpu"), LiveTensorMeter)
 
 
