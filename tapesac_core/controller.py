@@ -218,8 +218,11 @@ class Controller:
             # Must-only metered steps also measure the memory timeline (the peak-aware model).
             probe = StepProbe(meter.mark) if meter is not None and hasattr(meter, "mark") \
                 and mode in (PROFILE, SAMPLE) else None
-            blocks = stack.enter_context(trace(time_nodes=mode == PROFILE, one_micro_batch=True,
-                                               verify=self._verifies(mode), probe=probe))
+            # The peak-aware model knows an earlier micro-batch's blocks freed their values before
+            # the next forward; Eq. 8 ("sum") would count them alive together: refused there.
+            blocks = stack.enter_context(trace(
+                time_nodes=mode == PROFILE, one_micro_batch=self.config.memory_model == "sum",
+                verify=self._verifies(mode), probe=probe))
             static = meter.reading().current if meter is not None else 0
             if probe is not None:
                 probe.start()

@@ -103,8 +103,11 @@ def _flags_worker(rank: int, out: str) -> None:
                                   intermediate_size=64, num_layers=3))
     tapesac_core.checkpoint_modules(model, {DecoderLayer})
     meter = NearLimitMeter(BASE[0])
+    # The injected meter's readings follow no plan: the peak model's correction is off, so the
+    # capacity moves only by the fragmentation flag under test.
     controller = Controller(model, LIMIT, meter=meter, margin=0.0, warmup_steps=1,
-                            profile_steps=1, control_steps=1, control_every=0)
+                            profile_steps=1, control_steps=1, control_every=0,
+                            peak_correction=False)
     record: dict = {"modes": [], "plans": [], "fragmentation": []}
 
     def step(seq: int) -> None:
