@@ -63,7 +63,7 @@ class StepReport:
 
     step: int
     mode: str
-    tokens: dict[str, int]
+    tokens: dict[str, int]                 # agreed by all ranks (the largest): they set the bucket
     bucket: tuple[int, ...]
     plan: Plan | None = None
     time: float = 0.0                      # seconds, synchronised with the device
@@ -79,6 +79,7 @@ class StepReport:
     measured_reason: str | None = None     # why measured_speedup is None
     torch_checkpointed: int = 0            # blocks run under torch.utils.checkpoint (full steps)
     predicted_peak: int | None = None      # bytes the plan's memory model predicts for the step
+    local_tokens: dict[str, int] = field(default_factory=dict)  # this rank's own batch
     block_traces: list = field(default_factory=list, repr=False)
 
 
@@ -201,15 +202,17 @@ class Controller:
         """Run one training step (forward, backward, optimizer) under TapeSAC's current plan.
 
         One step is one micro-batch: with gradient accumulation, open one step per micro-batch
-        (a block's forward after another block's backward in the same step is a TapeSACError)."""
-        per_region = self._agree_tokens(self._per_region(tokens))
+        (under ``memory_model="sum"`` a block's forward after another block's backward in the
+        same step is a TapeSACError)."""
+        local = self._per_region(tokens)
+        per_region = self._agree_tokens(local)
         key = self._bucket(per_region)
-        mode = self._mode(per_region)
+        mode = self._mode(per_region, local)
         plan = self._plan(key, per_region) if mode == PLANNED else None
         metered = mode in (PROFILE, SAMPLE) and (mode == SAMPLE or self._profile_steps_done == 0) \
             or (mode == PLANNED and (self.device.type != "cpu" or key not in self._checked))
         report = StepReport(step=self.steps, mode=mode, tokens=per_region, bucket=key, plan=plan,
-                            limit=self.limit_bytes())
+                            limit=self.limit_bytes(), local_tokens=local)
         with ExitStack() as stack:
             if plan is not None:
                 stack.enter_context(use_plan(plan))
@@ -237,7 +240,7 @@ class Controller:
         report.torch_checkpointed = len(torch_checkpointed)
         if probe is not None and reading is not None and blocks:
             self.memory.add_timeline(probe.timeline(
-                blocks, end_peak, tokens=self._primary_tokens(report.tokens), static=static))
+                blocks, end_peak, tokens=self._primary_tokens(report.local_tokens), static=static))
         self._finish(report, reading, static)
 
     def _finish(self, report: StepReport, reading: MemoryReading | None, static: int) -> None:
@@ -258,7 +261,9 @@ class Controller:
         if mode == PROFILE:
             self._take_profile(blocks, report.tokens)
         if reading is not None and mode in (PROFILE, SAMPLE):
-            self.memory.add(MemorySample(tokens=self._primary_tokens(report.tokens), peak=reading.peak,
+            # This rank's memory is that of its own batch: samples carry its own token count.
+            self.memory.add(MemorySample(tokens=self._primary_tokens(report.local_tokens),
+                                         peak=reading.peak,
                                          static=static, outside=reading.outside,
                                          fragmentation=step_fragmentation(reading)))
         if mode == CONTROL or (mode == WARMUP and report.step > 0):
@@ -285,7 +290,7 @@ class Controller:
         report.predicted_speedup = self.plans[key].predicted_speedup if key in self.plans else None
         if report.plan is not None and report.plan.predicted_peak and report.predicted_peak is None:
             report.predicted_peak = report.plan.peak_at_tokens(
-                self.memory.base(self._primary_tokens(report.tokens)))
+                self.memory.base(self._primary_tokens(report.local_tokens)))
         report.measured_speedup = self._measured(key)
         report.measured_reason = self._unmeasured_reason(key)
         report.measured_speedup_vs_full = self._measured(key, self.full_times)
@@ -337,7 +342,7 @@ class Controller:
 
     # ------------------------------------------------------------------ modes
 
-    def _mode(self, tokens: dict[str, int]) -> str:
+    def _mode(self, tokens: dict[str, int], local: dict[str, int]) -> str:
         if self.steps < self.config.warmup_steps:
             return WARMUP
         key = self._bucket(tokens)
@@ -345,7 +350,7 @@ class Controller:
         grown = any(tokens[r] > self.config.reprofile_factor * p.tokens
                     for r, p in self.profiles.items())
         needs_profile = grown or (not self.profiles and not known) or self._reprofile
-        needs_sample = not known and not self.memory.covers(self._primary_tokens(tokens),
+        needs_sample = not known and not self.memory.covers(self._primary_tokens(local),
                                                             self.config.resample_tolerance)
         if needs_profile and not self._profile_steps_done:
             self.profiles = {}
@@ -500,19 +505,22 @@ class Controller:
         """A metered planned step: its measured peak against the plan's predicted one (at the
         step's tokens, ``Plan.peak_at_tokens``). Above it by more than the margin, the error is
         added to the model (``MemoryModel.model_error``, taken off the capacity like
-        fragmentation) at the next step, on every rank together (the largest error any rank
+        fragmentation; what the correction already covers is not added again) at the next step, on every rank together (the largest error any rank
         saw), and every plan is solved again, so the limit holds when the model is wrong."""
         plan = report.plan
         if plan is None or not plan.predicted_peak:
             return
         report.predicted_peak = plan.peak_at_tokens(
-            self.memory.base(self._primary_tokens(report.tokens)))
+            self.memory.base(self._primary_tokens(report.local_tokens)))
         error = reading.peak - report.predicted_peak
+        # The correction already taken off the capacity explains that much of the error: only
+        # the rest raises it, so repeated errors of one size do not add up (and shrink the plans).
+        unexplained = error - self.memory.model_error
         limit = self.config.memory_limit
         total = self._device_total()
         margin = self.config.margin * (total if limit.fraction is not None else limit.of(total))
-        if error > margin and self.config.peak_correction:
-            self._raise_model_error = int(error)
+        if unexplained > margin and self.config.peak_correction:
+            self._raise_model_error = int(unexplained)
             logger.info("TapeSAC: step peak %s measured above the predicted %s (%s model) by %s, "
                         "more than the %s margin: the error is added to the memory model "
                         "and the plans are solved again at the next step", format_bytes(reading.peak),

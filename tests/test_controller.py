@@ -413,6 +413,15 @@ def test_a_step_above_its_predicted_peak_adds_the_error_and_solves_again(caplog)
     # The error comes off the capacity (and the near-limit watch may take fragmentation off too).
     assert again.plan.capacity <= first.plan.capacity - error
     assert again.plan.saved_bytes < first.plan.saved_bytes
+    # The same under-prediction again is what the correction already covers: it is not added a
+    # second time (errors of one size adding up would shrink the plans step after step).
+    meter.extra = 2 * MiB
+    c._checked.clear()
+    repeated = _run(model, meter, c, 32)
+    meter.extra = 0
+    _run(model, meter, c, 32)
+    assert repeated.peak - repeated.predicted_peak > 0.02 * limit
+    assert c.memory.model_error == error
 
 
 def test_without_peak_correction_the_error_is_only_reported() -> None:
