@@ -116,6 +116,19 @@ def test_resume_reuses_the_stored_plan_and_continues_with_identical_losses(tmp_p
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["speedup_by_bucket.png"]
 
 
+def test_ranks_with_batches_of_different_lengths_keep_their_plans(tmp_path) -> None:
+    # Each rank reads its own batches (64 to 256 tokens per sequence): the ranks agree on the
+    # largest count, but each measures its own memory. Their plans must not shrink step by step.
+    ranks = fit(tmp_path, "--steps", "40", "--min-len", "64", "--max-len", "256",
+                "--full-control-every", "0")
+    assert [s["tokens"] for s in ranks[0]] != [s["tokens"] for s in ranks[1]]
+    plans = [Plan.from_json(s["plan"]) for s in ranks[0] if s["mode"] == "planned"]
+    assert len(plans) >= 8 and all(not p.empty for p in plans)
+    assert min(p.capacity for p in plans) >= 0.9 * max(p.capacity for p in plans)
+    peaks = [s["peak"] for r in ranks for s in r if s["peak"] is not None]
+    assert max(peaks) <= 30 * 2**20
+
+
 def test_a_growing_batch_replans_and_stays_under_the_limit(tmp_path) -> None:
     ranks = fit(tmp_path, "--steps", "16", "--min-len", "96", "--max-len", "96", "--grow-at", "8",
                 "--memory-limit", "20MiB")
