@@ -41,7 +41,10 @@ class Publisher:
                 log_scalars: Callable[[dict[str, float], int], None], writer: Any) -> None:
         """Log ``report`` at ``step`` through ``log_scalars``; text and image through ``writer``."""
         log_scalars(step_metrics(report), step)
-        if report.peak is not None and report.mode in _LABELS:
+        # A rank's peak is its own batch's: drawn against the bucket only if that batch had the
+        # bucket's (agreed, largest) token count.
+        if report.peak is not None and report.mode in _LABELS \
+                and report.local_tokens in ({}, report.tokens):
             self._peaks[report.bucket, _LABELS[report.mode]] = report.peak
         self._last = report
         plan = report.plan
