@@ -39,14 +39,20 @@ class RankMeter:
         return MemoryReading(peak=peak, current=self.base, reserved=peak, total=64 * GiB, free=GiB)
 
 
-def _worker(rank: int, out: str) -> None:
-    # A file store: no TCP port to race other processes for.
+def _rank_model(rank: int, out: str) -> DecoderLM:
+    """Join the 2-rank gloo group (a file store: no TCP port to race other processes for) and
+    build the same checkpointed model on every rank."""
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
                             world_size=2)
     torch.manual_seed(0)
     model = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                                   intermediate_size=64, num_layers=3))
     tapesac_core.checkpoint_modules(model, {DecoderLayer})
+    return model
+
+
+def _worker(rank: int, out: str) -> None:
+    model = _rank_model(rank, out)
     meter = RankMeter(BASE[rank])
     controller = Controller(model, LIMIT, meter=meter, margin=0.0, warmup_steps=1,
                             profile_steps=1, control_steps=1, control_every=0)
@@ -96,12 +102,7 @@ class NearLimitMeter(RankMeter):
 
 def _flags_worker(rank: int, out: str) -> None:
     """Rank 1 alone sees a peak near the limit; then rank 0 alone fails to solve."""
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
-                            world_size=2)
-    torch.manual_seed(0)
-    model = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                                  intermediate_size=64, num_layers=3))
-    tapesac_core.checkpoint_modules(model, {DecoderLayer})
+    model = _rank_model(rank, out)
     meter = NearLimitMeter(BASE[0])
     # The injected meter's readings follow no plan: the peak model's correction is off, so the
     # capacity moves only by the fragmentation flag under test.
