@@ -395,6 +395,17 @@ def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
     return q1, med, q3
 
 
+def tapesac_copy(base: torch.nn.Module, block: type, ids: torch.Tensor) -> tuple[torch.nn.Module, Any]:
+    """A copy of ``base`` with TapeSAC on ``block``, and the tape of its first block on ``ids``
+    (what the hand-written policies name their saved values on)."""
+    model = copy.deepcopy(base)
+    tapesac_core.checkpoint_modules(model, {block})
+    with tapesac_core.trace() as traced:
+        model.loss(ids).backward()
+    model.zero_grad(set_to_none=True)
+    return model, traced[0].tape
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -411,13 +422,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"seq {seq}, {device} {args.dtype}", file=sys.stderr, flush=True)
 
     methods = baseline_methods(base, block, args.budgets, args.compile_backend, families)
-    tapesac_model = copy.deepcopy(base)
-    tapesac_core.checkpoint_modules(tapesac_model, {block})
+    tapesac_model, tape = tapesac_copy(base, block, ids)
     region = block.__name__
-    with tapesac_core.trace() as traced:
-        tapesac_model.loss(ids).backward()
-    tapesac_model.zero_grad(set_to_none=True)
-    tape = traced[0].tape
     ours: list[Method] = []
     if "tapesac_policy" in families:
         for which, label in (("tt", "torchtitan op-level policy"), ("attn", "save attention output")):
@@ -572,14 +578,10 @@ def run_growth(args: argparse.Namespace) -> dict[str, Any]:
     make = lambda b: torch.randint(0, vocab, (b, seq), generator=torch.Generator().manual_seed(b)).to(device)  # noqa: E731
     small, grown = make(batch), make(batch * args.grow)
     methods = baseline_methods(base, block, (), args.compile_backend, {"full", "torch_sac"})
-    tapesac_model = copy.deepcopy(base)
-    tapesac_core.checkpoint_modules(tapesac_model, {block})
+    tapesac_model, tape = tapesac_copy(base, block, small)
     region = block.__name__
-    with tapesac_core.trace() as traced:
-        tapesac_model.loss(small).backward()
-    tapesac_model.zero_grad(set_to_none=True)
     for which in ("tt", "attn"):
-        plan = {region: policy_coordinates(traced[0].tape, which)}
+        plan = {region: policy_coordinates(tape, which)}
         methods.append(Method(f"{which}_tapesac", "tapesac_policy", tapesac_model,
                               context=partial(tapesac_core.use_plan, plan),
                               note=f"{which} policy's saved set, TapeSAC replay"))

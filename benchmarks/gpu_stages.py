@@ -206,6 +206,7 @@ def readiness(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import tapesac_core
+    from examples.kernels import FusedDropout
     from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
     from tapesac_core.controller import PLANNED
     device = torch.device(args.device)
@@ -220,17 +221,6 @@ def readiness(args: argparse.Namespace) -> dict[str, Any]:
             model.loss(ids)  # grad on, backward never runs
         gc.collect()
         out["1_leak_bytes"] = meter.reading().current - before
-
-    class FusedDropout(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, dropout_p):
-            mask = (torch.rand_like(x) >= dropout_p).to(x.dtype) / (1 - dropout_p)
-            ctx.save_for_backward(mask)
-            return x * mask
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad * ctx.saved_tensors[0], None
 
     kernel = tapesac_core.register_kernel(
         "tapesac_gpu_check::fused_dropout", FusedDropout,

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from support import assert_bitwise, step
 
 import tapesac_core
+from examples.kernels import FusedDropout
 from tapesac_core import TapeSACError
 from tapesac_core.ops import op_info
 
@@ -76,21 +77,6 @@ def test_a_random_op_whose_generator_cannot_be_captured_is_an_error() -> None:
         tapesac_core.checkpoint(meta_noise, x)
 
 
-class _FusedDropout(torch.autograd.Function):
-    """``x * mask``, the mask drawn inside forward (as a Triton kernel with fused dropout does)."""
-
-    @staticmethod
-    def forward(ctx, x, dropout_p):
-        mask = (torch.rand_like(x) >= dropout_p).to(x.dtype) / (1 - dropout_p)
-        ctx.save_for_backward(mask)
-        return x * mask
-
-    @staticmethod
-    def backward(ctx, grad):
-        (mask,) = ctx.saved_tensors
-        return grad * mask, None
-
-
 class _FusedNoise(torch.autograd.Function):
     """``x * noise`` with Gaussian noise drawn inside forward; no ``dropout_p`` to tell."""
 
@@ -112,8 +98,8 @@ def _two_returns(x, _):
 
 _RANDOM_KERNELS = {
     # Taken as random by its schema: a dropout probability above 0.
-    "dropout_p": (_FusedDropout, tapesac_core.register_kernel(
-        "tapesac_test_random::fused_dropout", _FusedDropout,
+    "dropout_p": (FusedDropout, tapesac_core.register_kernel(
+        "tapesac_test_random::fused_dropout", FusedDropout,
         schema="(Tensor x, float dropout_p) -> (Tensor, Tensor)", fake=_two_returns), 0.5),
     # Declared random at registration.
     "random=True": (_FusedNoise, tapesac_core.register_kernel(
