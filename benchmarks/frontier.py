@@ -15,6 +15,8 @@ Methods (every decoder layer is one block; all copies share the initial weights 
 * ``tapesac@f``, ``tapesac=X``  TapeSAC planned by its Controller at a limit of must-only plus
                                 ``f`` of everything worth saving, and at each baseline X's
                                 measured peak (equal memory)
+* ``tapesac@fig9=x``            ... at ``full``'s peak plus ``x`` of the gap to ``none``'s
+                                (Figure 9's extra-memory share)
 
 Per method: exact step peak (torch profiler on CPU, allocator on accelerators; bytes above those
 live before the step), recomputed FLOPs (FlopCounterMode around backward minus ``none``'s, plus
@@ -380,6 +382,15 @@ def plan_tapesac(model: torch.nn.Module, ids: torch.Tensor,
     return plans, info
 
 
+def figure9_targets(methods: list[Method], shares: Sequence[float]) -> dict[str, int]:
+    """Limits at Figure 9's extra-memory shares: ``full``'s measured peak plus ``x`` of the gap to
+    ``none``'s, named ``tapesac@fig9=x`` (the paper reads its curve at 10%)."""
+    peak = {m.name: m.peak for m in methods}
+    if peak.get("full") is None or peak.get("none") is None:
+        return {}
+    return {f"tapesac@fig9={x:g}": int(peak["full"] + x * (peak["none"] - peak["full"])) for x in shares}
+
+
 def coords_key(plan: Any) -> str:
     return json.dumps({r: [sorted(map(list, b)) for b in blocks]
                        for r, blocks in sorted(plan.coordinates().items())})
@@ -448,6 +459,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         must = next(m for m in methods if m.name == "tapesac_must")
         def targets(everything: int) -> dict[str, int]:
             named = {f"tapesac@{f:g}": int(must.peak + f * everything) for f in args.fractions}
+            named |= figure9_targets(methods, args.fig9_shares)
             return named | {f"tapesac={m.name}": m.peak for m in methods
                             if m.family not in ("tapesac", "tapesac_policy")
                             and m.peak is not None and m.peak > must.peak}
@@ -846,7 +858,8 @@ def markdown_section(result: dict[str, Any], paths: dict[str, Path], base: Path)
         f"TapeSAC planning: the Controller (margin 0) profiled the model; must-only peak modelled "
         f"{_mib(plan.get('must_only_peak_model'))} MiB, everything worth saving "
         f"{_mib(plan.get('everything_worth_saving'))} MiB. `tapesac@f`: limit = must-only peak + f × "
-        "everything; `tapesac=X`: limit = X's measured peak. Rows whose plan is identical to an "
+        "everything; `tapesac@fig9=x`: limit = `full`'s measured peak + x × (`none`'s − `full`'s), "
+        "Figure 9's extra-memory share x; `tapesac=X`: limit = X's measured peak. Rows whose plan is identical to an "
         "earlier one are merged (see notes).",
         "",
         table(result), "",
@@ -873,6 +886,8 @@ def parser(prog: str = "frontier.py") -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=list(BUDGETS))
     p.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=list(FRACTIONS))
+    p.add_argument("--fig9-shares", type=lambda s: [float(x) for x in s.split(",")], default=[0.05, 0.1],
+                   help="also plan at full's peak plus these shares of the gap to none's (Figure 9)")
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--families", default="", help=f"comma-separated subset of {','.join(FAMILIES)}")
     p.add_argument("--grow", type=int, default=0,

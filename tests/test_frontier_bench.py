@@ -39,6 +39,11 @@ def test_every_method_gives_a_measured_row_and_outputs_are_written(tmp_path: Pat
     assert BASELINES | BUDGETS <= set(rows)
     planned = [r for r in rows.values() if r["family"] == "tapesac" and r["method"] != "tapesac_must"]
     assert planned and all(r["limit_bytes"] is not None for r in planned)
+    # Figure 9's 10% point is planned: its own row, or merged into an identical plan's note.
+    fig9 = int(rows["full"]["peak_bytes"] + 0.1 * (rows["none"]["peak_bytes"] - rows["full"]["peak_bytes"]))
+    own = rows.get("tapesac@fig9=0.1")
+    assert (own is not None and own["limit_bytes"] == fig9) or any(
+        "the plan at tapesac@fig9=0.1" in r["note"] for r in planned)
     for name, r in rows.items():
         if r["error"] is not None:
             assert r["family"] == "compile" and r["error"].strip(), name  # failure rows: compile only
