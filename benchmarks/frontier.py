@@ -373,7 +373,8 @@ def plan_tapesac(model: torch.nn.Module, ids: torch.Tensor,
     static = controller.memory.samples[-1].static
     everything = report.plan.saved_bytes
     info = {"must_only_peak_model": report.plan.base - static, "everything_worth_saving": everything,
-            "static_bytes_at_planning": static}
+            "static_bytes_at_planning": static,
+            "must_only_base_at_batch": controller.memory.base(ids.numel())}
     plans = {}
     for name, limit in targets(everything).items():
         controller.config = dataclasses.replace(controller.config, memory_limit=max(limit + static, MiB))
@@ -508,7 +509,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "compile_backend": args.compile_backend,
         "compile_interleaved": True,
         "tapesac_planning": plan_info,
-        "rows": rows(methods, rounds, plan_info.get("static_bytes_at_planning", 0)),
+        "rows": rows(methods, rounds, plan_info.get("static_bytes_at_planning", 0),
+                     plan_info.get("must_only_base_at_batch")),
         "wall_s": time.perf_counter() - started,
     }
     return result
@@ -520,10 +522,12 @@ def _warm(m: Method, ids: torch.Tensor) -> None:
         m.step(ids)
 
 
-def rows(methods: list[Method], rounds: list[dict[str, float]], static: int = 0) -> list[dict[str, Any]]:
+def rows(methods: list[Method], rounds: list[dict[str, float]], static: int = 0,
+         base: int | None = None) -> list[dict[str, Any]]:
     """One row per method, with Figure 9 shares against full checkpointing (``full``); a planned
-    row's predicted peak is the Controller's (Eq. 8: must-only peak + saved bytes), above
-    ``static``, the bytes live at the step's start when it planned."""
+    row's predicted peak is the Controller's above ``static``, the bytes live at the step's start
+    when it planned: its memory model's (scaled from the bucket's upper edge to this batch, whose
+    must-only peak it models as ``base``), or Eq. 8's must-only peak + saved bytes."""
     by = {m.name: m for m in methods}
     none, full = by.get("none"), by.get("full")
     out = []
@@ -534,7 +538,8 @@ def rows(methods: list[Method], rounds: list[dict[str, float]], static: int = 0)
         if m.plan is not None and hasattr(m.plan, "saved_bytes"):
             row["plan_saved_bytes"] = m.plan.saved_bytes
             row["plan_predicted_speedup"] = m.plan.predicted_speedup
-            row["plan_predicted_peak_bytes"] = m.plan.base + m.plan.saved_bytes - static
+            predicted = m.plan.peak_at_tokens(base) if m.plan.predicted_peak and base else 0
+            row["plan_predicted_peak_bytes"] = (predicted or m.plan.base + m.plan.saved_bytes) - static
         if m.times:
             q1, med, q3 = quartiles(m.times)
             row |= {"median_s": med, "q1_s": q1, "q3_s": q3, "min_s": min(m.times),
@@ -719,7 +724,10 @@ def git_commit() -> str:
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + (" + local changes" if git("status", "--porcelain", "tapesac_core", "benchmarks") else "")
+    # The outputs this harness writes are not code: only changes elsewhere make a run unrepeatable.
+    code = git("status", "--porcelain", "--", "tapesac_core", "benchmarks",
+               ":!benchmarks/results", ":!benchmarks/RESULTS.md")
+    return commit + (" + local changes" if code else "")
 
 
 # ---------------------------------------------------------------------- report

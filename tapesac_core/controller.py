@@ -409,12 +409,6 @@ class Controller:
         return self.plans[key]
 
     def _solve(self, edges: dict[str, int], capacity: int, base: int, key: tuple[int, ...]) -> Plan:
-        if base > capacity and "base" not in self._warned:
-            self._warned.add("base")
-            logger.warning("TapeSAC: the must-only step alone needs %s at %s tokens, above the "
-                           "%s the memory limit %s leaves; running must-only (nothing more saved)",
-                           format_bytes(base), edges, format_bytes(capacity),
-                           self.config.memory_limit)
         # Replay wall times are host times: on accelerators they would measure launches, not
         # kernels (events there belong to the GPU-readiness work), so only CPU profiles are checked.
         for r in edges if self.device.type == "cpu" else ():
@@ -422,10 +416,20 @@ class Controller:
                 self.profiles[r] = calibrated(self.profiles[r], self._replay_walls.get(r, ()),
                                               self.config.replay_tolerance)
         profiles = {r: p for r, p in self.profiles.items() if r in edges}
-        return solve_plan(profiles, edges, model=self.model_key, capacity=capacity, base=base,
+        plan = solve_plan(profiles, edges, model=self.model_key, capacity=capacity, base=base,
                           must_only_step_time=self._must_only_time(key, edges),
                           config=self.config,
                           timeline=self.memory.timeline(self._primary_tokens(edges)))
+        # Under the peak-aware model a must-only peak above the capacity is not the end: saving
+        # removes replay temporaries, so only a plan predicted above it means nothing fits.
+        if plan.predicted_peak > capacity and "base" not in self._warned:
+            self._warned.add("base")
+            logger.warning("TapeSAC: the must-only step alone needs %s at %s tokens (%s memory "
+                           "model), above the %s the memory limit %s leaves, and no plan fits "
+                           "below it; running must-only (nothing more saved)",
+                           format_bytes(plan.predicted_peak), edges, plan.memory_model,
+                           format_bytes(capacity), self.config.memory_limit)
+        return plan
 
     def _must_only_time(self, key: tuple[int, ...], edges: dict[str, int]) -> float:
         """Modelled must-only step seconds at this bucket: the time outside replay plus the

@@ -206,25 +206,36 @@ def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int]
     unpacks of the same ``groups`` entry (one autograd node call) are done, or, without
     groups, until the next unpack.
     """
-    saved, taken = frozenset(saved), frozenset(taken)
-    available = graph.available | saved | taken
-    held = {graph.value_storage[v] for v in available}
-    deps_of, outs_of = graph.node_deps, graph.node_outs
+    available = graph.available | frozenset(saved) | frozenset(taken)
+    deps_of, outs_of, producer = graph.node_deps, graph.node_outs, graph.producer
     sizes, storage = graph.storage_bytes, graph.value_storage
+    held = {storage[v] for v in available}
     cost = [0 if s in held else b for s, b in enumerate(sizes)]  # bytes a live storage costs
+    # Flags per value rather than sets: this loop runs once per frontier point and unpack.
+    avail = [False] * len(storage)
+    for v in available:
+        avail[v] = True
+    env = [False] * len(storage)  # replay holds the value
     reads = [0] * len(storage)
     for v in unpacks:
-        if v not in available:
+        if not avail[v]:
             reads[v] += 1
-    for n in _walk(graph, [v for v in set(unpacks) if reads[v]], available.__contains__):
+    for n in _walk(producer, deps_of, [v for v in set(unpacks) if reads[v]], avail, env):
         for d in deps_of[n]:
             reads[d] += 1
-    env: set[int] = set()
     refs = [0] * len(sizes)  # storage -> values of env on it
     live = 0
 
-    def ready(v: int) -> bool:
-        return v in available or v in env
+    def drop(v: int) -> int:
+        """Replay lets go of ``v``; the bytes its storage frees (0 while other values hold it)."""
+        nonlocal live
+        env[v] = False
+        s = storage[v]
+        refs[s] -= 1
+        if refs[s]:
+            return 0
+        live -= cost[s]
+        return cost[s]
 
     replay, compute = [], []
     grabbed: dict[int, int] = {}  # storage -> bytes autograd holds for the current node
@@ -232,56 +243,58 @@ def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int]
         if position == 0 or not groups or groups[position] != groups[position - 1]:
             grabbed.clear()
         top = live
-        if not ready(v):
-            for n in sorted(_walk(graph, [v], ready)):
+        if not (avail[v] or env[v]):
+            for n in sorted(_walk(producer, deps_of, [v], avail, env)):
                 outs = outs_of[n]
-                new = {storage[o] for o in outs if not refs[storage[o]]}
-                top = max(top, live + sum(cost[s] for s in new))
+                if len(outs) == 1:
+                    s = storage[outs[0]]
+                    rise = 0 if refs[s] else cost[s]
+                else:
+                    rise = sum(cost[s] for s in {storage[o] for o in outs if not refs[storage[o]]})
+                if live + rise > top:
+                    top = live + rise
                 for o in outs:
                     if reads[o] > 0:
-                        env.add(o)
+                        env[o] = True
                         s = storage[o]
                         refs[s] += 1
                         if refs[s] == 1:
                             live += cost[s]
                 for d in deps_of[n]:
                     reads[d] -= 1
-                    if reads[d] <= 0 and d in env:
-                        env.discard(d)
-                        s = storage[d]
-                        refs[s] -= 1
-                        if not refs[s]:
-                            live -= cost[s]
-        held_now = sum(b for s, b in grabbed.items() if not refs[s])
+                    if reads[d] <= 0 and env[d]:
+                        drop(d)
+        held_now = sum(b for s, b in grabbed.items() if not refs[s]) if grabbed else 0
         replay.append(top + held_now)
-        if v not in available:
+        if not avail[v]:
             reads[v] -= 1
-            if reads[v] <= 0 and v in env:
-                env.discard(v)
-                s = storage[v]
-                refs[s] -= 1
-                if not refs[s]:
-                    live -= cost[s]
-                    grabbed[s] = cost[s]  # autograd still holds it while its node computes
-        compute.append(live + sum(b for s, b in grabbed.items() if not refs[s]))
+            if reads[v] <= 0 and env[v] and drop(v):
+                grabbed[storage[v]] = cost[storage[v]]  # autograd holds it while its node computes
+        compute.append(live + (sum(b for s, b in grabbed.items() if not refs[s]) if grabbed else 0))
     return ReplayMemory(replay=tuple(replay), compute=tuple(compute))
 
 
-def _walk(graph: PlanGraph, targets: Iterable[int], ready) -> set[int]:
-    """Nodes to run so that ``targets`` exist, stopping at values ``ready`` says exist (the
-    producer closure, walked from the targets: replay's own walk, ``tape.producer_closure``)."""
-    producer, deps_of = graph.producer, graph.node_deps
-    needed: set[int] = set()
-    stack = [v for v in targets if not ready(v)]
-    seen = set(stack)
+def _walk(producer: Sequence[int], deps_of: Sequence[Sequence[int]], targets: Iterable[int],
+          avail: Sequence[bool], env: Sequence[bool]) -> list[int]:
+    """Nodes to run so that ``targets`` exist, stopping at values ``avail`` or ``env`` flags
+    (the producer closure, walked from the targets: replay's own walk, ``tape.producer_closure``)."""
+    needed: list[int] = []
+    ran = bytearray(len(deps_of))
+    seen = bytearray(len(avail))
+    stack = []
+    for v in targets:
+        if not (avail[v] or env[v] or seen[v]):
+            seen[v] = 1
+            stack.append(v)
     while stack:
         n = producer[stack.pop()]
-        if n in needed:
+        if ran[n]:
             continue
-        needed.add(n)
+        ran[n] = 1
+        needed.append(n)
         for d in deps_of[n]:
-            if d not in seen and not ready(d):
-                seen.add(d)
+            if not (avail[d] or env[d] or seen[d]):
+                seen[d] = 1
                 stack.append(d)
     return needed
 
@@ -352,7 +365,7 @@ def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: 
     segments = timeline.segments
     worst = {}  # segment -> the largest delta of its replaying block (when not its last alive)
     by_last: dict[int, list[tuple[int, Segment]]] = {}
-    joined = [False] * n  # block i shares a segment with block i - 1
+    opens = [0] * (n + 1)  # segments spanning from block i - 1 into block i, as a difference array
     for k, s in enumerate(segments):
         if s.own is not None and s.own != s.last:
             worst[k] = max(o.delta(s) for o in menus[s.own])
@@ -361,8 +374,13 @@ def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: 
                 return None
             continue
         by_last.setdefault(s.last, []).append((k, s))
-        for i in range(s.first + 1, s.last + 1):
-            joined[i] = True
+        if s.first < s.last:
+            opens[s.first + 1] += 1
+            opens[s.last + 1] -= 1
+    joined, spanning = [False] * n, 0  # block i shares a segment with block i - 1
+    for i in range(n):
+        spanning += opens[i]
+        joined[i] = spanning > 0
     lowest = min((s.peak for s in segments if s.first <= s.last), default=capacity)
     unit = max(1, -(-max(1, capacity - lowest) // resolution))
     units = max(0, capacity - lowest) // unit + 1
