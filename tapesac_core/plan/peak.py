@@ -22,17 +22,13 @@ Pure Python, no torch: timelines and plan graphs in, predictions and choices out
 from __future__ import annotations
 
 import math
-import operator
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .model import PlanGraph
 
-try:  # the DP's layers as arrays; without numpy the same DP runs on lists, only slower
-    import numpy as np
-except ImportError:  # pragma: no cover - numpy comes with matplotlib and most torch installs
-    np = None
+import numpy as np
 
 # Event kinds the sample step records, and the phase of the segment each one starts.
 FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE = (
@@ -220,9 +216,20 @@ def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int]
     for v in unpacks:
         if not avail[v]:
             reads[v] += 1
-    for n in _walk(producer, deps_of, [v for v in set(unpacks) if reads[v]], avail, env):
+    # Every read of every node replay runs (its producer closure), counted in one walk.
+    stack = [v for v in set(unpacks) if reads[v]]
+    seen = bytearray(len(storage))
+    ran = bytearray(len(deps_of))
+    while stack:
+        n = producer[stack.pop()]
+        if ran[n]:
+            continue
+        ran[n] = 1
         for d in deps_of[n]:
             reads[d] += 1
+            if not (avail[d] or seen[d]):
+                seen[d] = 1
+                stack.append(d)
     refs = [0] * len(sizes)  # storage -> values of env on it
     live = 0
 
@@ -237,6 +244,28 @@ def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int]
         live -= cost[s]
         return cost[s]
 
+    # Replay's own walk (``tape.producer_closure``) from one value, stopping at values that
+    # exist; marks carry the walk's number so no per-walk arrays are built.
+    node_mark, value_mark = [0] * len(deps_of), [0] * len(storage)
+    walks = 0
+
+    def walk(target: int) -> list[int]:
+        nonlocal walks
+        walks += 1
+        needed, stack = [], [target]
+        value_mark[target] = walks
+        while stack:
+            n = producer[stack.pop()]
+            if node_mark[n] == walks:
+                continue
+            node_mark[n] = walks
+            needed.append(n)
+            for d in deps_of[n]:
+                if not (avail[d] or env[d]) and value_mark[d] != walks:
+                    value_mark[d] = walks
+                    stack.append(d)
+        return needed
+
     replay, compute = [], []
     grabbed: dict[int, int] = {}  # storage -> bytes autograd holds for the current node
     for position, v in enumerate(unpacks):
@@ -244,7 +273,7 @@ def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int]
             grabbed.clear()
         top = live
         if not (avail[v] or env[v]):
-            for n in sorted(_walk(producer, deps_of, [v], avail, env)):
+            for n in sorted(walk(v)):
                 outs = outs_of[n]
                 if len(outs) == 1:
                     s = storage[outs[0]]
@@ -272,31 +301,6 @@ def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int]
                 grabbed[storage[v]] = cost[storage[v]]  # autograd holds it while its node computes
         compute.append(live + (sum(b for s, b in grabbed.items() if not refs[s]) if grabbed else 0))
     return ReplayMemory(replay=tuple(replay), compute=tuple(compute))
-
-
-def _walk(producer: Sequence[int], deps_of: Sequence[Sequence[int]], targets: Iterable[int],
-          avail: Sequence[bool], env: Sequence[bool]) -> list[int]:
-    """Nodes to run so that ``targets`` exist, stopping at values ``avail`` or ``env`` flags
-    (the producer closure, walked from the targets: replay's own walk, ``tape.producer_closure``)."""
-    needed: list[int] = []
-    ran = bytearray(len(deps_of))
-    seen = bytearray(len(avail))
-    stack = []
-    for v in targets:
-        if not (avail[v] or env[v] or seen[v]):
-            seen[v] = 1
-            stack.append(v)
-    while stack:
-        n = producer[stack.pop()]
-        if ran[n]:
-            continue
-        ran[n] = 1
-        needed.append(n)
-        for d in deps_of[n]:
-            if not (avail[d] or env[d] or seen[d]):
-                seen[d] = 1
-                stack.append(d)
-    return needed
 
 
 # ---------------------------------------------------------------------- choices and the solver
@@ -356,68 +360,65 @@ def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: 
     result fits in true bytes. A segment is checked at its last alive block, with that block's own
     option; it counts the whole group up to there (a narrower range only has fewer bytes), and a
     segment replaying a block other than its last alive one takes that block's worst delta.
+    Segments are handled as arrays: a timeline has one per unpack and phase of every block.
     """
     n = len(timeline.blocks)
     if len(menus) != n or any(not m or m[0].bytes != 0 for m in menus):
         raise ValueError("one menu per timeline block, each starting with a 0-byte option")
     if resolution < 1:
         raise ValueError(f"resolution must be >= 1, got {resolution}")
-    segments = timeline.segments
-    worst = {}  # segment -> the largest delta of its replaying block (when not its last alive)
-    by_last: dict[int, list[tuple[int, Segment]]] = {}
-    opens = [0] * (n + 1)  # segments spanning from block i - 1 into block i, as a difference array
-    for k, s in enumerate(segments):
-        if s.own is not None and s.own != s.last:
-            worst[k] = max(o.delta(s) for o in menus[s.own])
-        if s.first > s.last:
-            if s.peak + worst.get(k, 0) > capacity:
-                return None
-            continue
-        by_last.setdefault(s.last, []).append((k, s))
-        if s.first < s.last:
-            opens[s.first + 1] += 1
-            opens[s.last + 1] -= 1
-    joined, spanning = [False] * n, 0  # block i shares a segment with block i - 1
-    for i in range(n):
-        spanning += opens[i]
-        joined[i] = spanning > 0
-    lowest = min((s.peak for s in segments if s.first <= s.last), default=capacity)
+    seg = _columns(timeline)
+    deltas = _Deltas(menus)
+    # A segment replaying a block other than its last alive one is charged that block's worst
+    # option (the DP only knows the last block's option when it checks the segment).
+    checked = seg.peak.copy()
+    other = (seg.own >= 0) & (seg.own != seg.last)
+    for k in np.flatnonzero(other):
+        checked[k] += deltas.worst(int(seg.own[k]), int(seg.phase[k]), int(seg.unpack[k]))
+    alive = seg.first <= seg.last
+    if (checked[~alive] > capacity).any():
+        return None
+    spans = alive & (seg.first < seg.last)
+    opens = np.cumsum(np.bincount(seg.first[spans] + 1, minlength=n + 1)
+                      - np.bincount(seg.last[spans] + 1, minlength=n + 1))
+    joined = opens[:n] > 0  # block i shares a segment with block i - 1
+    lowest = int(seg.peak[alive].min()) if alive.any() else capacity
     unit = max(1, -(-max(1, capacity - lowest) // resolution))
     units = max(0, capacity - lowest) // unit + 1
-    minus = -math.inf
-    matrices: dict = {}  # per menu and phase, its options' deltas as one array (numpy only)
-    layer = _Layer.start(units)
+    order = np.flatnonzero(alive)
+    order = order[np.argsort(seg.last[order], kind="stable")]
+    bounds = np.searchsorted(seg.last[order], np.arange(n + 1))
+    layer = _start(units)
     history = []  # per block: (layer before it, its options as (weight, gain, limit), reset state)
     for i in range(n):
         reset = None
         if i > 0 and not joined[i]:
             # A new group: the earlier blocks' bytes are freed; continue from the best state.
-            reset = layer.best()
-            layer = _Layer.start(units, layer.values[reset])
-        fixed, own = _constraints(by_last.get(i, ()), i, worst)
-        tops = _own_peaks(own, menus[i], matrices)
+            reset = int(np.argmax(layer))
+            layer = _start(units, layer[reset])
+        mine = order[bounds[i]:bounds[i + 1]]
+        tops = _tops(seg, checked, mine, i, deltas)
         choices = []
-        for option, own_top in zip(menus[i], tops):
-            top = max(fixed, own_top)
-            if top == -math.inf:  # no segment ends at this block
+        for option, top in zip(menus[i], tops):
+            if top is None:  # no segment ends at this block
                 limit = units - 1
             else:
-                head = capacity - int(top)
+                head = capacity - top
                 limit = min(units - 1, head // unit if head >= 0 else -1)
             choices.append((-(-option.bytes // unit), option.gain, limit))
-        cur = _Layer.start(units, minus)
+        cur = _start(units, -math.inf)
         # States above the highest reachable one stay unreachable: skip them.
-        high = layer.high() if reset is None else 0
+        high = _high(layer) if reset is None else 0
         for w, g, limit in choices:
             stop = min(limit, high + w)
             if stop >= w:
-                cur.take(layer, w, stop, g)
-        history.append((layer.values, choices, reset))
+                np.maximum(cur[w:stop + 1], layer[:stop + 1 - w] + g, out=cur[w:stop + 1])
+        history.append((layer, choices, reset))
         layer = cur
-        if layer.high() < 0:
+        if _high(layer) < 0:
             return None
-    state = layer.best()
-    value = layer.values[state]
+    state = int(np.argmax(layer))
+    value = layer[state]
     picks = [0] * n
     for i in range(n - 1, -1, -1):
         prev, choices, reset = history[i]
@@ -432,105 +433,88 @@ def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: 
     return tuple(picks)
 
 
-class _Layer:
-    """Best gain per state of the DP (-inf: unreachable), on a numpy array or a list."""
-
-    __slots__ = ("values",)
-
-    def __init__(self, values) -> None:
-        self.values = values
-
-    @classmethod
-    def start(cls, units: int, first: float = 0.0) -> _Layer:
-        if np is not None:
-            values = np.full(units, -math.inf)
-            values[0] = first
-            return cls(values)
-        return cls([first] + [-math.inf] * (units - 1))
-
-    def best(self) -> int:
-        """The first state of the highest gain."""
-        v = self.values
-        return int(np.argmax(v)) if np is not None else max(range(len(v)), key=v.__getitem__)
-
-    def high(self) -> int:
-        """The highest reachable state (-1: none)."""
-        v = self.values
-        if np is not None:
-            reachable = np.flatnonzero(v != -math.inf)
-            return int(reachable[-1]) if len(reachable) else -1
-        return next((k for k in range(len(v) - 1, -1, -1) if v[k] != -math.inf), -1)
-
-    def take(self, prev: _Layer, w: int, stop: int, g: float) -> None:
-        """States ``w..stop`` may come from ``prev``'s ``0..stop-w`` plus an option of weight
-        ``w`` and gain ``g``."""
-        if np is not None:
-            np.maximum(self.values[w:stop + 1], prev.values[:stop + 1 - w] + g,
-                       out=self.values[w:stop + 1])
-        else:
-            self.values[w:stop + 1] = [a if a >= (t := b + g) else t for a, b in
-                                       zip(self.values[w:stop + 1], prev.values[:stop + 1 - w])]
+def _start(units: int, first: float = 0.0) -> np.ndarray:
+    """A DP layer: the best gain per state, -inf where unreachable; ``first`` at state 0."""
+    values = np.full(units, -math.inf)
+    values[0] = first
+    return values
 
 
-def _constraints(segments: Iterable[tuple[int, Segment]], block: int, worst: Mapping[int, int]):
-    """A block's constraints: the highest segment that does not depend on its option, and per
-    phase the peaks and unpack positions of the segments its own replay runs in."""
-    fixed = -math.inf
-    own: dict[str, tuple[list[int], list[int]]] = {REPLAY: ([], []), COMPUTE: ([], [])}
-    for k, s in segments:
-        if s.own == block and s.unpack is not None and s.phase in own:
-            peaks, positions = own[s.phase]
-            peaks.append(s.peak)
-            positions.append(s.unpack)
-        else:
-            fixed = max(fixed, s.peak + worst.get(k, 0))
-    return fixed, own
+def _high(layer: np.ndarray) -> int:
+    """The highest reachable state (-1: none)."""
+    reachable = np.flatnonzero(layer != -math.inf)
+    return int(reachable[-1]) if len(reachable) else -1
 
 
-def _own_peaks(own: Mapping[str, tuple[list[int], list[int]]], menu: Sequence[Option],
-               matrices: dict) -> list[float]:
-    """Per option of ``menu``, the highest of the block's own replay segments (``_own_peak``),
-    all options at once on arrays when numpy is there (menus are shared by blocks)."""
-    if np is None:
-        return [_own_peak(own, option) for option in menu]
-    tops = np.full(len(menu), -math.inf)
-    for phase in (REPLAY, COMPUTE):
-        peaks, positions = own[phase]
-        if not peaks:
-            continue
+@dataclass(frozen=True)
+class _Columns:
+    """A timeline's segments as arrays; -1 for no ``own`` block or unpack; ``phase`` is 0 for
+    replay, 1 for compute, -1 for any other phase (no option moves it)."""
+
+    peak: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    own: np.ndarray
+    phase: np.ndarray
+    unpack: np.ndarray
+
+
+_PHASES = {REPLAY: 0, COMPUTE: 1}
+
+
+def _columns(timeline: Timeline) -> _Columns:
+    phases = _PHASES
+    rows = np.array([(s.peak, s.first, s.last, -1 if s.own is None or s.unpack is None else s.own,
+                      phases.get(s.phase, -1), -1 if s.unpack is None else s.unpack)
+                     for s in timeline.segments], dtype=np.int64).reshape(-1, 6)
+    peak, first, last, own, phase, unpack = rows.T.copy()
+    own[phase < 0] = -1
+    return _Columns(peak=peak, first=first, last=last, own=own, phase=phase, unpack=unpack)
+
+
+class _Deltas:
+    """Per menu and phase, its options' replay-byte deltas as one matrix (options x unpacks),
+    built once per distinct menu (blocks of one region share theirs)."""
+
+    def __init__(self, menus: Sequence[Sequence[Option]]) -> None:
+        self.menus = menus
+        self.matrices: dict[tuple[int, int], np.ndarray] = {}
+
+    def matrix(self, block: int, phase: int, width: int) -> np.ndarray:
+        menu = self.menus[block]
         key = (id(menu), phase)
-        if key not in matrices:
-            width = max([len(o.replay if phase == REPLAY else o.compute) for o in menu]
-                        + [max(positions) + 1])
-            m = np.zeros((len(menu), width), dtype=np.int64)
-            for row, o in enumerate(menu):
-                deltas = o.replay if phase == REPLAY else o.compute
-                m[row, :len(deltas)] = deltas
-            matrices[key] = (m, menu)  # the menu is kept so its id stays its own
-        m, _ = matrices[key]
-        if m.shape[1] <= max(positions):
-            m = np.pad(m, ((0, 0), (0, max(positions) + 1 - m.shape[1])))
-        rise = (m[:, positions] + np.asarray(peaks, dtype=np.int64)).max(axis=1)
-        tops = np.maximum(tops, rise)
-    return [int(t) if t != -math.inf else -math.inf for t in tops.tolist()]
+        m = self.matrices.get(key)
+        if m is None:
+            rows = [o.replay if phase == 0 else o.compute for o in menu]
+            m = np.zeros((len(menu), max(map(len, rows), default=0)), dtype=np.int64)
+            for r, d in enumerate(rows):
+                m[r, :len(d)] = d
+            self.matrices[key] = m
+        if m.shape[1] < width:  # an unpack beyond the simulated ones: no change there
+            m = np.pad(m, ((0, 0), (0, width - m.shape[1])))
+        return m
+
+    def worst(self, block: int, phase: int, unpack: int) -> int:
+        return int(self.matrix(block, phase, unpack + 1)[:, unpack].max())
 
 
-def _own_peak(own: Mapping[str, tuple[list[int], list[int]]], option: Option) -> float:
-    """The highest of a block's own replay segments when it takes ``option``."""
-    top = -math.inf
-    for phase, deltas in ((REPLAY, option.replay), (COMPUTE, option.compute)):
-        peaks, positions = own[phase]
-        if not peaks:
-            continue
-        if len(deltas) < len(peaks) and any(u >= len(deltas) for u in positions):
-            deltas = tuple(deltas) + (0,) * (max(positions) + 1 - len(deltas))
-        if not deltas:
-            top = max(top, max(peaks))
-        elif positions == list(range(len(positions))):
-            top = max(top, max(map(operator.add, peaks, deltas)))
-        else:
-            top = max(top, max(map(operator.add, peaks, (deltas[u] for u in positions))))
-    return top
+def _tops(seg: _Columns, checked: np.ndarray, mine: np.ndarray, block: int,
+          deltas: _Deltas) -> list[int | None]:
+    """Per option of ``block``'s menu, the highest segment checked at it (None: none is): its own
+    replay segments moved by the option's deltas, every other one as it is (``checked``)."""
+    own = seg.own[mine] == block
+    rest = checked[mine[~own]]
+    fixed = int(rest.max()) if len(rest) else None
+    tops = np.full(len(deltas.menus[block]), -math.inf if fixed is None else fixed, dtype=float)
+    for phase in (0, 1):
+        at = mine[own & (seg.phase[mine] == phase)]
+        if len(at):
+            positions = seg.unpack[at]
+            m = deltas.matrix(block, phase, int(positions.max()) + 1)
+            if not np.array_equal(positions, np.arange(m.shape[1])):  # else every column, in order
+                m = m[:, positions]
+            tops = np.maximum(tops, (m + seg.peak[at]).max(axis=1))
+    return [None if t == -math.inf else int(t) for t in tops.tolist()]
 
 
 def menus_of(timeline: Timeline, regions: Mapping[str, RegionMenu]) -> list[list[Option]]:
