@@ -97,10 +97,9 @@ def main() -> None:
             left = args.steps - i
             run.step(data[i % len(data)], "peak" if left <= 2 else "flops" if left <= 4 else None)
         plan = run.report.plan or run.controller.plans.get(run.report.bucket)
-        budget = plan.capacity - plan.base
         rows.append({
             "limit": run.limit, "peak": max(run.peaks), "saved": plan.saved_bytes,
-            "capacity_used": plan.saved_bytes / budget if budget > 0 else 0.0,
+            "predicted_peak": plan.predicted_peak,
             "predicted_speedup": plan.predicted_speedup,
             "measured_speedup": run.controller._measured(run.report.bucket),
             "recomputed_gflop": (statistics.median(run.flops) - plain_flops) / 1e9,
@@ -109,13 +108,14 @@ def main() -> None:
         del run
     print(f"must-only peak {format_bytes(must_only)}, everything worth saving adds "
           f"{format_bytes(everything)}; {args.steps} rounds, {args.threads} thread(s)")
-    print("| limit | measured peak | saved | capacity used | predicted speedup | measured speedup "
-          "| recomputed GFLOP | planned step ms (IQR) |")
+    print("| limit | measured peak (predicted) | saved | predicted speedup | measured speedup "
+          "| measured / predicted | recomputed GFLOP | planned step ms (IQR) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         measured = f"{r['measured_speedup']:.3f}" if r["measured_speedup"] else "-"
-        print(f"| {format_bytes(r['limit'])} | {format_bytes(r['peak'])} | {format_bytes(r['saved'])} "
-              f"| {r['capacity_used']:.0%} | {r['predicted_speedup']:.3f} | {measured} "
+        ratio = f"{r['measured_speedup'] / r['predicted_speedup']:.3f}" if r["measured_speedup"] else "-"
+        print(f"| {format_bytes(r['limit'])} | {format_bytes(r['peak'])} ({format_bytes(r['predicted_peak'])}) "
+              f"| {format_bytes(r['saved'])} | {r['predicted_speedup']:.3f} | {measured} | {ratio} "
               f"| {r['recomputed_gflop']:.3f} | {r['planned_step_ms']:.1f} ({r['planned_step_iqr_ms']:.1f}) |")
     out = ROOT / "benchmarks" / "results" / f"sweep_{'moe' if args.moe else 'dense'}.json"
     out.parent.mkdir(exist_ok=True)
