@@ -82,7 +82,9 @@ class TapeSACConfig:
     secondary_regions: frozenset[str] = field(default_factory=frozenset)
     reprofile_factor: float = 2.0  # profile a region again when its tokens exceed this x reference
     resample_tolerance: float = 0.15  # sample memory again when tokens move this far from a sample
-    near_limit: float = 0.98       # observed peak above this fraction of the limit raises frag
+    near_limit: float = 0.99       # observed peak above this fraction of the limit raises frag;
+                                   # it sits above 1 - margin, where plans fill the capacity to
+                                   # (else every accurate plan would trip it)
     replay_tolerance: float = 0.2  # profiled replay vs measured replay wall time: beyond a factor
                                    # 1 + this either way the node times are scaled to the wall time
     speedup_band: float = 0.15     # measured / predicted speedup outside 1 ± this ...

@@ -122,7 +122,7 @@ def _flags_worker(rank: int, out: str) -> None:
         record["fragmentation"].append(controller.memory.extra_fragmentation)
 
     for i in range(5):
-        meter.extra = int(0.99 * LIMIT) - BASE[0] - 2048 * 64 if (rank, i) == (1, 3) else 0
+        meter.extra = int(0.995 * LIMIT) - BASE[0] - 2048 * 64 if (rank, i) == (1, 3) else 0
         step(32)
     if rank == 0:
         def fails(*args, **kwargs):

@@ -92,10 +92,15 @@ def dense():
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.3, 0.6, 1.0])
-def test_predicted_peak_within_3_percent_never_above_the_limit_and_the_capacity_used(dense, fraction):
+def test_predicted_peak_within_3_percent_never_above_the_limit_and_the_capacity_used(dense, fraction,
+                                                                                     caplog):
     base, must_only, everything = dense
     limit = int((must_only + fraction * everything) / 0.98)
-    planned, measured_must_only, report, controller = _run(base, limit, controller_too=True)
+    with caplog.at_level("WARNING"):
+        planned, measured_must_only, report, controller = _run(base, limit, controller_too=True)
+    # A plan that fills its capacity (limit - margin) as predicted does not trip the near-limit
+    # watch, which sits above it (near_limit 0.99 > 1 - margin 0.98).
+    assert "raising the fragmentation estimate" not in caplog.text
     plan = report.plan
     measured, predicted = planned[0]
     # Where the peak falls depends on the plan (and so on measured op times): a block's window
