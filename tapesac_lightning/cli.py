@@ -92,6 +92,13 @@ def bench(args: argparse.Namespace) -> None:
     module.main(args.args, prog="tapesac bench")
 
 
+def _list_launch(commands: argparse._SubParsersAction, text: str) -> None:
+    """Works around Accelerate's ``launch_command_parser`` adding ``launch`` without ``help=``,
+    which leaves it out of ``tapesac --help``'s command list: add its line first."""
+    if not any(a.dest == "launch" for a in commands._choices_actions):
+        commands._choices_actions.insert(0, commands._ChoicesPseudoAction("launch", (), text))
+
+
 def parser() -> argparse.ArgumentParser:
     """``tapesac`` and its subcommands."""
     # Accelerate's parser class: its actions record which options were given, which its launcher
@@ -102,6 +109,7 @@ def parser() -> argparse.ArgumentParser:
     launch_parser.description = ("Accelerate's `accelerate launch` (same arguments), with the "
                                  "tapesac_* keys of the config's fsdp_config carried to the workers")
     launch_parser.set_defaults(func=launch)
+    _list_launch(commands, "Accelerate's launcher, with the tapesac_* config keys carried to the workers")
     report_parser = commands.add_parser(
         "report", help="a finished run's plans, predicted vs measured speedups and peaks",
         description="Read a TensorBoard run folder, a Lightning checkpoint or an Accelerate "

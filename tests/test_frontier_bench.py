@@ -91,6 +91,15 @@ def test_tapesac_bench_runs_the_harness_from_the_checkout(tmp_path: Path) -> Non
     assert "usage: tapesac bench" in out.stdout and "--compile-backend" in out.stdout
 
 
+def test_tapesac_help_lists_every_command_with_its_line() -> None:
+    from tapesac_lightning.cli import parser
+
+    text = parser().format_help()
+    for command, line in (("launch", "Accelerate's launcher"), ("report", "a finished run's plans"),
+                          ("bench", "TapeSAC against every checkpointing baseline")):
+        assert f"    {command}  " in text and line in text, text
+
+
 def test_comparison_figures_have_titled_axes_with_units() -> None:
     points = [{"label": "full", "family": "full", "peak": 10 * MiB, "seconds": 0.1, "q1": 0.09, "q3": 0.11},
               {"label": "tapesac@1", "family": "tapesac", "peak": 12 * MiB, "seconds": 0.09,
