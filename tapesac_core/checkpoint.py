@@ -8,8 +8,9 @@ values it unpacks. Loss and gradients are bitwise those of running without check
 When grad is disabled a block runs plainly. In eval mode with grad enabled it is still
 checkpointed. Raises ``TapeSACError`` for a block nested in another (at wrap time when a module is
 wrapped inside or around a wrapped one, else at its forward), a block run during a backward
-pass (reentrant checkpointing), ``torch.utils.checkpoint`` around a block, double backward, and
-in-place writes into block inputs, parameters or buffers.
+pass (reentrant checkpointing), ``torch.utils.checkpoint`` around a block, ``fully_shard`` on a
+module inside a block (at wrap time or at its forward), double backward, and in-place writes into
+block inputs, parameters or buffers.
 
 Under ``torch.compile`` the blocks are excluded from tracing (``torch.compiler.disable`` at the
 block boundary, one info log): each block is one graph break and runs eagerly with record and
@@ -229,6 +230,8 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
             f"block {name!r} ran during a backward pass (reentrant checkpointing, e.g. "
             "torch.utils.checkpoint(use_reentrant=True) around it). Fix: remove the outer checkpoint")
     _refuse_outer_torch_checkpoint(name)
+    if module is not None:
+        _refuse_sharded_inside(module, name)
     torch_checkpointed = _TORCH_CHECKPOINT.get()
     if torch_checkpointed is not None:
         torch_checkpointed.append(name)
@@ -322,6 +325,7 @@ def _wrap(module: M, region: str | None, path: str | None) -> M:
         raise TapeSACError(f"{type(module).__name__} is already checkpointed by TapeSAC")
     name = path or type(module).__name__
     _refuse_nesting(module, name)
+    _refuse_sharded_inside(module, name)
     # Bound methods deep-copy with their module, so a copied model checkpoints its own blocks.
     module._tapesac_forward = module.forward
     module._tapesac = BlockConfig(region=region or type(module).__name__, path=path)
@@ -342,6 +346,22 @@ def _refuse_nesting(module: torch.nn.Module, name: str) -> None:
     if inner is not None:
         raise TapeSACError(f"cannot checkpoint {name!r}: it contains {inner!r}, which is already "
                            "checkpointed (a block inside a block). Fix: checkpoint only one of them")
+
+
+def _refuse_sharded_inside(module: torch.nn.Module, name: str) -> None:
+    """``fully_shard`` on a module inside a block: an error naming it (FSDP would gather and free
+    its parameters inside the block's forward, which replay cannot repeat)."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = next((f"{name}.{sub_name}" for sub_name, sub in module.named_modules()
+                  if sub is not module and isinstance(sub, FSDPModule)), None)
+    if inner is not None:
+        raise TapeSACError(f"block {name!r} contains {inner!r}, sharded by fully_shard on its own: "
+                           "FSDP gathers and frees its parameters inside the block, which replay "
+                           "cannot repeat. Fix: apply fully_shard to the block (or a module "
+                           "around it), not to modules inside it")
 
 
 def _track_submodules(module: torch.nn.Module, name: str) -> None:
@@ -404,6 +424,7 @@ def checkpoint_modules(model: torch.nn.Module, policy: Policy,
     for path, module in model.named_modules():
         if selects(module) and not _inside(path, paths):
             _refuse_nesting(module, path or type(module).__name__)  # before any is wrapped
+            _refuse_sharded_inside(module, path or type(module).__name__)
             paths.append(path)
             chosen.append(module)
     for path, module in zip(paths, chosen):

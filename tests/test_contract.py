@@ -94,6 +94,28 @@ def test_a_refused_nested_wrap_leaves_the_model_as_it_was() -> None:
     assert [b.tape.name for b in blocks] == ["Stack"]
 
 
+def test_fully_shard_inside_a_block_is_an_error_naming_the_module() -> None:
+    """At wrap time when the inner module is sharded first; at the block's forward when it is
+    sharded after wrapping (without the check: an invalid-storage RuntimeError from replay)."""
+    from torch.distributed.fsdp import fully_shard
+
+    fix = "Fix: apply fully_shard to the block (or a module around it), not to modules inside it"
+    with process_group_of_one():
+        model = Outer()
+        fully_shard(model.stacks[0].inner)
+        with pytest.raises(TapeSACError, match=r"block 'stacks.0' contains 'stacks.0.inner'") as e:
+            tapesac_core.checkpoint_modules(model, {Stack})
+        assert fix in str(e.value) and not any(hasattr(s, "_tapesac") for s in model.stacks)
+        model = Outer()
+        tapesac_core.checkpoint_modules(model, {Stack})
+        fully_shard(model.stacks[1].inner)
+        with pytest.raises(TapeSACError, match=r"block 'stacks.1' contains 'stacks.1.inner'"):
+            model(_x())
+        fully_shard(model)  # the whole model (around the blocks) is what FSDP2 users do: allowed
+        with pytest.raises(TapeSACError, match="stacks.1.inner"):
+            model(_x())
+
+
 def test_checkpoint_modules_skips_modules_inside_selected_ones() -> None:
     model = Stack()
     assert tapesac_core.checkpoint_modules(model, lambda m: isinstance(m, (Stack, Block))) == [""]
