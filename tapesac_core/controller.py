@@ -424,6 +424,10 @@ class Controller:
         # removes replay temporaries, so only a plan predicted above it means nothing fits.
         if plan.predicted_peak > capacity and "base" not in self._warned:
             self._warned.add("base")
+            if self.limit_bytes() == 0:  # asked for: no warning
+                logger.info("TapeSAC: memory_limit is 0: every step runs must-only (nothing saved "
+                            "beyond what backward must keep)")
+                return plan
             logger.warning("TapeSAC: the must-only step alone needs %s at %s tokens (%s memory "
                            "model), above the %s the memory limit %s leaves, and no plan fits "
                            "below it; running must-only (nothing more saved)",
@@ -540,6 +544,8 @@ class Controller:
         Allocation retries mean the device ran out, whatever the footprint.
         """
         limit = self.limit_bytes()
+        if limit == 0:  # must-only was asked for: there is no plan to shrink
+            return
         used = step_footprint(reading, self.memory.measured_fragmentation)
         threshold = self.config.near_limit * limit
         if used > threshold or reading.alloc_retries > 0:

@@ -336,13 +336,17 @@ def test_gradient_accumulation_with_one_step_per_micro_batch_is_bitwise() -> Non
     assert not different
 
 
-def test_a_zero_memory_limit_runs_must_only_in_planned_steps() -> None:
+def test_a_zero_memory_limit_runs_must_only_in_planned_steps(caplog) -> None:
     model, meter, c = _setup(0.0)
-    for _ in range(2):
-        _run(model, meter, c, 32)
-    must_only = _run(model, meter, c, 32)  # a control step: must-only by definition
-    assert must_only.mode == CONTROL
-    report = _run(model, meter, c, 32)
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            _run(model, meter, c, 32)
+        must_only = _run(model, meter, c, 32)  # a control step: must-only by definition
+        assert must_only.mode == CONTROL
+        report = _run(model, meter, c, 32)
+    # Asked for, so said once at info level, never warned about.
+    assert caplog.text.count("memory_limit is 0: every step runs must-only") == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert report.mode == PLANNED and report.plan.empty and report.saved_bytes == 0
     for b, m in zip(report.block_traces, must_only.block_traces, strict=True):
         assert b.saved <= frozenset(b.tape.mandatory) and not b.tape.planned
