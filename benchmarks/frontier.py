@@ -349,8 +349,8 @@ def run_safely(method: Method, what: str, fn: Callable[[], Any]) -> Any:
 # ---------------------------------------------------------------------- TapeSAC plans
 
 
-def plan_tapesac(model: torch.nn.Module, ids: torch.Tensor,
-                 targets: Callable[[int], dict[str, int]]) -> tuple[dict[str, tuple[int, Any]], dict[str, Any]]:
+def plan_tapesac(model: torch.nn.Module, ids: torch.Tensor, targets: Callable[[int], dict[str, int]],
+                 max_set_size: int = 12) -> tuple[dict[str, tuple[int, Any]], dict[str, Any]]:
     """Plans by TapeSAC's Controller: a probe controller with no effective limit profiles the
     model (warm-up, profiling, one planned step: its plan saves everything worth saving), then
     the same controller solves the bucket again under each limit of ``targets(everything)``, a
@@ -358,7 +358,7 @@ def plan_tapesac(model: torch.nn.Module, ids: torch.Tensor,
     live bytes it measured at the step's start. Margin 0, so the limit is the baseline's measured
     peak itself (the controller's fragmentation and near-limit checks stay)."""
     controller = Controller(model, "1TiB", warmup_steps=1, profile_steps=2, control_steps=1,
-                            control_every=0, margin=0.0)
+                            control_every=0, margin=0.0, max_set_size=max_set_size)
     report = None
     for _ in range(8):
         with controller.step(tokens=ids.numel()) as report:
@@ -464,7 +464,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return named | {f"tapesac={m.name}": m.peak for m in methods
                             if m.family not in ("tapesac", "tapesac_policy")
                             and m.peak is not None and m.peak > must.peak}
-        plans, plan_info = plan_tapesac(copy.deepcopy(tapesac_model), ids, targets)
+        plans, plan_info = plan_tapesac(copy.deepcopy(tapesac_model), ids, targets, args.max_set_size)
         seen: dict[str, Method] = {}
         for name, (limit, plan) in sorted(plans.items(), key=lambda kv: kv[1][0]):
             key = coords_key(plan)
@@ -503,7 +503,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": args.command,
         "machine": machine(device),
         "commit": git_commit(),
-        "model": args.model, "size": args.size, "parameters": params, "seq": seq, "batch": batch,
+        "model": args.model, "size": args.size, "max_set_size": args.max_set_size,
+        "parameters": params, "seq": seq, "batch": batch,
         "dtype": args.dtype, "dropout": args.dropout, "device": str(device),
         "steps": args.steps, "warmup": args.warmup, "threads": torch.get_num_threads(),
         "compile_backend": args.compile_backend,
@@ -802,7 +803,7 @@ def _gflop(flops: int | None) -> str:
 
 def write_outputs(result: dict[str, Any], out_dir: Path, markdown: Path | None) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"frontier_{result['model']}_{result['size']}"
+    stem = f"frontier_{'_'.join(run_name(result))}"
     json_path = out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     ok = [r for r in result["rows"] if not r["error"] and "median_s" in r and r["peak_bytes"] is not None]
@@ -820,9 +821,15 @@ def write_outputs(result: dict[str, Any], out_dir: Path, markdown: Path | None) 
     paths = {"json": json_path, "time_png": time_png, "norm_png": norm_png}
     if markdown is not None:
         section = markdown_section(result, paths, markdown.parent)
-        update_markdown(markdown, f"{result['model']}:{result['size']}", section)
+        update_markdown(markdown, ":".join(run_name(result)), section)
         paths["markdown"] = markdown
     return paths
+
+
+def run_name(result: dict[str, Any]) -> tuple[str, ...]:
+    """Model and size, and the save-set cap when it is not the default (its own files and section)."""
+    cap = result.get("max_set_size", 12)
+    return (result["model"], result["size"]) + (() if cap == 12 else (f"set{cap}",))
 
 
 def update_markdown(path: Path, key: str, section: str) -> None:
@@ -844,7 +851,8 @@ def markdown_section(result: dict[str, Any], paths: dict[str, Path], base: Path)
     m = result["machine"]
     plan = result.get("tapesac_planning", {})
     lines = [
-        f"## Frontier: {result['model']} model, size {result['size']}", "",
+        f"## Frontier: {result['model']} model, size {result['size']}"
+        + (f", TapeSAC's max_set_size {result['max_set_size']}" if len(run_name(result)) > 2 else ""), "",
         f"Command: `{result['command']}`  ",
         f"Machine: {m.get('cpu')} ({m.get('cpus')} CPUs), {m.get('platform')}, Python {m.get('python')}, "
         f"torch {m.get('torch')}{', GPU ' + m['gpu'] if 'gpu' in m else ''}; "
@@ -896,6 +904,8 @@ def parser(prog: str = "frontier.py") -> argparse.ArgumentParser:
     p.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=list(FRACTIONS))
     p.add_argument("--fig9-shares", type=lambda s: [float(x) for x in s.split(",")], default=[0.05, 0.1],
                    help="also plan at full's peak plus these shares of the gap to none's (Figure 9)")
+    p.add_argument("--max-set-size", type=int, default=12,
+                   help="TapeSAC's max_set_size: candidates one block's save set may hold")
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--families", default="", help=f"comma-separated subset of {','.join(FAMILIES)}")
     p.add_argument("--grow", type=int, default=0,

@@ -83,6 +83,20 @@ def test_a_torch_compile_failure_is_a_row_with_the_exception_text(tmp_path: Path
     assert rows["none"]["error"] is None and rows["full"]["n"] == 1
 
 
+def test_a_save_set_cap_other_than_the_default_gets_its_own_files_and_section(tmp_path: Path) -> None:
+    frontier = _frontier()
+    markdown = tmp_path / "RESULTS.md"
+    result = frontier.main(["--size", "tiny", "--steps", "1", "--warmup", "0", "--fractions", "1",
+                            "--families", "none,full,tapesac", "--max-set-size", "2",
+                            "--out-dir", str(tmp_path), "--markdown", str(markdown)])
+    assert result["max_set_size"] == 2
+    assert (tmp_path / "frontier_dense_tiny_set2.json").is_file()
+    text = markdown.read_text()
+    assert "<!-- frontier dense:tiny:set2 -->" in text and "max_set_size 2" in text
+    planned = [r for r in result["rows"] if r["family"] == "tapesac" and r["method"] != "tapesac_must"]
+    assert planned and all(r["peak_bytes"] > 0 for r in planned)
+
+
 def test_tapesac_bench_runs_the_harness_from_the_checkout(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-m", "tapesac_lightning.cli", "bench", "--help"],
