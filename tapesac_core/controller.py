@@ -428,11 +428,13 @@ class Controller:
                 logger.info("TapeSAC: memory_limit is 0: every step runs must-only (nothing saved "
                             "beyond what backward must keep)")
                 return plan
-            logger.warning("TapeSAC: the must-only step alone needs %s at %s tokens (%s memory "
-                           "model), above the %s the memory limit %s leaves, and no plan fits "
-                           "below it; running must-only (nothing more saved)",
-                           format_bytes(plan.predicted_peak), edges, plan.memory_model,
-                           format_bytes(capacity), self.config.memory_limit)
+            lowest = "must-only (nothing more saved)" if plan.empty else \
+                "the plan of the lowest predicted peak"
+            logger.warning("TapeSAC: no plan fits the %s the memory limit %s leaves at %s tokens "
+                           "(%s memory model): the must-only step alone needs %s; running %s, "
+                           "predicted at %s", format_bytes(capacity), self.config.memory_limit,
+                           edges, plan.memory_model, format_bytes(plan.base), lowest,
+                           format_bytes(plan.predicted_peak))
         return plan
 
     def _must_only_time(self, key: tuple[int, ...], edges: dict[str, int]) -> float:

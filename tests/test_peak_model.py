@@ -128,6 +128,31 @@ def test_solve_peak_is_exact_with_replay_deltas_and_micro_batches() -> None:
         assert sum(o.gain for o in got) == max(fits)[0], trial
 
 
+def test_when_no_plan_fits_the_plan_of_the_lowest_predicted_peak_runs() -> None:
+    """Block 1's window sets the must-only peak (150). Saving 10 bytes there removes 40 of its
+    replay temporaries (120); saving 30 removes 45 (135); block 0's 5 bytes are alive in that
+    window too (+5). Under a capacity of 100 nothing fits: the lowest peak, 120, runs."""
+    from tapesac_core.solve import _lowest_peak
+
+    t = _windows_timeline(random.Random(0), 1, 2, 1)
+    t = Timeline(tokens=1, static=0, blocks=t.blocks, segments=(
+        Segment(peak=90, first=0, last=0, phase="forward"),
+        Segment(peak=100, first=0, last=1, phase="forward"),
+        Segment(peak=100, first=0, last=1),                                   # the loss
+        Segment(peak=150, first=0, last=1, phase="replay", own=1, unpack=0),  # block 1's window
+        Segment(peak=110, first=0, last=0, phase="replay", own=0, unpack=0),  # block 0's window
+        Segment(peak=40, first=1, last=0)))
+    zero = Option(bytes=0, gain=0.0, point=0)
+    menus = [[zero, Option(bytes=5, gain=1.0, point=1)],
+             [zero, Option(bytes=10, gain=1.0, point=1, replay=(-40,)),
+              Option(bytes=30, gain=3.0, point=2, replay=(-45,))]]
+    assert predict(t, [zero, zero]).peak == 150
+    assert solve_peak(t, menus, 100) is None  # below every plan's peak
+    picks = _lowest_peak(t, menus, 100, resolution=4096)
+    # Block 1 saves 10 (its window 150 + 10 - 40 = 120); block 0's 5 more would make it 125.
+    assert picks == (0, 1) and predict(t, [m[c] for m, c in zip(menus, picks)]).peak == 120
+
+
 def test_solve_peak_rounds_bytes_up_so_the_plan_fits() -> None:
     t = _timeline([100, 100], [(0, 0), (0, 1)])
     menus = [[Option(bytes=0, gain=0.0, point=0), Option(bytes=7, gain=1.0, point=1)]] * 2
