@@ -232,48 +232,37 @@ def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int]
                 stack.append(d)
     refs = [0] * len(sizes)  # storage -> values of env on it
     live = 0
-
-    def drop(v: int) -> int:
-        """Replay lets go of ``v``; the bytes its storage frees (0 while other values hold it)."""
-        nonlocal live
-        env[v] = False
-        s = storage[v]
-        refs[s] -= 1
-        if refs[s]:
-            return 0
-        live -= cost[s]
-        return cost[s]
-
-    # Replay's own walk (``tape.producer_closure``) from one value, stopping at values that
-    # exist; marks carry the walk's number so no per-walk arrays are built.
     node_mark, value_mark = [0] * len(deps_of), [0] * len(storage)
     walks = 0
-
-    def walk(target: int) -> list[int]:
-        nonlocal walks
-        walks += 1
-        needed, stack = [], [target]
-        value_mark[target] = walks
-        while stack:
-            n = producer[stack.pop()]
-            if node_mark[n] == walks:
-                continue
-            node_mark[n] = walks
-            needed.append(n)
-            for d in deps_of[n]:
-                if not (avail[d] or env[d]) and value_mark[d] != walks:
-                    value_mark[d] = walks
-                    stack.append(d)
-        return needed
-
+    # One autograd node call per groups entry: autograd's holds end where a new one starts.
+    starts = [True] * len(unpacks) if not groups else \
+        [k == 0 or groups[k] != groups[k - 1] for k in range(len(unpacks))]
     replay, compute = [], []
     grabbed: dict[int, int] = {}  # storage -> bytes autograd holds for the current node
-    for position, v in enumerate(unpacks):
-        if position == 0 or not groups or groups[position] != groups[position - 1]:
+    # The loop below runs once per frontier point and unpack: names stay local (no closures),
+    # so freeing a value is written out where it happens.
+    for v, start in zip(unpacks, starts):
+        if start:
             grabbed.clear()
         top = live
         if not (avail[v] or env[v]):
-            for n in sorted(walk(v)):
+            # Replay's own walk (``tape.producer_closure``) from v, stopping at values that
+            # exist; marks carry the walk's number so no per-walk arrays are built.
+            walks += 1
+            needed, stack = [], [v]
+            value_mark[v] = walks
+            while stack:
+                n = producer[stack.pop()]
+                if node_mark[n] == walks:
+                    continue
+                node_mark[n] = walks
+                needed.append(n)
+                for d in deps_of[n]:
+                    if not (avail[d] or env[d]) and value_mark[d] != walks:
+                        value_mark[d] = walks
+                        stack.append(d)
+            needed.sort()
+            for n in needed:
                 outs = outs_of[n]
                 if len(outs) == 1:
                     s = storage[outs[0]]
@@ -291,14 +280,22 @@ def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int]
                             live += cost[s]
                 for d in deps_of[n]:
                     reads[d] -= 1
-                    if reads[d] <= 0 and env[d]:
-                        drop(d)
-        held_now = sum(b for s, b in grabbed.items() if not refs[s]) if grabbed else 0
-        replay.append(top + held_now)
+                    if reads[d] <= 0 and env[d]:  # its last read: replay lets go of it
+                        env[d] = False
+                        s = storage[d]
+                        refs[s] -= 1
+                        if not refs[s]:
+                            live -= cost[s]
+        replay.append(top + (sum(b for s, b in grabbed.items() if not refs[s]) if grabbed else 0))
         if not avail[v]:
             reads[v] -= 1
-            if reads[v] <= 0 and env[v] and drop(v):
-                grabbed[storage[v]] = cost[storage[v]]  # autograd holds it while its node computes
+            if reads[v] <= 0 and env[v]:
+                env[v] = False
+                s = storage[v]
+                refs[s] -= 1
+                if not refs[s]:
+                    live -= cost[s]
+                    grabbed[s] = cost[s]  # autograd holds it while its node computes
         compute.append(live + (sum(b for s, b in grabbed.items() if not refs[s]) if grabbed else 0))
     return ReplayMemory(replay=tuple(replay), compute=tuple(compute))
 
