@@ -28,7 +28,7 @@ order), and the paper's Figure 9 normalisation against ``full``.
 checkpointing and TapeSAC's Controller at one fixed limit with the batch grown 3x (which exceed
 the limit, by how much; TapeSAC's re-planned speedup).
 
-Run: python benchmarks/frontier.py [--size tiny|small|1b] [--model dense|moe|qwen3]
+Run: python benchmarks/frontier.py [--size tiny|example|small|1b] [--model dense|moe|qwen3]
      [--steps 10] [--warmup 2] [--compile-backend inductor] [--out-dir benchmarks/results]
      [--markdown benchmarks/RESULTS.md] [--grow 3]   (or: tapesac bench ...)
 Writes benchmarks/results/frontier_<model>_<size>.json (and _growth_), two PNG plots, and its
@@ -80,6 +80,9 @@ SIZES = {
                   intermediate_size=64, moe_intermediate_size=32), 32, 2),
     "small": (dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
                    intermediate_size=768, moe_intermediate_size=256), 256, 2),
+    # The examples' training jobs (examples/train_lightning.py): hidden 128, batch 4 x 256.
+    "example": (dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                     intermediate_size=256, moe_intermediate_size=128), 256, 4),
     # Qwen3-style, about 1.0B parameters (16 layers of 54M, 32K vocabulary): for one GPU.
     "1b": (dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8, head_dim=128,
                 intermediate_size=6144, moe_intermediate_size=1536, vocab_size=32768), 2048, 2),
