@@ -44,8 +44,9 @@ def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int],
     With ``config.memory_model == "peak"`` and a ``timeline`` of a must-only sample step whose
     blocks match the profiles, the peak is the timeline model's (``plan.peak``: saved values
     alive from their block's forward to its backward, replay temporaries of the block that
-    sets the peak from the set it saves), scaled so its must-only peak is ``base``. Otherwise
-    Eq. 8: Σ bytes ≤ capacity − base.
+    sets the peak from the set it saves), scaled so its must-only peak is ``base``; when no plan
+    fits, the fastest of those with the lowest predicted peak. Otherwise Eq. 8: Σ bytes ≤
+    capacity − base (nothing saved when base alone exceeds it).
 
     Its predicted speedup comes from ``StepTime``: ``must_only_step_time`` minus the modelled
     must-only replay is the time outside replay (floored, see ``StepTime.model``), so the
