@@ -12,6 +12,7 @@ from .plan.plan import Plan, RegionPlan, Saved
 from .plan.tape_graph import name_coord
 from .profile import RegionProfile
 from .step_time import StepTime
+from .units import format_bytes
 
 
 def scaled(points: tuple[Point, ...], factor: float,
@@ -71,15 +72,25 @@ def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int],
                for r, p in profiles.items())
     step = StepTime.of_step(must_only_step_time, modelled_replay(profiles, tokens))
     planned_time = step.planned(gain)
-    notes = () if budget > 0 else (
-        f"the must-only step needs {base} bytes of the {capacity} the limit leaves: nothing "
-        "more is saved",)
+    notes = _capacity_notes(base, capacity, predicted, saved_bytes)
     return Plan(model=model, regions=regions, capacity=capacity, base=base,
                 saved_bytes=saved_bytes, predicted_speedup=step.speedup(gain),
                 predicted_speedup_vs_full=(step.must_only + max(0.0, full)) / planned_time, notes=notes,
                 step_time=step.must_only, replay_time=step.replay,
                 memory_model="peak" if peak is not None else "sum", predicted_peak=predicted,
                 peak_at=peak_at, static=timeline.static if timeline is not None else 0)
+
+
+def _capacity_notes(base: int, capacity: int, predicted: int, saved: int) -> tuple[str, ...]:
+    """What explain() says when the must-only step does not fit the capacity."""
+    if base <= capacity:
+        return ()
+    head = f"the must-only step needs {format_bytes(base)} of the {format_bytes(capacity)} the limit leaves"
+    if predicted > capacity:
+        return (f"{head}, and no plan fits: this one has the lowest predicted peak, "
+                f"{format_bytes(predicted)}" if saved else f"{head}: nothing more is saved",)
+    return (f"{head}: this plan fits, its saved values remove more replay temporaries than "
+            "they keep",)
 
 
 def region_menus(profiles: Mapping[str, RegionProfile], frontiers: Mapping[str, tuple[Point, ...]],

@@ -304,6 +304,9 @@ def test_a_limit_below_the_must_only_peak_warns_only_when_no_plan_fits_below_it(
     if plan.predicted_peak <= plan.capacity:
         assert plan.saved_bytes > 0 and "no plan fits" not in caplog.text
         assert planned and max(planned) <= limit < must_only, (planned, limit, must_only)
+        assert "remove more replay temporaries than they keep" in plan.explain()
     else:  # the plan of the lowest predicted peak runs, never above must-only's
         assert caplog.text.count("no plan fits") == 1
         assert plan.predicted_peak <= plan.base and max(planned) <= 1.01 * must_only
+        assert ("has the lowest predicted peak" if plan.saved_bytes else "nothing more is saved") \
+            in plan.explain()
