@@ -23,6 +23,11 @@ class MemoryLimit:
         if (self.fraction is None) == (self.bytes is None):
             raise ValueError("a memory limit is either a fraction or a number of bytes")
 
+    @property
+    def must_only(self) -> bool:
+        """A limit of 0, which asks for must-only steps (nothing saved beyond S0)."""
+        return self.fraction == 0 or self.bytes == 0
+
     def of(self, device_bytes: int) -> int:
         """The limit in bytes on a device (or host) with ``device_bytes`` of memory."""
         return self.bytes if self.bytes is not None else int(self.fraction * device_bytes)

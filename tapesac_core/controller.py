@@ -424,7 +424,7 @@ class Controller:
         # removes replay temporaries, so only a plan predicted above it means nothing fits.
         if plan.predicted_peak > capacity and "base" not in self._warned:
             self._warned.add("base")
-            if self.limit_bytes() == 0:  # asked for: no warning
+            if self.config.memory_limit.must_only:  # asked for: no warning
                 logger.info("TapeSAC: memory_limit is 0: every step runs must-only (nothing saved "
                             "beyond what backward must keep)")
                 return plan
@@ -545,9 +545,9 @@ class Controller:
         step left behind: that would raise again at every metered step until nothing is saved.
         Allocation retries mean the device ran out, whatever the footprint.
         """
-        limit = self.limit_bytes()
-        if limit == 0:  # must-only was asked for: there is no plan to shrink
+        if self.config.memory_limit.must_only:  # asked for: there is no plan to shrink
             return
+        limit = self.limit_bytes()
         used = step_footprint(reading, self.memory.measured_fragmentation)
         threshold = self.config.near_limit * limit
         if used > threshold or reading.alloc_retries > 0:

@@ -46,7 +46,7 @@ def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int],
     blocks match the profiles, the peak is the timeline model's (``plan.peak``: saved values
     alive from their block's forward to its backward, replay temporaries of the block that
     sets the peak from the set it saves), scaled so its must-only peak is ``base``; when no plan
-    fits, the fastest of those with the lowest predicted peak. Otherwise Eq. 8: Σ bytes ≤
+    fits, the fastest of those with the lowest predicted peak (must-only for a limit of 0). Otherwise Eq. 8: Σ bytes ≤
     capacity − base (nothing saved when base alone exceeds it).
 
     Its predicted speedup comes from ``StepTime``: ``must_only_step_time`` minus the modelled
@@ -121,8 +121,9 @@ def _peak_choice(profiles: Mapping[str, RegionProfile], frontiers: Mapping[str, 
     scaled_timeline = timeline.scaled(base)
     menus = menus_of(scaled_timeline, region_menus(profiles, frontiers, tokens))
     picks = solve_peak(scaled_timeline, menus, capacity, resolution=config.knapsack_resolution)
-    if picks is None:
-        picks = _lowest_peak(scaled_timeline, menus, capacity, config.knapsack_resolution)
+    if picks is None:  # a limit of 0 asks for must-only, any other for the least memory
+        picks = (0,) * len(menus) if config.memory_limit.must_only else \
+            _lowest_peak(scaled_timeline, menus, capacity, config.knapsack_resolution)
     options = [m[c] for m, c in zip(menus, picks)]
     prediction = predict(scaled_timeline, options)
     choices: dict[str, list[int]] = {r: [0] * p.blocks for r, p in profiles.items()}

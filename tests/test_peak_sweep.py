@@ -117,6 +117,17 @@ def test_predicted_peak_within_3_percent_never_above_the_limit_and_the_capacity_
         (measured, measured_must_only, plan.capacity, _step_up(controller, plan))
 
 
+def test_a_zero_limit_runs_must_only_under_the_peak_aware_model(dense, caplog):
+    """Nothing fits a limit of 0, but it asks for must-only: not for the plan of the lowest peak."""
+    base, must_only, _ = dense
+    with caplog.at_level("INFO"):
+        planned, _, report = _run(base, 0.0)
+    assert report.plan.memory_model == "peak" and report.plan.empty and report.saved_bytes == 0
+    # The must-only step (a planned step reads ~10 KB above a control step on this model).
+    assert abs(max(p for p, _ in planned) - must_only) <= 0.005 * must_only
+    assert "memory_limit is 0" in caplog.text and "no plan fits" not in caplog.text
+
+
 def test_eq8_overcharges_the_same_step(dense):
     base, must_only, everything = dense
     limit = int((must_only + 0.6 * everything) / 0.98)
