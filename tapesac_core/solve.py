@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 
 from .config import TapeSACConfig
 from .plan import Point, RegionFrontier, replay_time, solve_knapsack
-from .plan.peak import RegionMenu, Timeline, menus_of, predict, solve_peak
+from .plan.peak import Option, RegionMenu, Timeline, menus_of, predict, solve_peak
 from .plan.plan import Plan, RegionPlan, Saved
 from .plan.tape_graph import name_coord
 from .profile import RegionProfile
@@ -46,8 +46,8 @@ def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int],
     blocks match the profiles, the peak is the timeline model's (``plan.peak``: saved values
     alive from their block's forward to its backward, replay temporaries of the block that
     sets the peak from the set it saves), scaled so its must-only peak is ``base``; when no plan
-    fits, the fastest of those with the lowest predicted peak (must-only for a limit of 0). Otherwise Eq. 8: Σ bytes ≤
-    capacity − base (nothing saved when base alone exceeds it).
+    fits, the fastest of those with the lowest predicted peak (must-only for a limit of 0).
+    Otherwise Eq. 8: Σ bytes ≤ capacity − base (nothing saved when base alone exceeds it).
 
     Its predicted speedup comes from ``StepTime``: ``must_only_step_time`` minus the modelled
     must-only replay is the time outside replay (floored, see ``StepTime.model``), so the
@@ -85,7 +85,8 @@ def _capacity_notes(base: int, capacity: int, predicted: int, saved: int) -> tup
     """What explain() says when the must-only step does not fit the capacity."""
     if base <= capacity:
         return ()
-    head = f"the must-only step needs {format_bytes(base)} of the {format_bytes(capacity)} the limit leaves"
+    head = (f"the must-only step needs {format_bytes(base)} of the {format_bytes(capacity)} the "
+            "limit leaves")
     if predicted > capacity:
         return (f"{head}, and no plan fits: this one has the lowest predicted peak, "
                 f"{format_bytes(predicted)}" if saved else f"{head}: nothing more is saved",)
@@ -134,7 +135,8 @@ def _peak_choice(profiles: Mapping[str, RegionProfile], frontiers: Mapping[str, 
             math.fsum(o.gain for o in options), prediction.peak, prediction.label)
 
 
-def _lowest_peak(timeline: Timeline, menus: list, capacity: int, resolution: int) -> tuple[int, ...]:
+def _lowest_peak(timeline: Timeline, menus: list[list[Option]], capacity: int,
+                 resolution: int) -> tuple[int, ...]:
     """When no plan fits ``capacity``: the fastest plan among those of the lowest predicted peak
     (to 0.1% of the step's peak), by bisection on the capacity. Saving removes replay
     temporaries, so that is often well below must-only's peak, the upper end."""
