@@ -515,8 +515,9 @@ class Controller:
         """A metered planned step: its measured peak against the plan's predicted one (at the
         step's tokens, ``Plan.peak_at_tokens``). Above it by more than the margin, the error is
         added to the model (``MemoryModel.model_error``, taken off the capacity like
-        fragmentation; what the correction already covers is not added again) at the next step, on every rank together (the largest error any rank
-        saw), and every plan is solved again, so the limit holds when the model is wrong."""
+        fragmentation; what the correction already covers is not added again) at the next step,
+        on every rank together (the largest error any rank saw), and every plan is solved again,
+        so the limit holds when the model is wrong."""
         plan = report.plan
         if plan is None or not plan.predicted_peak:
             return
