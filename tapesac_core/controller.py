@@ -22,6 +22,7 @@ every rank applies the same plan.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -294,7 +295,9 @@ class Controller:
         report.measured_speedup = self._measured(key)
         report.measured_reason = self._unmeasured_reason(key)
         report.measured_speedup_vs_full = self._measured(key, self.full_times)
-        self.report = report
+        # The controller's copy keeps no block traces: their tapes (random generator states
+        # among them) belong to the step, and only the caller's report may keep them longer.
+        self.report = dataclasses.replace(report, block_traces=[])
         self.steps += 1
 
     def _record_walls(self, blocks: list, tokens: dict[str, int]) -> None:

@@ -1,8 +1,10 @@
 """The controller's state machine, with memory readings the test chooses (an injected meter)."""
 
 import dataclasses
+import gc
 import json
 import logging
+import weakref
 
 import pytest
 import torch
@@ -75,6 +77,20 @@ def _run(model, meter, controller, seq: int, batch: int = 2):
         model.loss(ids).backward()
     model.zero_grad(set_to_none=True)
     return report
+
+
+def test_the_controller_keeps_no_tape_of_a_finished_step() -> None:
+    """The last report stays on the controller for logs, without its block traces: the tapes
+    (with random generator states) go when the caller drops its report."""
+    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    for _ in range(4):
+        report = _run(model, meter, c, 32)
+    assert report.mode == PLANNED and len(report.block_traces) == 3
+    tapes = [weakref.ref(t.tape) for t in report.block_traces]
+    assert c.report.plan is report.plan and c.report.block_traces == []
+    del report
+    gc.collect()
+    assert all(t() is None for t in tapes)
 
 
 def test_state_machine_warmup_profile_control_then_one_plan_per_bucket() -> None:
