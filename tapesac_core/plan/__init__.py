@@ -1,6 +1,6 @@
 """The planner: frontiers of save sets per region type, a knapsack across them, token buckets.
 
-Pure Python; no torch. Graphs in, frontiers and plans out.
+Python (numpy for the peak model's DP); no torch. Graphs in, frontiers and plans out.
 """
 
 from .buckets import PRIMARY_FACTOR, SECONDARY_FACTOR, bucket, upper_edge

@@ -16,7 +16,7 @@ contiguous range in forward order (a micro-batch's blocks from the first to the 
 so the best plan under the predicted peak is an exact dynamic program over blocks in forward order
 whose state is the bytes kept since the start of the micro-batch (``solve_peak``).
 
-Pure Python, no torch: timelines and plan graphs in, predictions and choices out.
+Python and numpy, no torch: timelines and plan graphs in, predictions and choices out.
 """
 
 from __future__ import annotations
