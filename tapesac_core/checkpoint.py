@@ -324,14 +324,19 @@ def _wrap(module: M, region: str | None, path: str | None) -> M:
     if hasattr(module, "_tapesac"):
         raise TapeSACError(f"{type(module).__name__} is already checkpointed by TapeSAC")
     name = path or type(module).__name__
-    _refuse_nesting(module, name)
-    _refuse_sharded_inside(module, name)
+    _refuse_wrapping(module, name)
     # Bound methods deep-copy with their module, so a copied model checkpoints its own blocks.
     module._tapesac_forward = module.forward
     module._tapesac = BlockConfig(region=region or type(module).__name__, path=path)
     module.forward = types.MethodType(_checkpointed_forward, module)
     _track_submodules(module, name)
     return module
+
+
+def _refuse_wrapping(module: torch.nn.Module, name: str) -> None:
+    """Every reason ``module`` cannot become a block, as an error naming the fix."""
+    _refuse_nesting(module, name)
+    _refuse_sharded_inside(module, name)
 
 
 def _refuse_nesting(module: torch.nn.Module, name: str) -> None:
@@ -423,8 +428,7 @@ def checkpoint_modules(model: torch.nn.Module, policy: Policy,
     chosen: list[torch.nn.Module] = []
     for path, module in model.named_modules():
         if selects(module) and not _inside(path, paths):
-            _refuse_nesting(module, path or type(module).__name__)  # before any is wrapped
-            _refuse_sharded_inside(module, path or type(module).__name__)
+            _refuse_wrapping(module, path or type(module).__name__)  # before any is wrapped
             paths.append(path)
             chosen.append(module)
     for path, module in zip(paths, chosen):
