@@ -67,12 +67,7 @@ def frontier_figure(frontier: Mapping[str, Any], measured: Sequence[MeasuredPoin
         axes.errorbar(x, point.seconds * 1e3, yerr=spread, fmt="D", markerfacecolor="none",
                       color=colors.get(point.label), capsize=4,
                       label=f"{point.label} measured (median, IQR, n={point.count})")
-    axes.set_xlabel("step peak memory (MiB)")
-    axes.set_ylabel("step time (ms)")
-    axes.set_title(title)
-    axes.legend(fontsize=7, loc="best")
-    figure.tight_layout()
-    return figure
+    return _finish(figure, axes, "step peak memory (MiB)", "step time (ms)", title)
 
 
 def speedup_by_bucket_figure(rows: Sequence[tuple[int, float, float | None]]) -> Any:
@@ -86,12 +81,8 @@ def speedup_by_bucket_figure(rows: Sequence[tuple[int, float, float | None]]) ->
         axes.plot(*zip(*measured), "D", markerfacecolor="none", color="black",
                   label="measured (median must-only / median planned step)")
     axes.axhline(1.0, color="0.5", linewidth=1)
-    axes.set_xlabel("tokens per step (bucket upper edge)")
-    axes.set_ylabel("speedup vs must-only (x)")
-    axes.set_title("TapeSAC speedup per token bucket")
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    return figure
+    return _finish(figure, axes, "tokens per step (bucket upper edge)", "speedup vs must-only (x)",
+                   "TapeSAC speedup per token bucket", fontsize=8)
 
 
 def timeline_figure(scalars: Mapping[str, Sequence[tuple[int, float]]]) -> Any:
@@ -161,12 +152,7 @@ def method_frontier_figure(points: Sequence[Mapping[str, Any]],
         xs, ys = zip(*ours)
         axes.plot(np.array(xs) / MiB, np.array(ys) * 1e3, "-", color="tab:red", alpha=0.5,
                   label="TapeSAC measured frontier")
-    axes.set_xlabel("measured step peak memory (MiB)")
-    axes.set_ylabel("median step time (ms)")
-    axes.set_title(title)
-    axes.legend(fontsize=7, loc="best")
-    figure.tight_layout()
-    return figure
+    return _finish(figure, axes, "measured step peak memory (MiB)", "median step time (ms)", title)
 
 
 _FAMILY_LABEL = {"none": "no checkpointing", "full": "torch full checkpointing",
@@ -200,18 +186,25 @@ def normalised_frontier_figure(points: Sequence[Mapping[str, Any]],
             axes.errorbar(x, 100 * p["time_share"], yerr=spread, fmt=marker, color=color,
                           markerfacecolor="none", capsize=2, markersize=5, alpha=0.6, label=label)
     axes.plot([0, 100], [0, 100], ":", color="0.5", linewidth=1, label="proportional (diagonal)")
-    axes.set_xlabel("extra memory over full checkpointing (% of no-checkpointing's extra)")
-    axes.set_ylabel("recompute eliminated (% of full's)")
-    axes.set_title(title)
-    axes.legend(fontsize=7, loc="best")
-    figure.tight_layout()
-    return figure
+    return _finish(figure, axes, "extra memory over full checkpointing (% of no-checkpointing's extra)",
+                   "recompute eliminated (% of full's)", title)
 
 
 def image_array(figure: Any) -> np.ndarray:
     """The figure as an RGB ``uint8`` array (height, width, 3), for ``add_image(..., "HWC")``."""
     figure.canvas.draw()
     return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
+
+
+def _finish(figure: Any, axes: Any, xlabel: str, ylabel: str, title: str,
+            fontsize: int = 7) -> Any:
+    """Titled axes, the legend, the layout: how every single-axes figure here ends."""
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.legend(fontsize=fontsize, loc="best")
+    figure.tight_layout()
+    return figure
 
 
 def _axes() -> tuple[Any, Any]:
