@@ -53,6 +53,20 @@ def _exact_block(module) -> tapesac_core.BlockTrace:
     return blocks[0]
 
 
+def _backward_counted(module, x):
+    """The reference step of ``module`` on ``x`` (loss: sum of squares); then, checkpointed, one
+    traced forward and its backward under ``DynamicCalls``: (reference, block trace, counter)."""
+    ref = step(module, lambda: (module(x) ** 2).sum())
+    tapesac_core.checkpoint_module(module)
+    torch.manual_seed(0)
+    with tapesac_core.trace() as blocks:
+        out = module(x)
+    loss = (out ** 2).sum()
+    with DynamicCalls() as counter:
+        loss.backward()
+    return ref, blocks[0], counter
+
+
 def _reasons(tape) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for vid, reason in tape.mandatory.items():
@@ -65,15 +79,8 @@ def test_data_dependent_shapes_are_mandatory_and_backward_never_syncs() -> None:
     torch.manual_seed(0)
     module = Routed()
     x = torch.randn(8, 8, requires_grad=True)
-    ref = step(module, lambda: (module(x) ** 2).sum())
-    tapesac_core.checkpoint_module(module)
-    torch.manual_seed(0)
-    with tapesac_core.trace() as blocks:
-        out = module(x)
-    loss = (out ** 2).sum()
-    with DynamicCalls() as counter:
-        loss.backward()
-    tape = blocks[0].tape
+    ref, block, counter = _backward_counted(module, x)
+    tape = block.tape
     reasons = _reasons(tape)
     # torch.tensor([...]) is built outside the dispatcher: a tensor without a recorded producer.
     assert reasons == {DYNAMIC_SHAPE: {"aten.nonzero.default", "aten.index.Tensor"},
@@ -212,19 +219,13 @@ def test_repeat_interleave_without_output_size_is_mandatory_and_never_replayed()
     torch.manual_seed(0)
     module = Repeats()
     x = torch.randn(6, 8, requires_grad=True)
-    ref = step(module, lambda: (module(x) ** 2).sum())
-    tapesac_core.checkpoint_module(module)
-    torch.manual_seed(0)
-    with tapesac_core.trace() as blocks:
-        out = module(x)
-    with DynamicCalls() as counter:
-        (out ** 2).sum().backward()
-    tape = blocks[0].tape
+    ref, block, counter = _backward_counted(module, x)
+    tape = block.tape
     (node,) = [n for n in tape.nodes if n.name == "aten.repeat_interleave.Tensor"]
     assert "output_size" not in node.kwargs or node.kwargs["output_size"] is None
     assert {tape.mandatory.get(v) for v in node.outs} == {DYNAMIC_SHAPE}
     # Backward replays what it needs around it (the projection, the comparison) but not it.
     assert counter.dynamic == [] and counter.counts["aten.repeat_interleave.Tensor"] == 0
-    assert node.index not in blocks[0].replayed and blocks[0].replayed
+    assert node.index not in block.replayed and block.replayed
     module.zero_grad(set_to_none=True)
     assert_bitwise(ref, step(module, lambda: (module(x) ** 2).sum()))
