@@ -259,6 +259,10 @@ class Controller:
         key, mode = report.bucket, report.mode
         if reading is not None:
             report.peak = reading.peak
+        if report.plan is not None and report.plan.predicted_peak:
+            # At this rank's own tokens: the plan was solved at its bucket's upper edge.
+            report.predicted_peak = report.plan.peak_at_tokens(
+                self.memory.base(self._primary_tokens(report.local_tokens)))
         if mode == PROFILE:
             self._take_profile(blocks, report.tokens)
         if reading is not None and mode in (PROFILE, SAMPLE):
@@ -289,9 +293,6 @@ class Controller:
                 self._check_peak(report, reading)
                 self._watch_limit(reading)
         report.predicted_speedup = self.plans[key].predicted_speedup if key in self.plans else None
-        if report.plan is not None and report.plan.predicted_peak and report.predicted_peak is None:
-            report.predicted_peak = report.plan.peak_at_tokens(
-                self.memory.base(self._primary_tokens(report.local_tokens)))
         report.measured_speedup = self._measured(key)
         report.measured_reason = self._unmeasured_reason(key)
         report.measured_speedup_vs_full = self._measured(key, self.full_times)
@@ -508,11 +509,15 @@ class Controller:
 
     def _capacity(self) -> int:
         """Eq. 9: limit − memory outside the allocator − safety margin − fragmentation."""
-        limit = self.config.memory_limit
         total = self._device_total()
-        margin = self.config.margin * (total if limit.fraction is not None else limit.of(total))
-        return int(limit.of(total) - self.memory.outside - margin - self.memory.fragmentation
-                   - self.memory.model_error)
+        return int(self.config.memory_limit.of(total) - self.memory.outside
+                   - self._margin_bytes(total) - self.memory.fragmentation - self.memory.model_error)
+
+    def _margin_bytes(self, total: int) -> float:
+        """The safety reserve: a share of the device's ``total`` memory, or of the limit when it
+        is absolute."""
+        limit = self.config.memory_limit
+        return self.config.margin * (total if limit.fraction is not None else limit.of(total))
 
     def _check_peak(self, report: StepReport, reading: MemoryReading) -> None:
         """A metered planned step: its measured peak against the plan's predicted one (at the
@@ -522,17 +527,13 @@ class Controller:
         on every rank together (the largest error any rank saw), and every plan is solved again,
         so the limit holds when the model is wrong."""
         plan = report.plan
-        if plan is None or not plan.predicted_peak:
+        if report.predicted_peak is None:
             return
-        report.predicted_peak = plan.peak_at_tokens(
-            self.memory.base(self._primary_tokens(report.local_tokens)))
         error = reading.peak - report.predicted_peak
         # The correction already taken off the capacity explains that much of the error: only
         # the rest raises it, so repeated errors of one size do not add up (and shrink the plans).
         unexplained = error - self.memory.model_error
-        limit = self.config.memory_limit
-        total = self._device_total()
-        margin = self.config.margin * (total if limit.fraction is not None else limit.of(total))
+        margin = self._margin_bytes(self._device_total())
         if unexplained > margin and self.config.peak_correction:
             self._raise_model_error = int(unexplained)
             logger.info("TapeSAC: step peak %s measured above the predicted %s (%s model) by %s, "
