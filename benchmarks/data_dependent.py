@@ -49,10 +49,13 @@ def measure(model: DecoderLM, plan: Plan, ids: torch.Tensor) -> dict[str, float]
             loss.backward()
         seconds = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
-    return {"changed": sum(b.sequence_changed for b in traces),
-            "kept_bytes": sum(b.tape.saved_bytes(b.tape.planned) for b in traces),
-            "replayed": sum(len(b.replayed) for b in traces),
-            "backward_flops": flops.get_total_flops(), "seconds": seconds}
+    return {
+        "changed": sum(b.sequence_changed for b in traces),
+        "kept_bytes": sum(b.tape.saved_bytes(b.tape.planned) for b in traces),
+        "replayed": sum(len(b.replayed) for b in traces),
+        "backward_flops": flops.get_total_flops(),
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -62,8 +65,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = ModelConfig(moe=True, skip_empty_experts=True, num_experts=8, top_k=2,
-                         hidden_size=128, intermediate_size=256, moe_intermediate_size=128)
+    config = ModelConfig(
+        moe=True,
+        skip_empty_experts=True,
+        num_experts=8,
+        top_k=2,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+    )
     model = DecoderLM(config)
     tapesac_core.checkpoint_modules(model, {MoEDecoderLayer})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # same weights for every step
@@ -84,16 +94,21 @@ def main() -> None:
     summary = {}
     for name, steps in rows.items():
         times = [r["seconds"] * 1e3 for r in steps]
-        summary[name] = {key: statistics.mean(r[key] for r in steps)
-                         for key in ("changed", "kept_bytes", "replayed", "backward_flops")}
+        summary[name] = {
+            key: statistics.mean(r[key] for r in steps)
+            for key in ("changed", "kept_bytes", "replayed", "backward_flops")
+        }
         summary[name].update(step_ms=statistics.median(times), iqr_ms=iqr(times))
-        print(f"{name:13s} blocks changed/step {summary[name]['changed']:.2f}  kept "
-              f"{summary[name]['kept_bytes'] / 1024:.1f} KiB  replayed {summary[name]['replayed']:.1f}"
-              f"  backward {summary[name]['backward_flops'] / 1e6:.2f} MFLOP  step "
-              f"{summary[name]['step_ms']:.1f} ms (IQR {summary[name]['iqr_ms']:.1f})")
+        print(
+            f"{name:13s} blocks changed/step {summary[name]['changed']:.2f}  kept "
+            f"{summary[name]['kept_bytes'] / 1024:.1f} KiB  replayed {summary[name]['replayed']:.1f}"
+            f"  backward {summary[name]['backward_flops'] / 1e6:.2f} MFLOP  step "
+            f"{summary[name]['step_ms']:.1f} ms (IQR {summary[name]['iqr_ms']:.1f})"
+        )
     out = ROOT / "benchmarks" / "results" / "data_dependent.json"
-    out.write_text(json.dumps({"steps": args.steps, "threads": args.threads, "summary": summary},
-                              indent=2))
+    out.write_text(
+        json.dumps({"steps": args.steps, "threads": args.threads, "summary": summary}, indent=2)
+    )
 
 
 if __name__ == "__main__":

@@ -58,7 +58,9 @@ from typing import Any
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl, checkpoint_wrapper)
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
@@ -76,32 +78,91 @@ from tapesac_core.units import MiB  # noqa: E402
 
 SIZES = {
     # model shape; seq; batch
-    "tiny": (dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                  intermediate_size=64, moe_intermediate_size=32), 32, 2),
-    "small": (dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
-                   intermediate_size=768, moe_intermediate_size=256), 256, 2),
+    "tiny": (
+        dict(
+            hidden_size=32,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+        ),
+        32,
+        2,
+    ),
+    "small": (
+        dict(
+            hidden_size=256,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=32,
+            intermediate_size=768,
+            moe_intermediate_size=256,
+        ),
+        256,
+        2,
+    ),
     # The examples' training jobs (examples/train_lightning.py): hidden 128, batch 4 x 256.
-    "example": (dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
-                     intermediate_size=256, moe_intermediate_size=128), 256, 4),
+    "example": (
+        dict(
+            hidden_size=128,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            intermediate_size=256,
+            moe_intermediate_size=128,
+        ),
+        256,
+        4,
+    ),
     # Qwen3-style, about 1.0B parameters (16 layers of 54M, 32K vocabulary): for one GPU.
-    "1b": (dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8, head_dim=128,
-                intermediate_size=6144, moe_intermediate_size=1536, vocab_size=32768), 2048, 2),
+    "1b": (
+        dict(
+            hidden_size=2048,
+            num_layers=16,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=6144,
+            moe_intermediate_size=1536,
+            vocab_size=32768,
+        ),
+        2048,
+        2,
+    ),
 }
 BUDGETS = (0.0, 0.1, 0.3, 0.5, 0.8)
 FRACTIONS = (0.1, 0.25, 0.5, 0.75, 1.0)
-TITLE = ("# TapeSAC against every baseline: the memory-time frontier\n\n"
-         "Sections between the `frontier` HTML comment markers are written by `benchmarks/frontier.py` "
-         "(`tapesac bench`); the rest is written by hand.\n")
+TITLE = (
+    "# TapeSAC against every baseline: the memory-time frontier\n\n"
+    "Sections between the `frontier` HTML comment markers are written by `benchmarks/frontier.py` "
+    "(`tapesac bench`); the rest is written by hand.\n"
+)
 FAMILIES = ("none", "full", "torch_sac", "tapesac_policy", "compile", "tapesac")
 
 # torchtitan's op-level SAC save list (torchtitan/distributed/activation_checkpoint.py), plus
 # the SDPA kernels torch picks on CPU and with cuDNN, which the list names on its own devices.
-_SDPA = tuple(getattr(torch.ops.aten, name).default for name in (
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    if hasattr(torch.ops.aten, name))
-TORCHTITAN_SAVE = frozenset({torch.ops.aten.mm.default, torch.ops.aten.max.default, *_SDPA,
-                             torch.ops._c10d_functional.reduce_scatter_tensor.default})
+_SDPA = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+TORCHTITAN_SAVE = frozenset(
+    {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.max.default,
+        *_SDPA,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    }
+)
 ATTENTION_SAVE = frozenset(_SDPA)
 
 
@@ -110,18 +171,24 @@ ATTENTION_SAVE = frozenset(_SDPA)
 
 def torchtitan_policy(meta: dict[str, int]) -> Callable[..., CheckpointPolicy]:
     """torchtitan's ``_custom_policy``: save the list, except every second mm of a block."""
+
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         key = f"{'recompute' if ctx.is_recompute else 'forward'}_mm_count"
         if func == torch.ops.aten.mm.default:
             meta[key] += 1
-        save = func in TORCHTITAN_SAVE and not (func == torch.ops.aten.mm.default and meta[key] % 2 == 0)
+        save = func in TORCHTITAN_SAVE and not (
+            func == torch.ops.aten.mm.default and meta[key] % 2 == 0
+        )
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
     return policy
 
 
 def attention_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Save the attention kernel's outputs; recompute everything else."""
-    return CheckpointPolicy.MUST_SAVE if func in ATTENTION_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+    return (
+        CheckpointPolicy.MUST_SAVE if func in ATTENTION_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+    )
 
 
 def policy_coordinates(tape: tapesac_core.Tape, which: str) -> frozenset:
@@ -132,7 +199,9 @@ def policy_coordinates(tape: tapesac_core.Tape, which: str) -> frozenset:
         if node.op == torch.ops.aten.mm.default:
             mm += 1
         if which == "tt":
-            save = node.op in TORCHTITAN_SAVE and not (node.op == torch.ops.aten.mm.default and mm % 2 == 0)
+            save = node.op in TORCHTITAN_SAVE and not (
+                node.op == torch.ops.aten.mm.default and mm % 2 == 0
+            )
         else:
             save = node.op in ATTENTION_SAVE
         if save:
@@ -149,12 +218,19 @@ def build_model(kind: str, size: str, dropout: float) -> tuple[torch.nn.Module, 
     if kind == "qwen3":
         from transformers import Qwen3Config, Qwen3ForCausalLM
         from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
         config = Qwen3Config(
-            vocab_size=shape.get("vocab_size", 256), hidden_size=shape["hidden_size"],
-            intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_layers"],
-            num_attention_heads=shape["num_heads"], num_key_value_heads=shape["num_kv_heads"],
-            head_dim=shape["head_dim"], max_position_embeddings=max(seq, 128),
-            attention_dropout=dropout, attn_implementation="sdpa")
+            vocab_size=shape.get("vocab_size", 256),
+            hidden_size=shape["hidden_size"],
+            intermediate_size=shape["intermediate_size"],
+            num_hidden_layers=shape["num_layers"],
+            num_attention_heads=shape["num_heads"],
+            num_key_value_heads=shape["num_kv_heads"],
+            head_dim=shape["head_dim"],
+            max_position_embeddings=max(seq, 128),
+            attention_dropout=dropout,
+            attn_implementation="sdpa",
+        )
         torch.manual_seed(0)
         return HFCausalLM(Qwen3ForCausalLM(config)), Qwen3DecoderLayer, seq, batch
     torch.manual_seed(0)
@@ -174,7 +250,9 @@ class HFCausalLM(torch.nn.Module):
         return self.model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
-def blocks_of(model: torch.nn.Module, block: type) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+def blocks_of(
+    model: torch.nn.Module, block: type
+) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
     """(parent, attribute, block) for each block, so a wrapper can replace it."""
     found = []
     for parent in model.modules():
@@ -184,17 +262,28 @@ def blocks_of(model: torch.nn.Module, block: type) -> list[tuple[torch.nn.Module
     return found
 
 
-def wrap_torch(model: torch.nn.Module, block: type, early_stop: bool,
-               context_fn: Callable[[], Any] | None = None) -> torch.nn.Module:
+def wrap_torch(
+    model: torch.nn.Module,
+    block: type,
+    early_stop: bool,
+    context_fn: Callable[[], Any] | None = None,
+) -> torch.nn.Module:
     """Each block in torch's non-reentrant checkpoint (with a SAC context when given)."""
     kwargs = {"context_fn": context_fn} if context_fn is not None else {}
     for parent, name, child in blocks_of(model, block):
-        setattr(parent, name, checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                 early_stop=early_stop, **kwargs))
+        setattr(
+            parent,
+            name,
+            checkpoint_wrapper(
+                child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, early_stop=early_stop, **kwargs
+            ),
+        )
     return model
 
 
-def wrap_compile(model: torch.nn.Module, block: type, budget: float, backend: str) -> torch.nn.Module:
+def wrap_compile(
+    model: torch.nn.Module, block: type, budget: float, backend: str
+) -> torch.nn.Module:
     """Each block's forward through one torch.compile'd function of its own code object (the
     compile cache is per code object, so each budget compiles its own graphs)."""
     namespace: dict[str, Any] = {}
@@ -233,35 +322,71 @@ class Method:
         self.model.zero_grad(set_to_none=True)
 
 
-def baseline_methods(base: torch.nn.Module, block: type, budgets: Sequence[float], backend: str,
-                     families: set[str]) -> list[Method]:
+def baseline_methods(
+    base: torch.nn.Module, block: type, budgets: Sequence[float], backend: str, families: set[str]
+) -> list[Method]:
     methods = []
     add = lambda m: methods.append(m) if m.family in families else None  # noqa: E731
     add(Method("none", "none", copy.deepcopy(base)))
-    add(Method("full", "full", wrap_torch(copy.deepcopy(base), block, True),
-               note="checkpoint(use_reentrant=False), early_stop=True (default)"))
-    add(Method("full_no_stop", "full", wrap_torch(copy.deepcopy(base), block, False),
-               note="checkpoint(use_reentrant=False, early_stop=False) (torchtitan's setting)"))
+    add(
+        Method(
+            "full",
+            "full",
+            wrap_torch(copy.deepcopy(base), block, True),
+            note="checkpoint(use_reentrant=False), early_stop=True (default)",
+        )
+    )
+    add(
+        Method(
+            "full_no_stop",
+            "full",
+            wrap_torch(copy.deepcopy(base), block, False),
+            note="checkpoint(use_reentrant=False, early_stop=False) (torchtitan's setting)",
+        )
+    )
     tt = lambda: create_selective_checkpoint_contexts(torchtitan_policy(defaultdict(int)))  # noqa: E731
-    add(Method("tt_torch", "torch_sac", wrap_torch(copy.deepcopy(base), block, False, tt),
-               note="torchtitan op-level SAC under torch (early_stop=False, as torchtitan)"))
+    add(
+        Method(
+            "tt_torch",
+            "torch_sac",
+            wrap_torch(copy.deepcopy(base), block, False, tt),
+            note="torchtitan op-level SAC under torch (early_stop=False, as torchtitan)",
+        )
+    )
     attn = partial(create_selective_checkpoint_contexts, attention_policy)
-    add(Method("attn_torch", "torch_sac", wrap_torch(copy.deepcopy(base), block, False, attn),
-               note="save attention output under torch SAC (early_stop=False)"))
+    add(
+        Method(
+            "attn_torch",
+            "torch_sac",
+            wrap_torch(copy.deepcopy(base), block, False, attn),
+            note="save attention output under torch SAC (early_stop=False)",
+        )
+    )
     if "compile" in families:
         for b in budgets:
             note = f"torch.compile(backend={backend!r}) per block, activation_memory_budget={b:g}"
             try:
                 model = wrap_compile(copy.deepcopy(base), block, b, backend)
             except Exception as e:  # noqa: BLE001  (an unknown backend fails here)
-                methods.append(Method(f"compile@{b:g}", "compile", base, note=note,
-                                      error=f"torch.compile: {type(e).__name__}: {e}"[:2000]))
+                methods.append(
+                    Method(
+                        f"compile@{b:g}",
+                        "compile",
+                        base,
+                        note=note,
+                        error=f"torch.compile: {type(e).__name__}: {e}"[:2000],
+                    )
+                )
                 continue
-            setup = partial(torch._functorch.config.patch, activation_memory_budget=b,
-                            enable_autograd_cache=False)
+            setup = partial(
+                torch._functorch.config.patch,
+                activation_memory_budget=b,
+                enable_autograd_cache=False,
+            )
             # Every step under the budget's patch: a recompilation keeps the budget.
-            methods.append(Method(f"compile@{b:g}", "compile", model, context=setup, setup=setup,
-                                  note=note))
+            methods.append(
+                Method(f"compile@{b:g}", "compile", model, context=setup, setup=setup, note=note)
+            )
     return methods
 
 
@@ -296,7 +421,9 @@ class AttentionFlops(TorchDispatchMode):
         super().__init__()
         self.flops = 0
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         name = func.__name__
         if "scaled_dot_product" in name and func._overloadpacket not in flop_registry:
             q, k = args[0], args[1]
@@ -352,17 +479,28 @@ def run_safely(method: Method, what: str, fn: Callable[[], Any]) -> Any:
 # ---------------------------------------------------------------------- TapeSAC plans
 
 
-def plan_tapesac(model: torch.nn.Module, ids: torch.Tensor, targets: Callable[[int], dict[str, int]],
-                 max_set_size: int = 12) -> tuple[dict[str, tuple[int, Any]], dict[str, Any]]:
+def plan_tapesac(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    targets: Callable[[int], dict[str, int]],
+    max_set_size: int = 12,
+) -> tuple[dict[str, tuple[int, Any]], dict[str, Any]]:
     """Plans by TapeSAC's Controller: a probe controller with no effective limit profiles the
     model (warm-up, profiling, one planned step: its plan saves everything worth saving), then
     the same controller solves the bucket again under each limit of ``targets(everything)``, a
     name -> bytes above those live at the step's start; the controller's limit is that plus the
     live bytes it measured at the step's start. Margin 0, so the limit is the baseline's measured
     peak itself (the controller's fragmentation and near-limit checks stay)."""
-    controller = Controller(model, "1TiB", warmup_steps=1, profile_steps=2, control_steps=1,
-                            control_every=0, margin=0.0, max_set_size=max_set_size)
-    report = None
+    controller = Controller(
+        model,
+        "1TiB",
+        warmup_steps=1,
+        profile_steps=2,
+        control_steps=1,
+        control_every=0,
+        margin=0.0,
+        max_set_size=max_set_size,
+    )
     for _ in range(8):
         with controller.step(tokens=ids.numel()) as report:
             model.zero_grad(set_to_none=True)
@@ -370,17 +508,22 @@ def plan_tapesac(model: torch.nn.Module, ids: torch.Tensor, targets: Callable[[i
             model.zero_grad(set_to_none=True)
         if report.mode == PLANNED:
             break
-    if report is None or report.mode != PLANNED:
+    if report.mode != PLANNED:
         raise RuntimeError("the probe controller never planned")
     key, tokens = report.bucket, report.tokens
     static = controller.memory.samples[-1].static
     everything = report.plan.saved_bytes
-    info = {"must_only_peak_model": report.plan.base - static, "everything_worth_saving": everything,
-            "static_bytes_at_planning": static,
-            "must_only_base_at_batch": controller.memory.base(ids.numel())}
+    info = {
+        "must_only_peak_model": report.plan.base - static,
+        "everything_worth_saving": everything,
+        "static_bytes_at_planning": static,
+        "must_only_base_at_batch": controller.memory.base(ids.numel()),
+    }
     plans = {}
     for name, limit in targets(everything).items():
-        controller.config = dataclasses.replace(controller.config, memory_limit=max(limit + static, MiB))
+        controller.config = dataclasses.replace(
+            controller.config, memory_limit=max(limit + static, MiB)
+        )
         controller._forget_plans()
         plans[name] = (limit, controller._plan(key, tokens))
     return plans, info
@@ -392,12 +535,18 @@ def figure9_targets(methods: list[Method], shares: Sequence[float]) -> dict[str,
     peak = {m.name: m.peak for m in methods}
     if peak.get("full") is None or peak.get("none") is None:
         return {}
-    return {f"tapesac@fig9={x:g}": int(peak["full"] + x * (peak["none"] - peak["full"])) for x in shares}
+    return {
+        f"tapesac@fig9={x:g}": int(peak["full"] + x * (peak["none"] - peak["full"])) for x in shares
+    }
 
 
 def coords_key(plan: Any) -> str:
-    return json.dumps({r: [sorted(map(list, b)) for b in blocks]
-                       for r, blocks in sorted(plan.coordinates().items())})
+    return json.dumps(
+        {
+            r: [sorted(map(list, b)) for b in blocks]
+            for r, blocks in sorted(plan.coordinates().items())
+        }
+    )
 
 
 # ---------------------------------------------------------------------- the run
@@ -410,7 +559,9 @@ def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
     return q1, med, q3
 
 
-def tapesac_copy(base: torch.nn.Module, block: type, ids: torch.Tensor) -> tuple[torch.nn.Module, Any]:
+def tapesac_copy(
+    base: torch.nn.Module, block: type, ids: torch.Tensor
+) -> tuple[torch.nn.Module, Any]:
     """A copy of ``base`` with TapeSAC on ``block``, and the tape of its first block on ``ids``
     (what the hand-written policies name their saved values on)."""
     model = copy.deepcopy(base)
@@ -432,20 +583,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = base.to(device=device, dtype=dtype)
     params = sum(p.numel() for p in base.parameters())
     vocab = getattr(base, "vocab_size", None) or base.config.vocab_size
-    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
-    print(f"[frontier] {args.model} {args.size}: {params / 1e6:.2f}M parameters, batch {batch} x "
-          f"seq {seq}, {device} {args.dtype}", file=sys.stderr, flush=True)
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(
+        device
+    )
+    print(
+        f"[frontier] {args.model} {args.size}: {params / 1e6:.2f}M parameters, batch {batch} x "
+        f"seq {seq}, {device} {args.dtype}",
+        file=sys.stderr,
+        flush=True,
+    )
 
     methods = baseline_methods(base, block, args.budgets, args.compile_backend, families)
     tapesac_model, tape = tapesac_copy(base, block, ids)
     region = block.__name__
     ours: list[Method] = []
     if "tapesac_policy" in families:
-        for which, label in (("tt", "torchtitan op-level policy"), ("attn", "save attention output")):
+        for which, label in (
+            ("tt", "torchtitan op-level policy"),
+            ("attn", "save attention output"),
+        ):
             plan = {region: policy_coordinates(tape, which)}
-            ours.append(Method(f"{which}_tapesac", "tapesac_policy", tapesac_model,
-                               context=partial(tapesac_core.use_plan, plan), plan=plan,
-                               note=f"{label}'s saved set as TapeSAC coordinates, replayed"))
+            ours.append(
+                Method(
+                    f"{which}_tapesac",
+                    "tapesac_policy",
+                    tapesac_model,
+                    context=partial(tapesac_core.use_plan, plan),
+                    plan=plan,
+                    note=f"{label}'s saved set as TapeSAC coordinates, replayed",
+                )
+            )
     if "tapesac" in families:
         ours.append(Method("tapesac_must", "tapesac", tapesac_model, note="TapeSAC, S0 only"))
     methods += ours
@@ -461,24 +628,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plan_info: dict[str, Any] = {}
     if "tapesac" in families:
         must = next(m for m in methods if m.name == "tapesac_must")
+
         def targets(everything: int) -> dict[str, int]:
             named = {f"tapesac@{f:g}": int(must.peak + f * everything) for f in args.fractions}
             named |= figure9_targets(methods, args.fig9_shares)
             # Every other method's peak, below TapeSAC's must-only one too: the peak-aware model
             # can plan below it (saving removes replay temporaries), else the row says must-only.
-            return named | {f"tapesac={m.name}": m.peak for m in methods
-                            if m.family != "tapesac" and m.peak is not None}
-        plans, plan_info = plan_tapesac(copy.deepcopy(tapesac_model), ids, targets, args.max_set_size)
+            return named | {
+                f"tapesac={m.name}": m.peak
+                for m in methods
+                if m.family != "tapesac" and m.peak is not None
+            }
+
+        plans, plan_info = plan_tapesac(
+            copy.deepcopy(tapesac_model), ids, targets, args.max_set_size
+        )
         seen: dict[str, Method] = {}
         for name, (limit, plan) in sorted(plans.items(), key=lambda kv: kv[1][0]):
             key = coords_key(plan)
             if key in seen:
                 seen[key].note += f"; also the plan at {name}"
                 continue
-            m = Method(name, "tapesac", tapesac_model, context=partial(tapesac_core.use_plan, plan),
-                       limit=limit, plan=plan,
-                       note=f"Controller plan: saves {plan.saved_bytes} B beyond S0, predicted "
-                            f"{plan.predicted_speedup:.3f}x vs must-only")
+            m = Method(
+                name,
+                "tapesac",
+                tapesac_model,
+                context=partial(tapesac_core.use_plan, plan),
+                limit=limit,
+                plan=plan,
+                note=f"Controller plan: saves {plan.saved_bytes} B beyond S0, predicted "
+                f"{plan.predicted_speedup:.3f}x vs must-only",
+            )
             seen[key] = m
             m.peak = measure_peak(m, ids, device)
             methods.append(m)
@@ -492,7 +672,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     live = [m for m in methods if m.error is None]
     rounds: list[dict[str, float]] = []
     for r in range(args.warmup + args.steps):
-        order = live[r % len(live):] + live[:r % len(live)]
+        order = live[r % len(live) :] + live[: r % len(live)]
         times = {}
         for m in order:
             t = run_safely(m, "timing", lambda: timed(m, ids, device))
@@ -507,15 +687,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": args.command,
         "machine": machine(device),
         "commit": git_commit(),
-        "model": args.model, "size": args.size, "max_set_size": args.max_set_size,
-        "parameters": params, "seq": seq, "batch": batch,
-        "dtype": args.dtype, "dropout": args.dropout, "device": str(device),
-        "steps": args.steps, "warmup": args.warmup, "threads": torch.get_num_threads(),
+        "model": args.model,
+        "size": args.size,
+        "max_set_size": args.max_set_size,
+        "parameters": params,
+        "seq": seq,
+        "batch": batch,
+        "dtype": args.dtype,
+        "dropout": args.dropout,
+        "device": str(device),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": torch.get_num_threads(),
         "compile_backend": args.compile_backend,
         "compile_interleaved": True,
         "tapesac_planning": plan_info,
-        "rows": rows(methods, rounds, plan_info.get("static_bytes_at_planning", 0),
-                     plan_info.get("must_only_base_at_batch")),
+        "rows": rows(
+            methods,
+            rounds,
+            plan_info.get("static_bytes_at_planning", 0),
+            plan_info.get("must_only_base_at_batch"),
+        ),
         "wall_s": time.perf_counter() - started,
     }
     return result
@@ -527,8 +719,9 @@ def _warm(m: Method, ids: torch.Tensor) -> None:
         m.step(ids)
 
 
-def rows(methods: list[Method], rounds: list[dict[str, float]], static: int = 0,
-         base: int | None = None) -> list[dict[str, Any]]:
+def rows(
+    methods: list[Method], rounds: list[dict[str, float]], static: int = 0, base: int | None = None
+) -> list[dict[str, Any]]:
     """One row per method, with Figure 9 shares against full checkpointing (``full``); a planned
     row's predicted peak is the Controller's above ``static``, the bytes live at the step's start
     when it planned: its memory model's (scaled from the bucket's upper edge to this batch, whose
@@ -537,29 +730,51 @@ def rows(methods: list[Method], rounds: list[dict[str, float]], static: int = 0,
     none, full = by.get("none"), by.get("full")
     out = []
     for m in methods:
-        row: dict[str, Any] = {"method": m.name, "family": m.family, "note": m.note, "error": m.error,
-                               "peak_bytes": m.peak, "limit_bytes": m.limit,
-                               "forward_flops": m.forward_flops, "backward_flops": m.backward_flops}
+        row: dict[str, Any] = {
+            "method": m.name,
+            "family": m.family,
+            "note": m.note,
+            "error": m.error,
+            "peak_bytes": m.peak,
+            "limit_bytes": m.limit,
+            "forward_flops": m.forward_flops,
+            "backward_flops": m.backward_flops,
+        }
         if m.plan is not None and hasattr(m.plan, "saved_bytes"):
             row["plan_saved_bytes"] = m.plan.saved_bytes
             row["plan_predicted_speedup"] = m.plan.predicted_speedup
             predicted = m.plan.peak_at_tokens(base) if m.plan.predicted_peak and base else 0
-            row["plan_predicted_peak_bytes"] = (predicted or m.plan.base + m.plan.saved_bytes) - static
+            row["plan_predicted_peak_bytes"] = (
+                predicted or m.plan.base + m.plan.saved_bytes
+            ) - static
         if m.times:
             q1, med, q3 = quartiles(m.times)
-            row |= {"median_s": med, "q1_s": q1, "q3_s": q3, "min_s": min(m.times),
-                    "max_s": max(m.times), "n": len(m.times)}
+            row |= {
+                "median_s": med,
+                "q1_s": q1,
+                "q3_s": q3,
+                "min_s": min(m.times),
+                "max_s": max(m.times),
+                "n": len(m.times),
+            }
         if none is not None and m.backward_flops is not None and none.backward_flops is not None:
             row["recomputed_flops"] = m.backward_flops - none.backward_flops
-        if none is not None and full is not None and None not in (m.peak, none.peak, full.peak) \
-                and m.error is None:
+        if (
+            none is not None
+            and full is not None
+            and None not in (m.peak, none.peak, full.peak)
+            and m.error is None
+        ):
             extra = none.peak - full.peak
             row["memory_share"] = (m.peak - full.peak) / extra if extra else None
             full_re = (full.backward_flops or 0) - (none.backward_flops or 0)
             if "recomputed_flops" in row and full_re > 0:
                 row["flop_share"] = (full_re - row["recomputed_flops"]) / full_re
-            per_round = [(r["full"] - r[m.name]) / (r["full"] - r["none"]) for r in rounds
-                         if m.name in r and "full" in r and "none" in r and r["full"] != r["none"]]
+            per_round = [
+                (r["full"] - r[m.name]) / (r["full"] - r["none"])
+                for r in rounds
+                if m.name in r and "full" in r and "none" in r and r["full"] != r["none"]
+            ]
             if per_round:
                 q1, med, q3 = quartiles(per_round)
                 row |= {"time_share": med, "time_share_q1": q1, "time_share_q3": q3}
@@ -576,6 +791,7 @@ def live_bytes(device: torch.device) -> int:
         synchronize(device)
         return torch.accelerator.memory_allocated(device)
     from tapesac_core.memory import LiveTensorMeter
+
     with LiveTensorMeter() as meter:
         pass
     return meter.reading().current
@@ -597,16 +813,27 @@ def run_growth(args: argparse.Namespace) -> dict[str, Any]:
     seq, batch = args.seq or seq, args.batch or batch
     base = base.to(device=device, dtype=dtype)
     vocab = getattr(base, "vocab_size", None) or base.config.vocab_size
-    make = lambda b: torch.randint(0, vocab, (b, seq), generator=torch.Generator().manual_seed(b)).to(device)  # noqa: E731
+
+    def make(b: int) -> torch.Tensor:
+        return torch.randint(0, vocab, (b, seq), generator=torch.Generator().manual_seed(b)).to(
+            device
+        )
+
     small, grown = make(batch), make(batch * args.grow)
     methods = baseline_methods(base, block, (), args.compile_backend, {"full", "torch_sac"})
     tapesac_model, tape = tapesac_copy(base, block, small)
     region = block.__name__
     for which in ("tt", "attn"):
         plan = {region: policy_coordinates(tape, which)}
-        methods.append(Method(f"{which}_tapesac", "tapesac_policy", tapesac_model,
-                              context=partial(tapesac_core.use_plan, plan),
-                              note=f"{which} policy's saved set, TapeSAC replay"))
+        methods.append(
+            Method(
+                f"{which}_tapesac",
+                "tapesac_policy",
+                tapesac_model,
+                context=partial(tapesac_core.use_plan, plan),
+                note=f"{which} policy's saved set, TapeSAC replay",
+            )
+        )
     methods.append(Method("tapesac_must", "tapesac", tapesac_model, note="TapeSAC, S0 only"))
     for m in methods:
         _warm(m, small)
@@ -620,8 +847,15 @@ def run_growth(args: argparse.Namespace) -> dict[str, Any]:
     # One Controller, fixed limit, through the base batch and then the grown one.
     model = copy.deepcopy(tapesac_model)
     static = live_bytes(device)
-    controller = Controller(model, max(static + limit, MiB), warmup_steps=1, profile_steps=2,
-                            control_steps=1, control_every=0, margin=0.0)
+    controller = Controller(
+        model,
+        max(static + limit, MiB),
+        warmup_steps=1,
+        profile_steps=2,
+        control_steps=1,
+        control_every=0,
+        margin=0.0,
+    )
     history = []
     plans = {}
     for label, ids in (("base", small), ("grown", grown)):
@@ -636,13 +870,27 @@ def run_growth(args: argparse.Namespace) -> dict[str, Any]:
                 break
     base_plan, grown_plan = plans.get("base"), plans.get("grown")
     if grown_plan is not None:
-        methods.append(Method("tapesac_replanned", "tapesac", tapesac_model,
-                              context=partial(tapesac_core.use_plan, grown_plan), plan=grown_plan,
-                              note="the Controller's plan after the batch grew (profiled again)"))
+        methods.append(
+            Method(
+                "tapesac_replanned",
+                "tapesac",
+                tapesac_model,
+                context=partial(tapesac_core.use_plan, grown_plan),
+                plan=grown_plan,
+                note="the Controller's plan after the batch grew (profiled again)",
+            )
+        )
     if base_plan is not None:
-        methods.append(Method("tapesac_base_plan", "tapesac", tapesac_model,
-                              context=partial(tapesac_core.use_plan, base_plan), plan=base_plan,
-                              note="the base batch's plan kept (values over a block's bytes are replayed)"))
+        methods.append(
+            Method(
+                "tapesac_base_plan",
+                "tapesac",
+                tapesac_model,
+                context=partial(tapesac_core.use_plan, base_plan),
+                plan=base_plan,
+                note="the base batch's plan kept (values over a block's bytes are replayed)",
+            )
+        )
     for m in methods:
         if m.name in at_grown:
             m.peak = at_grown[m.name]
@@ -651,7 +899,7 @@ def run_growth(args: argparse.Namespace) -> dict[str, Any]:
             m.peak = measure_peak(m, grown, device)
     rounds = []
     for r in range(args.warmup + args.steps):
-        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        order = methods[r % len(methods) :] + methods[: r % len(methods)]
         times = {m.name: timed(m, grown, device) for m in order}
         if r >= args.warmup:
             rounds.append(times)
@@ -660,65 +908,110 @@ def run_growth(args: argparse.Namespace) -> dict[str, Any]:
     rows_ = []
     for m in methods:
         q1, med, q3 = quartiles(m.times)
-        rows_.append({"method": m.name, "family": m.family, "note": m.note,
-                      "peak_base_bytes": at_base.get(m.name), "peak_grown_bytes": m.peak,
-                      "over_limit_bytes": max(0, m.peak - limit), "median_s": med, "q1_s": q1, "q3_s": q3,
-                      "plan_saved_bytes": getattr(m.plan, "saved_bytes", None),
-                      "plan_predicted_speedup": getattr(m.plan, "predicted_speedup", None)})
+        rows_.append(
+            {
+                "method": m.name,
+                "family": m.family,
+                "note": m.note,
+                "peak_base_bytes": at_base.get(m.name),
+                "peak_grown_bytes": m.peak,
+                "over_limit_bytes": max(0, m.peak - limit),
+                "median_s": med,
+                "q1_s": q1,
+                "q3_s": q3,
+                "plan_saved_bytes": getattr(m.plan, "saved_bytes", None),
+                "plan_predicted_speedup": getattr(m.plan, "predicted_speedup", None),
+            }
+        )
     must = [r["tapesac_must"] for r in rounds]
     out: dict[str, Any] = {
-        "command": args.command, "machine": machine(device), "commit": git_commit(),
-        "model": args.model, "size": args.size, "seq": seq, "batch": batch, "grow": args.grow,
+        "command": args.command,
+        "machine": machine(device),
+        "commit": git_commit(),
+        "model": args.model,
+        "size": args.size,
+        "seq": seq,
+        "batch": batch,
+        "grow": args.grow,
         "limit_bytes": limit,
         "limit_from": f"TapeSAC must-only's measured peak at the grown batch + {args.grow_limit:g} x "
-                      "(torchtitan policy's - must-only's) there",
-        "controller_history": history, "rows": rows_, "steps": args.steps, "warmup": args.warmup,
-        "threads": torch.get_num_threads(), "dtype": args.dtype, "device": str(device)}
+        "(torchtitan policy's - must-only's) there",
+        "controller_history": history,
+        "rows": rows_,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "device": str(device),
+    }
     if grown_plan is not None:
         ratios = [a / r["tapesac_replanned"] for a, r in zip(must, rounds)]
         q1, med, q3 = quartiles(ratios)
-        out["replanned_speedup"] = {"median_of_ratios": med, "q1": q1, "q3": q3,
-                                    "ratio_of_medians": statistics.median(must)
-                                    / statistics.median([r["tapesac_replanned"] for r in rounds]),
-                                    "predicted": grown_plan.predicted_speedup}
+        out["replanned_speedup"] = {
+            "median_of_ratios": med,
+            "q1": q1,
+            "q3": q3,
+            "ratio_of_medians": statistics.median(must)
+            / statistics.median([r["tapesac_replanned"] for r in rounds]),
+            "predicted": grown_plan.predicted_speedup,
+        }
     out["wall_s"] = time.perf_counter() - started
     return out
 
 
 def growth_section(g: dict[str, Any]) -> str:
-    lines = [f"## Batch growth x{g['grow']}: {g['model']} model, size {g['size']}", "",
-             f"Command: `{g['command']}`  ",
-             f"Limit: {_mib(g['limit_bytes'])} MiB ({g['limit_from']}), batch {g['batch']} -> "
-             f"{g['batch'] * g['grow']} x seq {g['seq']}; {g['steps']} measured interleaved rounds "
-             f"after {g['warmup']} warm-up at the grown batch. Controller steps: "
-             + ", ".join(f"{h['batch']}:{h['mode']}" for h in g["controller_history"]) + ".", "",
-             "| method | peak at base batch MiB | peak at grown batch MiB | over the limit at grown batch MiB "
-             "| median step ms at grown batch (IQR) | note |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"## Batch growth x{g['grow']}: {g['model']} model, size {g['size']}",
+        "",
+        f"Command: `{g['command']}`  ",
+        f"Limit: {_mib(g['limit_bytes'])} MiB ({g['limit_from']}), batch {g['batch']} -> "
+        f"{g['batch'] * g['grow']} x seq {g['seq']}; {g['steps']} measured interleaved rounds "
+        f"after {g['warmup']} warm-up at the grown batch. Controller steps: "
+        + ", ".join(f"{h['batch']}:{h['mode']}" for h in g["controller_history"])
+        + ".",
+        "",
+        "| method | peak at base batch MiB | peak at grown batch MiB | over the limit at grown batch MiB "
+        "| median step ms at grown batch (IQR) | note |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in g["rows"]:
         over = r["over_limit_bytes"]
-        lines.append(f"| {r['method']} | {_mib(r['peak_base_bytes'])} | {_mib(r['peak_grown_bytes'])} "
-                     f"| {'**' + _mib(over) + '**' if over else '0 (fits)'} "
-                     f"| {1e3 * r['median_s']:.1f} ({1e3 * r['q1_s']:.1f}-{1e3 * r['q3_s']:.1f}) "
-                     f"| {_cell(r['note'])} |")
+        lines.append(
+            f"| {r['method']} | {_mib(r['peak_base_bytes'])} | {_mib(r['peak_grown_bytes'])} "
+            f"| {'**' + _mib(over) + '**' if over else '0 (fits)'} "
+            f"| {1e3 * r['median_s']:.1f} ({1e3 * r['q1_s']:.1f}-{1e3 * r['q3_s']:.1f}) "
+            f"| {_cell(r['note'])} |"
+        )
     s = g.get("replanned_speedup")
     if s:
-        lines += ["", f"TapeSAC re-planned vs must-only at the grown batch: measured "
-                      f"{s['ratio_of_medians']:.3f}x (ratio of medians; per-round median {s['median_of_ratios']:.3f}, "
-                      f"IQR {s['q1']:.3f}-{s['q3']:.3f}), predicted {s['predicted']:.3f}x."]
+        lines += [
+            "",
+            f"TapeSAC re-planned vs must-only at the grown batch: measured "
+            f"{s['ratio_of_medians']:.3f}x (ratio of medians; per-round median {s['median_of_ratios']:.3f}, "
+            f"IQR {s['q1']:.3f}-{s['q3']:.3f}), predicted {s['predicted']:.3f}x.",
+        ]
     else:
         lines += ["", "The Controller did not reach a planned step at the grown batch."]
     return "\n".join(lines) + "\n"
 
 
 def machine(device: torch.device) -> dict[str, Any]:
-    info = {"platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "cpu": platform.processor() or platform.machine()}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+    }
     try:
-        info["cpu"] = next(line.split(":", 1)[1].strip() for line in
-                           Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+        info["cpu"] = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     import os
+
     info["cpus"] = os.cpu_count()
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
@@ -728,10 +1021,18 @@ def machine(device: torch.device) -> dict[str, Any]:
 def git_commit() -> str:
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     # The outputs this harness writes are not code: only changes elsewhere make a run unrepeatable.
-    code = git("status", "--porcelain", "--", "tapesac_core", "benchmarks",
-               ":!benchmarks/results", ":!benchmarks/RESULTS.md")
+    code = git(
+        "status",
+        "--porcelain",
+        "--",
+        "tapesac_core",
+        "benchmarks",
+        ":!benchmarks/results",
+        ":!benchmarks/RESULTS.md",
+    )
     return commit + (" + local changes" if code else "")
 
 
@@ -747,23 +1048,39 @@ def _pct(x: float | None) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| method | peak MiB | limit MiB (predicted peak) | median step ms (IQR) | recomputed GFLOP "
-             "| extra memory (Fig. 9) | recompute eliminated, FLOPs | recompute eliminated, time (IQR) "
-             "| note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | peak MiB | limit MiB (predicted peak) | median step ms (IQR) | recomputed GFLOP "
+        "| extra memory (Fig. 9) | recompute eliminated, FLOPs | recompute eliminated, time (IQR) "
+        "| note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(result["rows"], key=lambda r: (r["peak_bytes"] is None, r["peak_bytes"] or 0)):
         if r["error"]:
-            lines.append(f"| {r['method']} | - | - | failed | - | - | - | - | "
-                         f"{r['note']}; **{_cell(r['error'][:300])}** |")
+            lines.append(
+                f"| {r['method']} | - | - | failed | - | - | - | - | "
+                f"{r['note']}; **{_cell(r['error'][:300])}** |"
+            )
             continue
-        t = (f"{1e3 * r['median_s']:.1f} ({1e3 * r['q1_s']:.1f}-{1e3 * r['q3_s']:.1f})"
-             if "median_s" in r else "-")
-        ts = (f"{_pct(r['time_share'])} ({_pct(r['time_share_q1'])} to {_pct(r['time_share_q3'])})"
-              if "time_share" in r else "-")
+        t = (
+            f"{1e3 * r['median_s']:.1f} ({1e3 * r['q1_s']:.1f}-{1e3 * r['q3_s']:.1f})"
+            if "median_s" in r
+            else "-"
+        )
+        ts = (
+            f"{_pct(r['time_share'])} ({_pct(r['time_share_q1'])} to {_pct(r['time_share_q3'])})"
+            if "time_share" in r
+            else "-"
+        )
         re = f"{r['recomputed_flops'] / 1e9:.4g}" if r.get("recomputed_flops") is not None else "-"
-        limit = _mib(r["limit_bytes"]) + (f" ({_mib(r['plan_predicted_peak_bytes'])})"
-                                          if r.get("plan_predicted_peak_bytes") is not None else "")
-        lines.append(f"| {r['method']} | {_mib(r['peak_bytes'])} | {limit} | {t} | {re} "
-                     f"| {_pct(r.get('memory_share'))} | {_pct(r.get('flop_share'))} | {ts} | {_cell(r['note'])} |")
+        limit = _mib(r["limit_bytes"]) + (
+            f" ({_mib(r['plan_predicted_peak_bytes'])})"
+            if r.get("plan_predicted_peak_bytes") is not None
+            else ""
+        )
+        lines.append(
+            f"| {r['method']} | {_mib(r['peak_bytes'])} | {limit} | {t} | {re} "
+            f"| {_pct(r.get('memory_share'))} | {_pct(r.get('flop_share'))} | {ts} | {_cell(r['note'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -781,11 +1098,15 @@ def comparisons(result: dict[str, Any]) -> list[str]:
         if b["family"] in ("tapesac", "none"):
             continue
         fit = [r for r in ours if r["peak_bytes"] <= b["peak_bytes"]]
-        head = (f"- **{b['method']}** ({_mib(b['peak_bytes'])} MiB, "
-                f"{_gflop(b.get('recomputed_flops'))} GFLOP recomputed, {1e3 * b['median_s']:.1f} ms): ")
+        head = (
+            f"- **{b['method']}** ({_mib(b['peak_bytes'])} MiB, "
+            f"{_gflop(b.get('recomputed_flops'))} GFLOP recomputed, {1e3 * b['median_s']:.1f} ms): "
+        )
         if not fit:
-            out.append(head + "**no TapeSAC row at equal or lower peak** (TapeSAC's lowest measured "
-                              f"peak is {_mib(min(r['peak_bytes'] for r in ours)) if ours else '-'} MiB).")
+            out.append(
+                head + "**no TapeSAC row at equal or lower peak** (TapeSAC's lowest measured "
+                f"peak is {_mib(min(r['peak_bytes'] for r in ours)) if ours else '-'} MiB)."
+            )
             continue
         fewest = min(fit, key=lambda r: (r.get("recomputed_flops") or 0, r["median_s"]))
         fastest = min(fit, key=lambda r: r["median_s"])
@@ -794,10 +1115,12 @@ def comparisons(result: dict[str, Any]) -> list[str]:
         ratio = b["median_s"] / fastest["median_s"]
         overlap = fastest["q1_s"] <= b["q3_s"] and b["q1_s"] <= fastest["q3_s"]
         timing = ("ahead" if ratio > 1 else "**behind**") + (" (IQRs overlap)" if overlap else "")
-        out.append(head + f"by FLOPs {flop}: {fewest['method']} recomputes {_gflop(fo)} GFLOP at "
-                   f"{_mib(fewest['peak_bytes'])} MiB; by time {timing}: {fastest['method']} "
-                   f"{1e3 * fastest['median_s']:.1f} ms at {_mib(fastest['peak_bytes'])} MiB "
-                   f"(baseline / TapeSAC = {ratio:.3f}).")
+        out.append(
+            head + f"by FLOPs {flop}: {fewest['method']} recomputes {_gflop(fo)} GFLOP at "
+            f"{_mib(fewest['peak_bytes'])} MiB; by time {timing}: {fastest['method']} "
+            f"{1e3 * fastest['median_s']:.1f} ms at {_mib(fastest['peak_bytes'])} MiB "
+            f"(baseline / TapeSAC = {ratio:.3f})."
+        )
     return out
 
 
@@ -810,18 +1133,42 @@ def write_outputs(result: dict[str, Any], out_dir: Path, markdown: Path | None) 
     stem = f"frontier_{'_'.join(run_name(result))}"
     json_path = out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    ok = [r for r in result["rows"] if not r["error"] and "median_s" in r and r["peak_bytes"] is not None]
-    points = [{"label": r["method"], "family": r["family"], "peak": r["peak_bytes"],
-               "seconds": r["median_s"], "q1": r["q1_s"], "q3": r["q3_s"]} for r in ok]
+    ok = [
+        r
+        for r in result["rows"]
+        if not r["error"] and "median_s" in r and r["peak_bytes"] is not None
+    ]
+    points = [
+        {
+            "label": r["method"],
+            "family": r["family"],
+            "peak": r["peak_bytes"],
+            "seconds": r["median_s"],
+            "q1": r["q1_s"],
+            "q3": r["q3_s"],
+        }
+        for r in ok
+    ]
     title = f"{result['model']} {result['size']}, batch {result['batch']} x seq {result['seq']}"
     time_png = out_dir / f"{stem}_time_vs_memory.png"
     method_frontier_figure(points, title=f"Step time vs peak memory: {title}").savefig(time_png)
-    norm = [{"label": r["method"], "family": r["family"], "memory_share": r["memory_share"],
-             "flop_share": r.get("flop_share"), "time_share": r.get("time_share"),
-             "time_q1": r.get("time_share_q1"), "time_q3": r.get("time_share_q3")}
-            for r in ok if r.get("memory_share") is not None]
+    norm = [
+        {
+            "label": r["method"],
+            "family": r["family"],
+            "memory_share": r["memory_share"],
+            "flop_share": r.get("flop_share"),
+            "time_share": r.get("time_share"),
+            "time_q1": r.get("time_share_q1"),
+            "time_q3": r.get("time_share_q3"),
+        }
+        for r in ok
+        if r.get("memory_share") is not None
+    ]
     norm_png = out_dir / f"{stem}_normalised.png"
-    normalised_frontier_figure(norm, title=f"Normalised frontier (Figure 9): {title}").savefig(norm_png)
+    normalised_frontier_figure(norm, title=f"Normalised frontier (Figure 9): {title}").savefig(
+        norm_png
+    )
     paths = {"json": json_path, "time_png": time_png, "norm_png": norm_png}
     if markdown is not None:
         section = markdown_section(result, paths, markdown.parent)
@@ -843,20 +1190,29 @@ def update_markdown(path: Path, key: str, section: str) -> None:
     text = path.read_text() if path.exists() else TITLE
     block = f"{begin}\n{section}\n{end}"
     if begin in text and end in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
 
 
 def markdown_section(result: dict[str, Any], paths: dict[str, Path], base: Path) -> str:
-    rel = {k: Path(p).resolve().relative_to(base.resolve()) if Path(p).resolve().is_relative_to(base.resolve())
-           else p for k, p in paths.items()}
+    rel = {
+        k: Path(p).resolve().relative_to(base.resolve())
+        if Path(p).resolve().is_relative_to(base.resolve())
+        else p
+        for k, p in paths.items()
+    }
     m = result["machine"]
     plan = result.get("tapesac_planning", {})
     lines = [
         f"## Frontier: {result['model']} model, size {result['size']}"
-        + (f", TapeSAC's max_set_size {result['max_set_size']}" if len(run_name(result)) > 2 else ""), "",
+        + (
+            f", TapeSAC's max_set_size {result['max_set_size']}"
+            if len(run_name(result)) > 2
+            else ""
+        ),
+        "",
         f"Command: `{result['command']}`  ",
         f"Machine: {m.get('cpu')} ({m.get('cpus')} CPUs), {m.get('platform')}, Python {m.get('python')}, "
         f"torch {m.get('torch')}{', GPU ' + m['gpu'] if 'gpu' in m else ''}; "
@@ -882,12 +1238,18 @@ def markdown_section(result: dict[str, Any], paths: dict[str, Path], base: Path)
         "Figure 9's extra-memory share x; `tapesac=X`: limit = X's measured peak. Rows whose plan is identical to an "
         "earlier one are merged (see notes).",
         "",
-        table(result), "",
-        "### TapeSAC against each baseline at equal or lower measured peak", "",
-        *comparisons(result), "",
-        f"![step time vs peak memory]({rel['time_png']})", "",
-        f"![normalised frontier]({rel['norm_png']})", "",
-        f"Raw data: `{rel['json']}`.", "",
+        table(result),
+        "",
+        "### TapeSAC against each baseline at equal or lower measured peak",
+        "",
+        *comparisons(result),
+        "",
+        f"![step time vs peak memory]({rel['time_png']})",
+        "",
+        f"![normalised frontier]({rel['norm_png']})",
+        "",
+        f"Raw data: `{rel['json']}`.",
+        "",
     ]
     return "\n".join(lines)
 
@@ -904,26 +1266,52 @@ def parser(prog: str = "frontier.py") -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=list(BUDGETS))
-    p.add_argument("--fractions", type=lambda s: [float(x) for x in s.split(",")], default=list(FRACTIONS))
-    p.add_argument("--fig9-shares", type=lambda s: [float(x) for x in s.split(",")], default=[0.05, 0.1],
-                   help="also plan at full's peak plus these shares of the gap to none's (Figure 9)")
-    p.add_argument("--max-set-size", type=int, default=12,
-                   help="TapeSAC's max_set_size: candidates one block's save set may hold")
+    p.add_argument(
+        "--budgets", type=lambda s: [float(x) for x in s.split(",")], default=list(BUDGETS)
+    )
+    p.add_argument(
+        "--fractions", type=lambda s: [float(x) for x in s.split(",")], default=list(FRACTIONS)
+    )
+    p.add_argument(
+        "--fig9-shares",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[0.05, 0.1],
+        help="also plan at full's peak plus these shares of the gap to none's (Figure 9)",
+    )
+    p.add_argument(
+        "--max-set-size",
+        type=int,
+        default=12,
+        help="TapeSAC's max_set_size: candidates one block's save set may hold",
+    )
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--families", default="", help=f"comma-separated subset of {','.join(FAMILIES)}")
-    p.add_argument("--grow", type=int, default=0,
-                   help="instead of the frontier: batch grown this many times at a fixed limit")
-    p.add_argument("--grow-limit", type=float, default=0.5,
-                   help="with --grow: the limit, from must-only's (0) to torchtitan policy's (1) "
-                        "measured peak at the grown batch")
+    p.add_argument(
+        "--grow",
+        type=int,
+        default=0,
+        help="instead of the frontier: batch grown this many times at a fixed limit",
+    )
+    p.add_argument(
+        "--grow-limit",
+        type=float,
+        default=0.5,
+        help="with --grow: the limit, from must-only's (0) to torchtitan policy's (1) "
+        "measured peak at the grown batch",
+    )
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
-    p.add_argument("--markdown", type=Path, default=None,
-                   help="write the results section (table, comparisons, plots) to this file")
+    p.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help="write the results section (table, comparisons, plots) to this file",
+    )
     return p
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python benchmarks/frontier.py") -> dict[str, Any]:
+def main(
+    argv: Sequence[str] | None = None, prog: str = "python benchmarks/frontier.py"
+) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser(prog).parse_args(argv)
     args.command = " ".join([prog, *map(shlex.quote, argv)])

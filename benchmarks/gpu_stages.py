@@ -33,24 +33,49 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SIZES = {
-    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                 intermediate_size=128, seq=128, batch=4),
-    "small": dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64,
-                  intermediate_size=1536, seq=1024, batch=4),
+    "tiny": dict(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        seq=128,
+        batch=4,
+    ),
+    "small": dict(
+        hidden_size=512,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+        seq=1024,
+        batch=4,
+    ),
 }
 
 
 def versions(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"python": platform.python_version()}
     missing = []
-    for name in ("torch", "transformers", "lightning", "accelerate", "matplotlib", "tapesac_core",
-                 "tapesac_lightning", "examples.models"):
+    for name in (
+        "torch",
+        "transformers",
+        "lightning",
+        "accelerate",
+        "matplotlib",
+        "tapesac_core",
+        "tapesac_lightning",
+        "examples.models",
+    ):
         try:
             module = importlib.import_module(name)
             out[name] = getattr(module, "__version__", str(Path(module.__file__).parent))
         except Exception as e:  # noqa: BLE001
             missing.append(f"{name}: {type(e).__name__}: {e}")
     import torch
+
     out["device"] = args.device
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -65,12 +90,16 @@ def versions(args: argparse.Namespace) -> dict[str, Any]:
 
 def _model(args: argparse.Namespace, dropout: float) -> tuple[Any, Any]:
     import torch
+
     from examples.models import DecoderLM, ModelConfig
+
     shape = dict(SIZES[args.size])
     seq, batch = shape.pop("seq"), shape.pop("batch")
     torch.manual_seed(0)
     model = DecoderLM(ModelConfig(dropout=dropout, **shape)).to(args.device)
-    ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1)).to(args.device)
+    ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1)).to(
+        args.device
+    )
     return model, ids
 
 
@@ -81,13 +110,19 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
 
     import tapesac_core
     from examples.models import DecoderLayer
+
     plain, ids = _model(args, dropout=0.1)
     ours = copy.deepcopy(plain)
     tapesac_core.checkpoint_modules(ours, {DecoderLayer})
     with tapesac_core.trace() as blocks:
         ours.loss(ids)  # recorded only, to name the attention kernel's coordinate
     sdpa = [n for n in blocks[0].tape.nodes if "scaled_dot_product" in n.name]
-    plans = {"must-only": {}, "attention saved": {"DecoderLayer": {(sdpa[0].name, 0, 0), (sdpa[0].name, 0, 1)}} if sdpa else {}}
+    plans = {
+        "must-only": {},
+        "attention saved": {"DecoderLayer": {(sdpa[0].name, 0, 0), (sdpa[0].name, 0, 1)}}
+        if sdpa
+        else {},
+    }
 
     def step(model: Any, plan: Any) -> tuple[Any, list]:
         model.zero_grad(set_to_none=True)
@@ -103,7 +138,9 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
     for name, plan in plans.items():
         with tapesac_core.trace() as blocks:
             loss, grads = step(ours, plan)
-        equal = torch.equal(loss, ref_loss) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+        equal = torch.equal(loss, ref_loss) and all(
+            torch.equal(a, b) for a, b in zip(grads, ref_grads)
+        )
         replayed = sum(len(b.replayed) for b in blocks)
         out[name] = {"bitwise_equal": equal, "replayed_nodes": replayed}
         ok = ok and equal and replayed > 0
@@ -113,6 +150,7 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
 
 def _rope(model: Any, ids: Any) -> tuple[Any, Any]:
     from examples.models import rotary_cos_sin
+
     x = model.embed_tokens.weight
     return rotary_cos_sin(ids.shape[1], model.config.head_dim, model.config.rope_theta, x)
 
@@ -123,10 +161,13 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
     import tapesac_core
     from examples.models import DecoderLayer
     from tapesac_core.timing import seconds
+
     model, ids = _model(args, dropout=0.0)
     tapesac_core.checkpoint_modules(model, {DecoderLayer})
     device = torch.device(args.device)
-    sync = (lambda: torch.accelerator.synchronize(device)) if device.type != "cpu" else (lambda: None)
+    sync = (
+        (lambda: torch.accelerator.synchronize(device)) if device.type != "cpu" else (lambda: None)
+    )
     hidden = model.embed_tokens(ids).detach()
     cos, sin = _rope(model, ids)
     for _ in range(2):  # warm-up (kernels, allocator)
@@ -144,12 +185,21 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
             out.sum().backward()
         forward = sum(seconds(s) for b in blocks for s in b.forward_times.values())
         replay = sum(seconds(s) for b in blocks for ss in b.node_times.values() for s in ss)
-        rows.append({"forward_wall_s": wall, "forward_node_sum_s": forward,
-                     "share": forward / wall, "replay_node_sum_s": replay,
-                     "replay_host_wall_s": sum(b.replay_seconds for b in blocks)})
+        rows.append(
+            {
+                "forward_wall_s": wall,
+                "forward_node_sum_s": forward,
+                "share": forward / wall,
+                "replay_node_sum_s": replay,
+                "replay_host_wall_s": sum(b.replay_seconds for b in blocks),
+            }
+        )
     best = min(rows, key=lambda r: r["forward_wall_s"])
     # Node times are each op alone; the wall adds recording (host) around them.
-    out = {"runs": rows, "ok": all(0.02 < r["share"] <= 1.05 for r in rows) and best["replay_node_sum_s"] > 0}
+    out = {
+        "runs": rows,
+        "ok": all(0.02 < r["share"] <= 1.05 for r in rows) and best["replay_node_sum_s"] > 0,
+    }
     return out
 
 
@@ -161,6 +211,7 @@ def limit(args: argparse.Namespace) -> dict[str, Any]:
     import tapesac_core
     from examples.models import DecoderLayer
     from tapesac_core.controller import PLANNED
+
     model, ids = _model(args, dropout=0.0)
     device = torch.device(args.device)
     plain = copy.deepcopy(model)
@@ -177,8 +228,9 @@ def limit(args: argparse.Namespace) -> dict[str, Any]:
     none_peak, must_peak = peak(plain), peak(model)
     del plain
     limit_bytes = int(must_peak + 0.5 * (none_peak - must_peak))
-    controller = tapesac_core.Controller(model, limit_bytes, warmup_steps=1, profile_steps=2,
-                                         control_steps=1, control_every=0)
+    controller = tapesac_core.Controller(
+        model, limit_bytes, warmup_steps=1, profile_steps=2, control_steps=1, control_every=0
+    )
     steps = []
     for _ in range(8):
         with controller.step(tokens=ids.numel()) as report:
@@ -189,10 +241,15 @@ def limit(args: argparse.Namespace) -> dict[str, Any]:
             planned_peak = peak(model) if report.mode == PLANNED else None
         steps.append({"mode": report.mode, "metered_peak": report.peak, "peak": planned_peak})
     planned = [s for s in steps if s["mode"] == PLANNED]
-    return {"limit_bytes": limit_bytes, "none_peak": none_peak, "must_only_peak": must_peak,
-            "plan_saved_bytes": controller.plan.saved_bytes if controller.plan else None,
-            "predicted_speedup": controller.predicted_speedup, "steps": steps,
-            "ok": bool(planned) and all(s["peak"] <= limit_bytes for s in planned)}
+    return {
+        "limit_bytes": limit_bytes,
+        "none_peak": none_peak,
+        "must_only_peak": must_peak,
+        "plan_saved_bytes": controller.plan.saved_bytes if controller.plan else None,
+        "predicted_speedup": controller.predicted_speedup,
+        "steps": steps,
+        "ok": bool(planned) and all(s["peak"] <= limit_bytes for s in planned),
+    }
 
 
 def readiness(args: argparse.Namespace) -> dict[str, Any]:
@@ -209,6 +266,7 @@ def readiness(args: argparse.Namespace) -> dict[str, Any]:
     from examples.kernels import FusedDropout
     from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
     from tapesac_core.controller import PLANNED
+
     device = torch.device(args.device)
     out: dict[str, Any] = {}
 
@@ -223,9 +281,11 @@ def readiness(args: argparse.Namespace) -> dict[str, Any]:
         out["1_leak_bytes"] = meter.reading().current - before
 
     kernel = tapesac_core.register_kernel(
-        "tapesac_gpu_check::fused_dropout", FusedDropout,
+        "tapesac_gpu_check::fused_dropout",
+        FusedDropout,
         schema="(Tensor x, float dropout_p) -> (Tensor, Tensor)",
-        fake=lambda x, _: (x.new_empty(x.shape), x.new_empty(x.shape)))
+        fake=lambda x, _: (x.new_empty(x.shape), x.new_empty(x.shape)),
+    )
     linear = torch.nn.Linear(64, 64, device=device)
     x = torch.randn(32, 64, device=device)
     grads = []
@@ -240,8 +300,14 @@ def readiness(args: argparse.Namespace) -> dict[str, Any]:
     with tapesac_core.memory_meter(device) as meter:  # the must-only step's peak
         model.loss(ids).backward()
     model.zero_grad(set_to_none=True)
-    controller = tapesac_core.Controller(model, int(meter.reading().peak * 1.15), warmup_steps=1,
-                                         profile_steps=1, control_steps=1, control_every=0)
+    controller = tapesac_core.Controller(
+        model,
+        int(meter.reading().peak * 1.15),
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+        control_every=0,
+    )
     estimates = []
     for _ in range(10):
         with controller.step(tokens=ids.numel()) as report:
@@ -267,13 +333,22 @@ def readiness(args: argparse.Namespace) -> dict[str, Any]:
         out["8_moe_bitwise_deterministic"] = all(torch.equal(a, b) for a, b in zip(*results))
     finally:
         torch.use_deterministic_algorithms(deterministic)
-    out["ok"] = (out["1_leak_bytes"] <= 0 and out["2_random_custom_op_bitwise"]
-                 and len(set(estimates)) <= 2 and out["8_moe_bitwise_deterministic"])
+    out["ok"] = (
+        out["1_leak_bytes"] <= 0
+        and out["2_random_custom_op_bitwise"]
+        and len(set(estimates)) <= 2
+        and out["8_moe_bitwise_deterministic"]
+    )
     return out
 
 
-STAGES = {"versions": versions, "correctness": correctness, "timing": timing, "limit": limit,
-          "readiness": readiness}
+STAGES = {
+    "versions": versions,
+    "correctness": correctness,
+    "timing": timing,
+    "limit": limit,
+    "readiness": readiness,
+}
 
 
 def main() -> None:
@@ -287,12 +362,19 @@ def main() -> None:
         result = STAGES[args.stage](args)
     except Exception as e:  # noqa: BLE001
         import traceback
-        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+        result = {
+            "ok": False,
+            "error": f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc(),
+        }
     line = json.dumps({"stage": args.stage, **result}, default=str)
     print(line)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"stage": args.stage, **result}, indent=1, default=str) + "\n")
+        args.out.write_text(
+            json.dumps({"stage": args.stage, **result}, indent=1, default=str) + "\n"
+        )
     sys.exit(0 if result.get("ok") else 1)
 
 

@@ -47,8 +47,16 @@ def measured(model, optimizer, ids, controller=None):
 def run(base, ids, limit, memory_model):
     model = copy.deepcopy(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    controller = Controller(model, limit, warmup_steps=1, profile_steps=1, control_steps=1,
-                            control_every=0, memory_model=memory_model, peak_correction=False)
+    controller = Controller(
+        model,
+        limit,
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+        control_every=0,
+        memory_model=memory_model,
+        peak_correction=False,
+    )
     must_only = peak = report = None
     for _ in range(6):
         if report is not None and report.mode == PLANNED:
@@ -61,9 +69,17 @@ def run(base, ids, limit, memory_model):
             peak, predicted = p, report.predicted_peak
     plan = report.plan
     removed = plan.step_time - plan.step_time / plan.predicted_speedup
-    return {"limit": limit, "capacity": plan.capacity, "peak": peak, "predicted_peak": predicted,
-            "peak_at": plan.peak_at, "must_only_peak": must_only, "saved_bytes": plan.saved_bytes,
-            "flops": flops, "replay_removed": removed / plan.replay_time if plan.replay_time else 0.0}
+    return {
+        "limit": limit,
+        "capacity": plan.capacity,
+        "peak": peak,
+        "predicted_peak": predicted,
+        "peak_at": plan.peak_at,
+        "must_only_peak": must_only,
+        "saved_bytes": plan.saved_bytes,
+        "flops": flops,
+        "replay_removed": removed / plan.replay_time if plan.replay_time else 0.0,
+    }
 
 
 def used(share: float | None) -> str:
@@ -77,8 +93,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = ModelConfig(moe=args.moe, dropout=0.1, hidden_size=128, intermediate_size=256,
-                         moe_intermediate_size=128)
+    config = ModelConfig(
+        moe=args.moe, dropout=0.1, hidden_size=128, intermediate_size=256, moe_intermediate_size=128
+    )
     base = DecoderLM(config)
     plain = copy.deepcopy(base)
     tapesac_core.checkpoint_modules(base, {DecoderLayer, MoEDecoderLayer})
@@ -94,27 +111,47 @@ def main() -> None:
     for memory_model in ("sum", "peak"):
         for f in FRACTIONS:
             r = run(base, ids, int((must_only + f * gap) / 0.98) + 1, memory_model)
-            r.update(memory_model=memory_model, fraction=f,
-                     extra_memory=(r["peak"] - r["must_only_peak"]) / gap,
-                     flops_eliminated=(must_flops - r["flops"]) / (must_flops - plain_flops),
-                     capacity_used=(r["peak"] - r["must_only_peak"]) / (r["capacity"] - r["must_only_peak"])
-                     if r["capacity"] - r["must_only_peak"] > 0.005 * r["capacity"] else None,
-                     prediction_error=(r["predicted_peak"] - r["peak"]) / r["peak"])
+            r.update(
+                memory_model=memory_model,
+                fraction=f,
+                extra_memory=(r["peak"] - r["must_only_peak"]) / gap,
+                flops_eliminated=(must_flops - r["flops"]) / (must_flops - plain_flops),
+                capacity_used=(r["peak"] - r["must_only_peak"])
+                / (r["capacity"] - r["must_only_peak"])
+                if r["capacity"] - r["must_only_peak"] > 0.005 * r["capacity"]
+                else None,
+                prediction_error=(r["predicted_peak"] - r["peak"]) / r["peak"],
+            )
             rows.append(r)
-    print(f"plain peak {format_bytes(plain_peak)}, must-only peak {format_bytes(must_only)}; "
-          f"backward GFLOP plain {plain_flops / 1e9:.3f}, must-only {must_flops / 1e9:.3f}")
-    print("| model | f | limit | measured peak | predicted (err) | capacity used | extra memory "
-          "| FLOPs eliminated | replay time removed (pred.) | peak at |")
+    print(
+        f"plain peak {format_bytes(plain_peak)}, must-only peak {format_bytes(must_only)}; "
+        f"backward GFLOP plain {plain_flops / 1e9:.3f}, must-only {must_flops / 1e9:.3f}"
+    )
+    print(
+        "| model | f | limit | measured peak | predicted (err) | capacity used | extra memory "
+        "| FLOPs eliminated | replay time removed (pred.) | peak at |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['memory_model']} | {r['fraction']:.3f} | {format_bytes(r['limit'])} "
-              f"| {format_bytes(r['peak'])} | {format_bytes(r['predicted_peak'])} "
-              f"({r['prediction_error']:+.1%}) | {used(r['capacity_used'])} | {r['extra_memory']:.1%} "
-              f"| {r['flops_eliminated']:.1%} | {r['replay_removed']:.1%} | {r['peak_at']} |")
+        print(
+            f"| {r['memory_model']} | {r['fraction']:.3f} | {format_bytes(r['limit'])} "
+            f"| {format_bytes(r['peak'])} | {format_bytes(r['predicted_peak'])} "
+            f"({r['prediction_error']:+.1%}) | {used(r['capacity_used'])} | {r['extra_memory']:.1%} "
+            f"| {r['flops_eliminated']:.1%} | {r['replay_removed']:.1%} | {r['peak_at']} |"
+        )
     out = ROOT / "benchmarks" / "results" / f"peak_curve_{'moe' if args.moe else 'dense'}.json"
-    out.write_text(json.dumps({"plain_peak": plain_peak, "must_only_peak": must_only,
-                               "plain_flops": plain_flops, "must_only_flops": must_flops,
-                               "rows": rows}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "plain_peak": plain_peak,
+                "must_only_peak": must_only,
+                "plain_flops": plain_flops,
+                "must_only_flops": must_flops,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

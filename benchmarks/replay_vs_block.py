@@ -35,7 +35,10 @@ from typing import Any, Callable
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -50,10 +53,26 @@ from tapesac_core.memory import profile_memory  # noqa: E402
 CONFIGS = ("none", "torch", "torch_no_stop", "tapesac")
 SIZES = {
     # hidden, heads, kv heads, head_dim, dense MLP width, expert width, seq, batch
-    "small": dict(hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=32,
-                  intermediate_size=512, moe_intermediate_size=256, seq=128, batch=4),
-    "medium": dict(hidden_size=384, num_heads=12, num_kv_heads=4, head_dim=32,
-                   intermediate_size=1024, moe_intermediate_size=384, seq=256, batch=4),
+    "small": dict(
+        hidden_size=256,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        seq=128,
+        batch=4,
+    ),
+    "medium": dict(
+        hidden_size=384,
+        num_heads=12,
+        num_kv_heads=4,
+        head_dim=32,
+        intermediate_size=1024,
+        moe_intermediate_size=384,
+        seq=256,
+        batch=4,
+    ),
 }
 MIB = 2**20
 
@@ -75,10 +94,12 @@ def variants(config: ModelConfig) -> dict[str, DecoderLM]:
     layer = MoEDecoderLayer if config.moe else DecoderLayer
     models = {name: copy.deepcopy(base) for name in CONFIGS}
     for name, early_stop in (("torch", True), ("torch_no_stop", False)):
-        wrap = partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                       early_stop=early_stop)
-        apply_activation_checkpointing(models[name], checkpoint_wrapper_fn=wrap,
-                                       check_fn=lambda m: isinstance(m, layer))
+        wrap = partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, early_stop=early_stop
+        )
+        apply_activation_checkpointing(
+            models[name], checkpoint_wrapper_fn=wrap, check_fn=lambda m: isinstance(m, layer)
+        )
     tapesac_core.checkpoint_modules(models["tapesac"], {layer})
     return models
 
@@ -106,14 +127,15 @@ def quartiles(xs: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
-def interleaved_times(models: dict[str, DecoderLM], data: Any, rounds: int,
-                      warmup: int) -> dict[str, Any]:
+def interleaved_times(
+    models: dict[str, DecoderLM], data: Any, rounds: int, warmup: int
+) -> dict[str, Any]:
     """Each round: one step of every configuration on the same batch, order rotated per round."""
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     forward: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for r in range(warmup + rounds):
         ids = next(data)
-        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+        order = CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)]
         for name in order:
             fwd, bwd = timed_step(models[name], ids)
             if r >= warmup:
@@ -126,15 +148,22 @@ def interleaved_times(models: dict[str, DecoderLM], data: Any, rounds: int,
         "median_ms": {name: 1e3 * m for name, m in median.items()},
         "min_ms": {name: 1e3 * min(ts) for name, ts in times.items()},
         "median_forward_ms": {name: 1e3 * statistics.median(ts) for name, ts in forward.items()},
-        "median_backward_ms": {name: 1e3 * statistics.median([t - f for t, f in zip(ts, forward[name])])
-                               for name, ts in times.items()},
+        "median_backward_ms": {
+            name: 1e3 * statistics.median([t - f for t, f in zip(ts, forward[name])])
+            for name, ts in times.items()
+        },
         "ratio_tapesac_torch": median["tapesac"] / median["torch"],
         "ratio_tapesac_torch_no_stop": median["tapesac"] / median["torch_no_stop"],
         "per_round_ratio_tapesac_torch": {
-            "min": min(ratios), "max": max(ratios), "iqr": quartiles(ratios)},
+            "min": min(ratios),
+            "max": max(ratios),
+            "iqr": quartiles(ratios),
+        },
         "per_round_ratio_tapesac_torch_no_stop": {
-            "min": min(ratios_no_stop), "max": max(ratios_no_stop),
-            "iqr": quartiles(ratios_no_stop)},
+            "min": min(ratios_no_stop),
+            "max": max(ratios_no_stop),
+            "iqr": quartiles(ratios_no_stop),
+        },
         "rounds": rounds,
     }
 
@@ -163,7 +192,9 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         if str(func) not in IDENTITY_OPS:
             self.count += 1
         return func(*args, **(kwargs or {}))
@@ -179,9 +210,11 @@ def backward_work(model: DecoderLM, ids: torch.Tensor) -> dict[str, Any]:
         with FlopCounterMode(display=False) as bwd_flops, OpCounter() as ops:
             loss.backward()
     model.zero_grad(set_to_none=True)
-    out: dict[str, Any] = {"forward_flops": fwd_flops.get_total_flops(),
-                           "backward_flops": bwd_flops.get_total_flops(),
-                           "backward_ops": ops.count}
+    out: dict[str, Any] = {
+        "forward_flops": fwd_flops.get_total_flops(),
+        "backward_flops": bwd_flops.get_total_flops(),
+        "backward_ops": ops.count,
+    }
     if blocks:
         out["tape_nodes"] = sum(len(b.tape.nodes) for b in blocks)
         out["replayed_nodes"] = sum(len(b.replayed) for b in blocks)
@@ -190,8 +223,9 @@ def backward_work(model: DecoderLM, ids: torch.Tensor) -> dict[str, Any]:
     return out
 
 
-def measure_model(config: ModelConfig, seq: int, batch: int, rounds: int,
-                  warmup: int) -> dict[str, Any]:
+def measure_model(
+    config: ModelConfig, seq: int, batch: int, rounds: int, warmup: int
+) -> dict[str, Any]:
     models = variants(config)
     data = batches(batch, seq, seed=0, min_len=seq)
     ids = next(data)
@@ -220,7 +254,9 @@ def tiny_loop(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 class NoOpMode(TorchDispatchMode):
     """The floor of a dispatcher-level recorder, as torch wraps it (torch._disable_dynamo)."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         return func(*args, **(kwargs or {}))
 
 
@@ -231,7 +267,9 @@ class NoOpModeNoDynamoGuard(NoOpMode):
     def _should_skip_dynamo(cls) -> bool:
         return False
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         return func(*args, **(kwargs or {}))
 
 
@@ -239,6 +277,7 @@ def _noop_hooks(mode_cls: type) -> Callable[[torch.Tensor, torch.Tensor], Any]:
     def run(x: torch.Tensor, w: torch.Tensor) -> Any:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), mode_cls():
             return tiny_loop(x, w)
+
     return run
 
 
@@ -262,7 +301,8 @@ def recording_overhead(reps: int) -> dict[str, Any]:
         "noop_mode_and_hooks": lambda: _noop_hooks(NoOpMode)(x, w),
         "noop_mode_no_dynamo_guard_and_hooks": lambda: _noop_hooks(NoOpModeNoDynamoGuard)(x, w),
         "torch_checkpoint": lambda: torch.utils.checkpoint.checkpoint(
-            tiny_loop, x, w, use_reentrant=False),
+            tiny_loop, x, w, use_reentrant=False
+        ),
         "tapesac": lambda: tapesac_core.checkpoint(tiny_loop, x, w),
     }
     for fn in runs.values():  # warm-up
@@ -275,9 +315,14 @@ def recording_overhead(reps: int) -> dict[str, Any]:
             samples[name].append(_median_us(fn, max(1, reps // 10)))
     median = {name: statistics.median(s) for name, s in samples.items()}
     per_op = {name: (median[name] - median["plain"]) / n_ops for name in runs if name != "plain"}
-    return {"recorded_ops": n_ops, "forward_us": median, "overhead_us_per_op": per_op,
-            "top_functions": top_functions(lambda: tapesac_core.checkpoint(tiny_loop, x, w),
-                                           reps=50, per=50 * n_ops)}
+    return {
+        "recorded_ops": n_ops,
+        "forward_us": median,
+        "overhead_us_per_op": per_op,
+        "top_functions": top_functions(
+            lambda: tapesac_core.checkpoint(tiny_loop, x, w), reps=50, per=50 * n_ops
+        ),
+    }
 
 
 def top_functions(fn: Callable[[], Any], reps: int, per: int, top: int = 10) -> list[dict]:
@@ -289,9 +334,15 @@ def top_functions(fn: Callable[[], Any], reps: int, per: int, top: int = 10) -> 
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, ...)
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-    return [{"function": f"{Path(file).name}:{line}({name})", "calls_per_unit": nc / per,
-             "tottime_us_per_unit": 1e6 * tt / per, "cumtime_us_per_unit": 1e6 * ct / per}
-            for (file, line, name), (_, nc, tt, ct, _) in rows]
+    return [
+        {
+            "function": f"{Path(file).name}:{line}({name})",
+            "calls_per_unit": nc / per,
+            "tottime_us_per_unit": 1e6 * tt / per,
+            "cumtime_us_per_unit": 1e6 * ct / per,
+        }
+        for (file, line, name), (_, nc, tt, ct, _) in rows
+    ]
 
 
 def profile_step(config: ModelConfig, seq: int, batch: int, name: str) -> list[dict]:
@@ -313,17 +364,23 @@ def _mib(n: int) -> str:
 def model_table(label: str, r: dict[str, Any]) -> str:
     t, mem, work = r["time"], r["memory"], r["work"]
     none_ms = t["median_ms"]["none"]
-    lines = [f"### {label}", "",
-             "| config | median step ms | fwd ms | bwd ms | min step ms | vs none "
-             "| step peak MiB | forward-end MiB "
-             "| step-end MiB | recomputed GFLOP | recomputed % of fwd FLOPs "
-             "| recomputed aten ops (no detach) "
-             "| TapeSAC replayed / block-model / tape nodes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {label}",
+        "",
+        "| config | median step ms | fwd ms | bwd ms | min step ms | vs none "
+        "| step peak MiB | forward-end MiB "
+        "| step-end MiB | recomputed GFLOP | recomputed % of fwd FLOPs "
+        "| recomputed aten ops (no detach) "
+        "| TapeSAC replayed / block-model / tape nodes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in CONFIGS:
         w = work[name]
-        nodes = (f"{w['replayed_nodes']} / {w['block_nodes_model']} / {w['tape_nodes']}"
-                 if "replayed_nodes" in w else "")
+        nodes = (
+            f"{w['replayed_nodes']} / {w['block_nodes_model']} / {w['tape_nodes']}"
+            if "replayed_nodes" in w
+            else ""
+        )
         lines.append(
             f"| {name} | {t['median_ms'][name]:.1f} | {t['median_forward_ms'][name]:.1f} "
             f"| {t['median_backward_ms'][name]:.1f} | {t['min_ms'][name]:.1f} "
@@ -331,45 +388,67 @@ def model_table(label: str, r: dict[str, Any]) -> str:
             f"| {_mib(mem[name]['forward_end'])} | {_mib(mem[name]['step_end'])} "
             f"| {w['recomputed_flops'] / 1e9:.3f} "
             f"| {100 * w['recomputed_flops'] / w['forward_flops']:.1f} "
-            f"| {w['recomputed_ops']} | {nodes} |")
+            f"| {w['recomputed_ops']} | {nodes} |"
+        )
     for other, key in (("torch", "tapesac_torch"), ("torch_no_stop", "tapesac_torch_no_stop")):
         spread = t[f"per_round_ratio_{key}"]
         lines.append("")
-        lines.append(f"TapeSAC / {other} (ratio of medians): **{t[f'ratio_{key}']:.3f}**; "
-                     f"per-round ratios over {t['rounds']} rounds: min {spread['min']:.3f}, "
-                     f"IQR {spread['iqr'][0]:.3f}-{spread['iqr'][1]:.3f}, "
-                     f"max {spread['max']:.3f}")
-    lines.append("\nMemory columns are live-byte deltas from torch's profiler with the garbage "
-                 "collector off: step-end is what a step leaves allocated (the grads, plus anything "
-                 "kept until the next gc). Recomputed FLOPs are backward FLOPs minus those of `none` "
-                 "(FlopCounterMode counts matmuls and attention, not elementwise ops); recomputed "
-                 "aten ops likewise, detach/alias excluded.")
-    lines.append(f"\nTapeSAC saved bytes (S0 beyond leaves, all blocks): "
-                 f"{work['tapesac']['saved_bytes']} B")
+        lines.append(
+            f"TapeSAC / {other} (ratio of medians): **{t[f'ratio_{key}']:.3f}**; "
+            f"per-round ratios over {t['rounds']} rounds: min {spread['min']:.3f}, "
+            f"IQR {spread['iqr'][0]:.3f}-{spread['iqr'][1]:.3f}, "
+            f"max {spread['max']:.3f}"
+        )
+    lines.append(
+        "\nMemory columns are live-byte deltas from torch's profiler with the garbage "
+        "collector off: step-end is what a step leaves allocated (the grads, plus anything "
+        "kept until the next gc). Recomputed FLOPs are backward FLOPs minus those of `none` "
+        "(FlopCounterMode counts matmuls and attention, not elementwise ops); recomputed "
+        "aten ops likewise, detach/alias excluded."
+    )
+    lines.append(
+        f"\nTapeSAC saved bytes (S0 beyond leaves, all blocks): {work['tapesac']['saved_bytes']} B"
+    )
     return "\n".join(lines)
 
 
 def overhead_table(o: dict[str, Any]) -> str:
-    lines = [f"### Recording overhead (tiny loop, {o['recorded_ops']} recorded ops, forward only)",
-             "", "| variant | forward µs | overhead µs / recorded op |", "|---|---|---|"]
+    lines = [
+        f"### Recording overhead (tiny loop, {o['recorded_ops']} recorded ops, forward only)",
+        "",
+        "| variant | forward µs | overhead µs / recorded op |",
+        "|---|---|---|",
+    ]
     for name, us in o["forward_us"].items():
         per = o["overhead_us_per_op"].get(name)
         lines.append(f"| {name} | {us:.0f} | {'' if per is None else f'{per:.2f}'} |")
-    lines += ["", "Top functions of TapeSAC's forward by own time (cProfile, so inflated; "
-              "per recorded op):", "", "| function | calls / op | own µs / op | cum µs / op |",
-              "|---|---|---|---|"]
+    lines += [
+        "",
+        "Top functions of TapeSAC's forward by own time (cProfile, so inflated; per recorded op):",
+        "",
+        "| function | calls / op | own µs / op | cum µs / op |",
+        "|---|---|---|---|",
+    ]
     for f in o["top_functions"]:
-        lines.append(f"| `{f['function']}` | {f['calls_per_unit']:.2f} "
-                     f"| {f['tottime_us_per_unit']:.2f} | {f['cumtime_us_per_unit']:.2f} |")
+        lines.append(
+            f"| `{f['function']}` | {f['calls_per_unit']:.2f} "
+            f"| {f['tottime_us_per_unit']:.2f} | {f['cumtime_us_per_unit']:.2f} |"
+        )
     return "\n".join(lines)
 
 
 def profile_table(what: str, rows: list[dict]) -> str:
-    lines = [f"### cProfile of one training step: {what} (top 15 by own time)", "",
-             "| function | calls | own ms | cum ms |", "|---|---|---|---|"]
+    lines = [
+        f"### cProfile of one training step: {what} (top 15 by own time)",
+        "",
+        "| function | calls | own ms | cum ms |",
+        "|---|---|---|---|",
+    ]
     for f in rows:
-        lines.append(f"| `{f['function']}` | {f['calls_per_unit']:.0f} "
-                     f"| {1e-3 * f['tottime_us_per_unit']:.1f} | {1e-3 * f['cumtime_us_per_unit']:.1f} |")
+        lines.append(
+            f"| `{f['function']}` | {f['calls_per_unit']:.0f} "
+            f"| {1e-3 * f['tottime_us_per_unit']:.1f} | {1e-3 * f['cumtime_us_per_unit']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -378,8 +457,12 @@ def profile_table(what: str, rows: list[dict]) -> str:
 
 def git_commit() -> str:
     """The checked-out commit (and whether tapesac_core has local changes), for the record."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + (" + local changes" if git("status", "--porcelain", "tapesac_core") else "")
 
@@ -389,34 +472,64 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="measured interleaved rounds")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up rounds (not measured)")
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch.set_num_threads (default 1: steadier on a shared CPU)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (default 1: steadier on a shared CPU)",
+    )
     parser.add_argument("--reps", type=int, default=300, help="repetitions of the tiny loop")
-    parser.add_argument("--cprofile", action="store_true",
-                        help="also cProfile one TapeSAC training step of each model")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/replay_vs_block.json")
+    parser.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="also cProfile one TapeSAC training step of each model",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks/results/replay_vs_block.json"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     results: dict[str, Any] = {
-        "commit": git_commit(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
         "size": args.size,
-        "rounds": args.steps, "warmup_rounds": args.warmup,
+        "rounds": args.steps,
+        "warmup_rounds": args.warmup,
         "baseline": "torch.distributed.algorithms._checkpoint.checkpoint_wrapper("
-                    "checkpoint_impl=NO_REENTRANT, early_stop=True|False) on each decoder layer "
-                    "via apply_activation_checkpointing; preserve_rng_state=True (default)",
+        "checkpoint_impl=NO_REENTRANT, early_stop=True|False) on each decoder layer "
+        "via apply_activation_checkpointing; preserve_rng_state=True (default)",
         "models": {},
     }
-    report = [f"## TapeSAC must-only replay vs torch.utils.checkpoint "
-              f"(commit {results['commit']}, torch {torch.__version__}, "
-              f"{torch.get_num_threads()} thread(s), size {args.size})"]
+    report = [
+        f"## TapeSAC must-only replay vs torch.utils.checkpoint "
+        f"(commit {results['commit']}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s), size {args.size})"
+    ]
     for label, moe in (("dense", False), ("moe", True)):
         config, seq, batch = model_config(args.size, moe)
-        fields = {k: v for k, v in vars(config).items()
-                  if k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                           "intermediate_size", "dropout", "moe", "num_experts", "top_k",
-                           "moe_intermediate_size", "shared_expert", "vocab_size")}
+        fields = {
+            k: v
+            for k, v in vars(config).items()
+            if k
+            in (
+                "hidden_size",
+                "num_layers",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "intermediate_size",
+                "dropout",
+                "moe",
+                "num_experts",
+                "top_k",
+                "moe_intermediate_size",
+                "shared_expert",
+                "vocab_size",
+            )
+        }
         print(f"[{label}] config {fields} seq={seq} batch={batch}", file=sys.stderr, flush=True)
         r = measure_model(config, seq, batch, args.steps, args.warmup)
         r["config"] = fields | {"seq": seq, "batch": batch}

@@ -42,8 +42,9 @@ class Run:
     def __init__(self, base: DecoderLM, limit: int | str) -> None:
         self.model = copy.deepcopy(base)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.controller = Controller(self.model, limit, warmup_steps=2, profile_steps=2,
-                                     control_steps=2, control_every=5)
+        self.controller = Controller(
+            self.model, limit, warmup_steps=2, profile_steps=2, control_steps=2, control_every=5
+        )
         self.limit = self.controller.limit_bytes()
         self.peaks: list[int] = []
         self.planned: list[float] = []
@@ -73,8 +74,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = ModelConfig(moe=args.moe, dropout=0.1, hidden_size=128, intermediate_size=256,
-                         moe_intermediate_size=128)
+    config = ModelConfig(
+        moe=args.moe, dropout=0.1, hidden_size=128, intermediate_size=256, moe_intermediate_size=128
+    )
     base = DecoderLM(config)
     tapesac_core.checkpoint_modules(base, {DecoderLayer, MoEDecoderLayer})
     data = [next(batches(batch_size=8, max_len=128, min_len=128, seed=s)) for s in range(8)]
@@ -97,29 +99,46 @@ def main() -> None:
             left = args.steps - i
             run.step(data[i % len(data)], "peak" if left <= 2 else "flops" if left <= 4 else None)
         plan = run.report.plan or run.controller.plans.get(run.report.bucket)
-        rows.append({
-            "limit": run.limit, "peak": max(run.peaks), "saved": plan.saved_bytes,
-            "predicted_peak": plan.predicted_peak,
-            "predicted_speedup": plan.predicted_speedup,
-            "measured_speedup": run.controller._measured(run.report.bucket),
-            "recomputed_gflop": (statistics.median(run.flops) - plain_flops) / 1e9,
-            "planned_step_ms": 1e3 * statistics.median(run.planned),
-            "planned_step_iqr_ms": 1e3 * iqr(run.planned)})
+        rows.append(
+            {
+                "limit": run.limit,
+                "peak": max(run.peaks),
+                "saved": plan.saved_bytes,
+                "predicted_peak": plan.predicted_peak,
+                "predicted_speedup": plan.predicted_speedup,
+                "measured_speedup": run.controller._measured(run.report.bucket),
+                "recomputed_gflop": (statistics.median(run.flops) - plain_flops) / 1e9,
+                "planned_step_ms": 1e3 * statistics.median(run.planned),
+                "planned_step_iqr_ms": 1e3 * iqr(run.planned),
+            }
+        )
         del run
-    print(f"must-only peak {format_bytes(must_only)}, everything worth saving adds "
-          f"{format_bytes(everything)}; {args.steps} rounds, {args.threads} thread(s)")
-    print("| limit | measured peak (predicted) | saved | predicted speedup | measured speedup "
-          "| measured / predicted | recomputed GFLOP | planned step ms (IQR) |")
+    print(
+        f"must-only peak {format_bytes(must_only)}, everything worth saving adds "
+        f"{format_bytes(everything)}; {args.steps} rounds, {args.threads} thread(s)"
+    )
+    print(
+        "| limit | measured peak (predicted) | saved | predicted speedup | measured speedup "
+        "| measured / predicted | recomputed GFLOP | planned step ms (IQR) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         measured = f"{r['measured_speedup']:.3f}" if r["measured_speedup"] else "-"
-        ratio = f"{r['measured_speedup'] / r['predicted_speedup']:.3f}" if r["measured_speedup"] else "-"
-        print(f"| {format_bytes(r['limit'])} | {format_bytes(r['peak'])} ({format_bytes(r['predicted_peak'])}) "
-              f"| {format_bytes(r['saved'])} | {r['predicted_speedup']:.3f} | {measured} | {ratio} "
-              f"| {r['recomputed_gflop']:.3f} | {r['planned_step_ms']:.1f} ({r['planned_step_iqr_ms']:.1f}) |")
+        ratio = (
+            f"{r['measured_speedup'] / r['predicted_speedup']:.3f}"
+            if r["measured_speedup"]
+            else "-"
+        )
+        print(
+            f"| {format_bytes(r['limit'])} | {format_bytes(r['peak'])} ({format_bytes(r['predicted_peak'])}) "
+            f"| {format_bytes(r['saved'])} | {r['predicted_speedup']:.3f} | {measured} | {ratio} "
+            f"| {r['recomputed_gflop']:.3f} | {r['planned_step_ms']:.1f} ({r['planned_step_iqr_ms']:.1f}) |"
+        )
     out = ROOT / "benchmarks" / "results" / f"sweep_{'moe' if args.moe else 'dense'}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"must_only": must_only, "everything": everything, "rows": rows}, indent=1))
+    out.write_text(
+        json.dumps({"must_only": must_only, "everything": everything, "rows": rows}, indent=1)
+    )
 
 
 def iqr(xs: list[float]) -> float:

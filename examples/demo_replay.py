@@ -34,10 +34,12 @@ def describe(block: tapesac_core.BlockTrace) -> str:
     replayed = set(block.replayed)
     dead = [n for n in tape.nodes if n.index not in replayed and not set(n.outs) <= block.saved]
     heavy = Counter(_short(n.name) for n in dead if "mm" in n.name or "attention" in n.name)
-    return (f"{tape.name:10s} recorded {len(tape.nodes):3d} ops | replayed {len(replayed):3d} | "
-            f"torch block recompute would run {len(tape.block_nodes(block.saved)):3d} | "
-            f"mandatory {len(tape.mandatory):2d} ({tape.mandatory_bytes} B) | "
-            f"dead matmuls skipped: {dict(heavy) or '-'}")
+    return (
+        f"{tape.name:10s} recorded {len(tape.nodes):3d} ops | replayed {len(replayed):3d} | "
+        f"torch block recompute would run {len(tape.block_nodes(block.saved)):3d} | "
+        f"mandatory {len(tape.mandatory):2d} ({tape.mandatory_bytes} B) | "
+        f"dead matmuls skipped: {dict(heavy) or '-'}"
+    )
 
 
 def main() -> None:
@@ -58,17 +60,24 @@ def main() -> None:
         loss, grads = _step(checkpointed, ids)
 
     exact = torch.equal(loss, reference[0]) and all(
-        torch.equal(grads[n], reference[1][n]) for n in grads)
-    print(f"model: {'MoE' if args.moe else 'dense'} decoder, {len(paths)} checkpointed blocks, "
-          f"batch {tuple(ids.shape)} of standard-library source bytes")
+        torch.equal(grads[n], reference[1][n]) for n in grads
+    )
+    print(
+        f"model: {'MoE' if args.moe else 'dense'} decoder, {len(paths)} checkpointed blocks, "
+        f"batch {tuple(ids.shape)} of standard-library source bytes"
+    )
     for block in blocks:
         print(describe(block))
     first = blocks[0].tape
     skipped = sorted(set(range(len(first.nodes))) - set(blocks[0].replayed))
-    print(f"{first.name}: ops never rerun in backward: "
-          f"{[_short(first.nodes[i].name) for i in skipped]}")
-    print(f"loss {loss.item():.6f}; loss and all {len(grads)} gradients bitwise equal to no "
-          f"checkpointing: {exact}")
+    print(
+        f"{first.name}: ops never rerun in backward: "
+        f"{[_short(first.nodes[i].name) for i in skipped]}"
+    )
+    print(
+        f"loss {loss.item():.6f}; loss and all {len(grads)} gradients bitwise equal to no "
+        f"checkpointing: {exact}"
+    )
     if not exact:
         raise SystemExit("replay was not exact")
 

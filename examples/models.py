@@ -76,7 +76,9 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.top_k > self.num_experts:
-            raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})")
+            raise ValueError(
+                f"top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})"
+            )
         if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
             raise ValueError("rope_theta and rms_norm_eps must be positive")
         if not 0.0 <= self.dropout < 1.0:
@@ -162,7 +164,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.dropout = _dropout(config.dropout)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         batch, seq_len, _ = hidden_states.shape
         query = self.q_proj(hidden_states).view(batch, seq_len, self.num_heads, -1)
         gate = None
@@ -172,7 +176,9 @@ class Attention(nn.Module):
         value = self.v_proj(hidden_states).view(batch, seq_len, self.num_kv_heads, self.head_dim)
         query = apply_rotary(self.q_norm(query).transpose(1, 2), cos, sin)
         key = apply_rotary(self.k_norm(key).transpose(1, 2), cos, sin)
-        attn = F.scaled_dot_product_attention(query, key, value.transpose(1, 2), is_causal=True, enable_gqa=True)
+        attn = F.scaled_dot_product_attention(
+            query, key, value.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
         attn = attn.transpose(1, 2).reshape(batch, seq_len, -1)
         if gate is not None:
             attn = attn * torch.sigmoid(gate.reshape(batch, seq_len, -1))
@@ -203,10 +209,13 @@ class MoE(nn.Module):
         self.skip_empty_experts = config.skip_empty_experts
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(
-            GatedMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+            GatedMLP(config.hidden_size, config.moe_intermediate_size)
+            for _ in range(config.num_experts)
         )
         self.shared_expert = (
-            GatedMLP(config.hidden_size, config.moe_intermediate_size) if config.shared_expert else None
+            GatedMLP(config.hidden_size, config.moe_intermediate_size)
+            if config.shared_expert
+            else None
         )
         self.dropout = _dropout(config.dropout)
 
@@ -217,7 +226,9 @@ class MoE(nn.Module):
         for index in self._experts_to_run(selected):
             token_idx, slot = torch.where(selected == index)
             expert_weights = weights[token_idx, slot].unsqueeze(-1)
-            expert_out = self._run_expert(self.experts[index], tokens.index_select(0, token_idx), expert_weights)
+            expert_out = self._run_expert(
+                self.experts[index], tokens.index_select(0, token_idx), expert_weights
+            )
             # index_put_ with accumulate rather than index_add_: index_add_'s backward keeps its
             # source alive (for expand_as), so expert outputs that are only summed would stay demanded.
             output.index_put_((token_idx,), expert_out, accumulate=True)
@@ -239,7 +250,9 @@ class MoE(nn.Module):
         counts = torch.bincount(selected.flatten(), minlength=len(self.experts))
         return counts.nonzero().flatten().tolist()
 
-    def _run_expert(self, expert: nn.Module, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _run_expert(
+        self, expert: nn.Module, tokens: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         if self.routing_weights_on_input:
             # Weighting the input instead leaves the expert outputs feeding only the sum.
             return expert(tokens * weights)
@@ -261,8 +274,12 @@ class DecoderLayer(nn.Module):
         """The block after attention."""
         return GatedMLP(config.hidden_size, config.intermediate_size, config.dropout)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin)
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), cos, sin
+        )
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -298,7 +315,9 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]`` for ``input_ids`` ``[batch, seq]``."""
         hidden_states = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(input_ids.shape[1], self.config.head_dim, self.config.rope_theta, hidden_states)
+        cos, sin = rotary_cos_sin(
+            input_ids.shape[1], self.config.head_dim, self.config.rope_theta, hidden_states
+        )
         for layer in self.layers:
             hidden_states = layer(hidden_states, cos, sin)
         return self.lm_head(self.norm(hidden_states))

@@ -36,7 +36,9 @@ from tapesac_lightning.accelerate import use_fsdp_on_cpu
 
 def parser() -> argparse.ArgumentParser:
     """The job's options."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--moe", action="store_true", help="the mixture-of-experts variant")
     p.add_argument("--hf", action="store_true", help="a tiny Hugging Face Qwen3 instead")
     p.add_argument("--steps", type=int, default=300, help="micro-batches per rank")
@@ -59,13 +61,29 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     """The example decoder (or a tiny Hugging Face Qwen3), seeded identically on every rank."""
     torch.manual_seed(0)
     if not args.hf:
-        return DecoderLM(ModelConfig(moe=args.moe, dropout=args.dropout, hidden_size=128,
-                                     intermediate_size=256, moe_intermediate_size=128))
+        return DecoderLM(
+            ModelConfig(
+                moe=args.moe,
+                dropout=args.dropout,
+                hidden_size=128,
+                intermediate_size=256,
+                moe_intermediate_size=128,
+            )
+        )
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    return Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_dropout=args.dropout))
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_dropout=args.dropout,
+        )
+    )
 
 
 def loss_of(model: torch.nn.Module, ids: torch.Tensor, hf: bool) -> torch.Tensor:
@@ -80,7 +98,9 @@ def checkpoint_every_block(model: torch.nn.Module) -> None:
     """The reference: ``torch.utils.checkpoint(use_reentrant=False)`` around every decoder layer,
     RNG preserved (Accelerate's own wrapper does not preserve it)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, checkpoint_wrapper)
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
 
     layers = model.model.layers if hasattr(model, "model") else model.layers
     for i, layer in enumerate(layers):
@@ -89,8 +109,9 @@ def checkpoint_every_block(model: torch.nn.Module) -> None:
 
 def make_accelerator(args: argparse.Namespace) -> Accelerator:
     """TapeSACAccelerator, or plain Accelerator on the same FSDP2 path for the baselines."""
-    common = dict(log_with="tensorboard", project_dir=args.logdir,
-                  gradient_accumulation_steps=args.accumulate)
+    common = dict(
+        log_with="tensorboard", project_dir=args.logdir, gradient_accumulation_steps=args.accumulate
+    )
     if args.baseline == "none":
         return TapeSACAccelerator(**common)
     accelerator = Accelerator(**common)
@@ -98,19 +119,30 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
     return accelerator
 
 
-def describe(accelerator: Accelerator, model: torch.nn.Module, plain_keys: list[str]) -> dict[str, Any]:
+def describe(
+    accelerator: Accelerator, model: torch.nn.Module, plain_keys: list[str]
+) -> dict[str, Any]:
     """What the prepared run is made of, for tests."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    return {"rank": torch.distributed.get_rank(), "num_processes": accelerator.num_processes,
-            "process_index": accelerator.process_index, "is_main": accelerator.is_main_process,
-            "is_fsdp2": accelerator.is_fsdp2,
-            "dtensor_params": all(isinstance(p, DTensor) for p in model.parameters()),
-            "tapesac_blocks": sum(hasattr(m, "_tapesac") for m in model.modules()),
-            "tapesac_classes": sorted({type(m).__name__.removeprefix("FSDP")
-                                       for m in model.modules() if hasattr(m, "_tapesac")}),
-            "checkpoint_wrappers": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
-            "same_state_dict_keys": sorted(model.state_dict()) == plain_keys}
+    return {
+        "rank": torch.distributed.get_rank(),
+        "num_processes": accelerator.num_processes,
+        "process_index": accelerator.process_index,
+        "is_main": accelerator.is_main_process,
+        "is_fsdp2": accelerator.is_fsdp2,
+        "dtensor_params": all(isinstance(p, DTensor) for p in model.parameters()),
+        "tapesac_blocks": sum(hasattr(m, "_tapesac") for m in model.modules()),
+        "tapesac_classes": sorted(
+            {
+                type(m).__name__.removeprefix("FSDP")
+                for m in model.modules()
+                if hasattr(m, "_tapesac")
+            }
+        ),
+        "checkpoint_wrappers": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
+        "same_state_dict_keys": sorted(model.state_dict()) == plain_keys,
+    }
 
 
 def run(args: argparse.Namespace) -> None:
@@ -136,7 +168,11 @@ def run(args: argparse.Namespace) -> None:
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-        entry = {"loss": loss.item(), "tokens": ids.numel(), "batch": zlib.crc32(ids.numpy().tobytes())}
+        entry = {
+            "loss": loss.item(),
+            "tokens": ids.numel(),
+            "batch": zlib.crc32(ids.numpy().tobytes()),
+        }
         controller = getattr(accelerator, "tapesac_controller", None)
         if controller is not None:
             entry.update(step_record(controller.report), controller_steps=controller.steps)

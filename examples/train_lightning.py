@@ -61,7 +61,9 @@ class TorchCheckpointed(LitDecoder):
 
     def configure_model(self) -> None:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointImpl, checkpoint_wrapper)
+            CheckpointImpl,
+            checkpoint_wrapper,
+        )
         from torch.distributed.fsdp import fully_shard
 
         # The example decoder keeps its layers at .layers, a Hugging Face causal LM at .model.layers.
@@ -82,8 +84,15 @@ class Batches(torch.utils.data.Dataset):
     at an epoch boundary sees the batches an uninterrupted run sees).
     """
 
-    def __init__(self, count: int, batch_size: int, max_len: int, min_len: int, seed: int,
-                 grow_at: int | None = None) -> None:
+    def __init__(
+        self,
+        count: int,
+        batch_size: int,
+        max_len: int,
+        min_len: int,
+        seed: int,
+        grow_at: int | None = None,
+    ) -> None:
         source = batches(batch_size=batch_size, max_len=max_len, min_len=min_len, seed=seed)
         self.items = [next(source) for _ in range(count)]
         if grow_at is not None:  # the batch grows mid-run: twice the sequences from here on
@@ -93,7 +102,7 @@ class Batches(torch.utils.data.Dataset):
         dist = torch.distributed
         if not dist.is_initialized():
             return self.items
-        return self.items[dist.get_rank()::dist.get_world_size()]
+        return self.items[dist.get_rank() :: dist.get_world_size()]
 
     def __len__(self) -> int:
         return len(self._mine())
@@ -108,10 +117,19 @@ class Record(pl.Callback):
     def __init__(self, out: Path | None) -> None:
         self.out, self.steps = out, []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
-        entry: dict[str, Any] = {"loss": outputs["loss"].item(), "tokens": batch.numel(),
-                                 "global_step": trainer.global_step}
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        entry: dict[str, Any] = {
+            "loss": outputs["loss"].item(),
+            "tokens": batch.numel(),
+            "global_step": trainer.global_step,
+        }
         controller = getattr(trainer.strategy, "controller", None)
         if controller is not None:
             entry.update(step_record(controller.report))
@@ -126,12 +144,22 @@ class Record(pl.Callback):
 
 def step_record(r: StepReport) -> dict[str, Any]:
     """A step's TapeSAC counters as JSON-ready values."""
-    return dict(mode=r.mode, bucket=list(r.bucket), time=r.time, replayed=r.replayed_nodes,
-                saved_bytes=r.saved_bytes, peak=r.peak, limit=r.limit,
-                plan_empty=r.plan.empty if r.plan else None, predicted=r.predicted_speedup,
-                measured=r.measured_speedup, measured_vs_full=r.measured_speedup_vs_full,
-                torch_checkpointed=r.torch_checkpointed, blocks=r.blocks,
-                plan=r.plan.to_json() if r.plan else None)
+    return dict(
+        mode=r.mode,
+        bucket=list(r.bucket),
+        time=r.time,
+        replayed=r.replayed_nodes,
+        saved_bytes=r.saved_bytes,
+        peak=r.peak,
+        limit=r.limit,
+        plan_empty=r.plan.empty if r.plan else None,
+        predicted=r.predicted_speedup,
+        measured=r.measured_speedup,
+        measured_vs_full=r.measured_speedup_vs_full,
+        torch_checkpointed=r.torch_checkpointed,
+        blocks=r.blocks,
+        plan=r.plan.to_json() if r.plan else None,
+    )
 
 
 def summary(controller: Controller, records: list[dict[str, Any]]) -> str:
@@ -144,8 +172,13 @@ def summary(controller: Controller, records: list[dict[str, Any]]) -> str:
         low = frontier["must_only"][0]
         headroom = (low, low + sum(max(x for x, _ in c) - low for c in frontier["curves"].values()))
     plan = controller.plans.get(report.bucket) if report is not None else None
-    return run_summary(records, controller.limit_bytes(), plan, headroom,
-                       report.measured_speedup if report is not None else None)
+    return run_summary(
+        records,
+        controller.limit_bytes(),
+        plan,
+        headroom,
+        report.measured_speedup if report is not None else None,
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -156,8 +189,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--memory-limit", default="30MiB", help="absolute (e.g. 30MiB) or a fraction")
-    p.add_argument("--full-control-every", type=int, default=25,
-                   help="a full-checkpointing control step per this many planned steps (0: none)")
+    p.add_argument(
+        "--full-control-every",
+        type=int,
+        default=25,
+        help="a full-checkpointing control step per this many planned steps (0: none)",
+    )
     p.add_argument("--baseline", choices=["none", "torch"], default="none")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--batch-size", type=int, default=4)
@@ -171,8 +208,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--full-checkpoint", action="store_true", help="one file, not sharded")
     p.add_argument("--resume", default=None, help="checkpoint to resume from")
     p.add_argument("--precision", default="32-true")
-    p.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="FSDP2 mixed precision: parameters in this dtype, gradients reduced in fp32")
+    p.add_argument(
+        "--param-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="FSDP2 mixed precision: parameters in this dtype, gradients reduced in fp32",
+    )
     p.add_argument("--logdir", default="runs")
     p.add_argument("--out", default=None, help="write per-rank JSON results here")
     return p
@@ -184,8 +225,11 @@ def quiet_lightning() -> None:
     Lightning's own use of a deprecated torch pytree API), are not shown."""
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    for message in (".*does not have many workers.*", ".*`validation_step` but have no `val_dataloader`.*",
-                    ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*"):
+    for message in (
+        ".*does not have many workers.*",
+        ".*`validation_step` but have no `val_dataloader`.*",
+        ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*",
+    ):
         warnings.filterwarnings("ignore", message=message)
 
 
@@ -195,50 +239,83 @@ def fsdp_options(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    return {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    }
 
 
-def run(args: argparse.Namespace, module: pl.LightningModule | None = None,
-        policy: set[type[torch.nn.Module]] | None = None) -> None:
+def run(
+    args: argparse.Namespace,
+    module: pl.LightningModule | None = None,
+    policy: set[type[torch.nn.Module]] | None = None,
+) -> None:
     """Train ``module`` (by default the example decoder) as ``args`` say."""
     quiet_lightning()
     torch.manual_seed(0)
     if module is None:
-        config = ModelConfig(moe=args.moe, dropout=args.dropout, hidden_size=128,
-                             intermediate_size=256, moe_intermediate_size=128)
+        config = ModelConfig(
+            moe=args.moe,
+            dropout=args.dropout,
+            hidden_size=128,
+            intermediate_size=256,
+            moe_intermediate_size=128,
+        )
         module = (TorchCheckpointed if args.baseline == "torch" else LitDecoder)(config)
     steps_per_epoch = max(1, args.steps // args.epochs)
-    data = Batches(steps_per_epoch * args.devices, args.batch_size, args.max_len, args.min_len,
-                   seed=0, grow_at=None if args.grow_at is None else args.grow_at * args.devices)
+    data = Batches(
+        steps_per_epoch * args.devices,
+        args.batch_size,
+        args.max_len,
+        args.min_len,
+        seed=0,
+        grow_at=None if args.grow_at is None else args.grow_at * args.devices,
+    )
     loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=0)
     options = fsdp_options(args)
     if args.baseline == "torch":
         module.fsdp_options = options
         if not isinstance(module, TorchCheckpointed):  # a given module gets the baseline's sharding
             module.configure_model = TorchCheckpointed.configure_model.__get__(module)
-        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1,
-                                         save_distributed_checkpoint=not args.full_checkpoint)
+        strategy = ModelParallelStrategy(
+            data_parallel_size=args.devices,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=not args.full_checkpoint,
+        )
     else:
         strategy = TapeSACFSDPStrategy(
             memory_limit=_limit(args.memory_limit),
             activation_checkpointing_policy=policy or {DecoderLayer, MoEDecoderLayer},
             save_distributed_checkpoint=not args.full_checkpoint,
-            full_control_every=args.full_control_every, **options)
+            full_control_every=args.full_control_every,
+            **options,
+        )
     record = Record(Path(args.out) if args.out else None)
     callbacks: list[pl.Callback] = [record]
     if args.checkpoint_dir:
-        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_epochs=1,
-                                         save_top_k=-1, filename="{epoch}"))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=args.checkpoint_dir, every_n_epochs=1, save_top_k=-1, filename="{epoch}"
+            )
+        )
     validate = args.val_every is not None
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
-                         max_epochs=args.epochs, precision=args.precision,
-                         accumulate_grad_batches=args.accumulate,
-                         val_check_interval=args.val_every if validate else None,
-                         limit_val_batches=2 if validate else 0,
-                         logger=TensorBoardLogger(args.logdir, name="tapesac"), callbacks=callbacks,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=args.checkpoint_dir is not None,
-                         log_every_n_steps=1, num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_epochs=args.epochs,
+        precision=args.precision,
+        accumulate_grad_batches=args.accumulate,
+        val_check_interval=args.val_every if validate else None,
+        limit_val_batches=2 if validate else 0,
+        logger=TensorBoardLogger(args.logdir, name="tapesac"),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=args.checkpoint_dir is not None,
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
     trainer.fit(module, loader, loader if validate else None, ckpt_path=args.resume)
     if trainer.is_global_zero and args.baseline == "none":
         print(summary(trainer.strategy.controller, record.steps))
@@ -255,9 +332,16 @@ def hf_decoder(args: argparse.Namespace) -> tuple[pl.LightningModule, set[type[t
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         attention_dropout=args.dropout)
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_dropout=args.dropout,
+    )
     return LitHuggingFace(Qwen3ForCausalLM(config)), {Qwen3DecoderLayer}
 
 

@@ -9,9 +9,13 @@ from examples.models import DecoderLM
 from tapesac_core.controller import Controller, StepReport
 
 
-def train_step(model: DecoderLM, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
-               controller: Controller | None = None, count_flops: bool = False
-               ) -> tuple[StepReport | None, int]:
+def train_step(
+    model: DecoderLM,
+    optimizer: torch.optim.Optimizer,
+    ids: torch.Tensor,
+    controller: Controller | None = None,
+    count_flops: bool = False,
+) -> tuple[StepReport | None, int]:
     """Forward, backward and optimizer step on ``ids``; the controller's report and backward FLOPs."""
     flops = FlopCounterMode(display=False) if count_flops else None
     if controller is None:

@@ -1,8 +1,15 @@
 """TapeSAC core: tensor-level record and replay of checkpointed blocks, and the planner."""
 
 from .block import BlockTrace
-from .checkpoint import (BlockConfig, checkpoint, checkpoint_module, checkpoint_modules, record,
-                         trace, use_plan)
+from .checkpoint import (
+    BlockConfig,
+    checkpoint,
+    checkpoint_module,
+    checkpoint_modules,
+    record,
+    trace,
+    use_plan,
+)
 from .config import MemoryLimit, TapeSACConfig, parse_memory_limit
 from .controller import Controller, StepReport
 from .errors import TapeSACError
@@ -11,7 +18,26 @@ from .memory import MemoryReading, memory_meter, profile_memory
 from .plan.plan import Plan
 from .tape import Coord, Tape
 
-__all__ = ["BlockConfig", "BlockTrace", "Controller", "Coord", "MemoryLimit", "MemoryReading",
-           "Plan", "StepReport", "Tape", "TapeSACConfig", "TapeSACError", "checkpoint",
-           "checkpoint_module", "checkpoint_modules", "memory_meter", "parse_memory_limit",
-           "profile_memory", "record", "register_kernel", "trace", "use_plan"]
+__all__ = [
+    "BlockConfig",
+    "BlockTrace",
+    "Controller",
+    "Coord",
+    "MemoryLimit",
+    "MemoryReading",
+    "Plan",
+    "StepReport",
+    "Tape",
+    "TapeSACConfig",
+    "TapeSACError",
+    "checkpoint",
+    "checkpoint_module",
+    "checkpoint_modules",
+    "memory_meter",
+    "parse_memory_limit",
+    "profile_memory",
+    "record",
+    "register_kernel",
+    "trace",
+    "use_plan",
+]

@@ -24,14 +24,16 @@ class BlockTrace:
     """What one block call recorded and replayed; holds no tensors."""
 
     tape: Tape
-    saved: frozenset[int] = frozenset()   # op values held for backward (S0 and planned) after forward
-    replayed: list[int] = field(default_factory=list)       # node indices run by replay, in order
+    saved: frozenset[int] = (
+        frozenset()
+    )  # op values held for backward (S0 and planned) after forward
+    replayed: list[int] = field(default_factory=list)  # node indices run by replay, in order
     node_times: dict[int, list[Any]] = field(default_factory=dict)  # replayed node -> timer samples
-    forward_times: dict[int, Any] = field(default_factory=dict)     # node -> its forward timer sample
-    alive_taken: set[int] = field(default_factory=set)      # demanded values taken alive, not replayed
-    unpacked: set[int] = field(default_factory=set)         # demanded values autograd actually read
+    forward_times: dict[int, Any] = field(default_factory=dict)  # node -> its forward timer sample
+    alive_taken: set[int] = field(default_factory=set)  # demanded values taken alive, not replayed
+    unpacked: set[int] = field(default_factory=set)  # demanded values autograd actually read
     sequence_changed: bool = False  # another op sequence than the plan's: anchored coordinates used
-    over_budget: int = 0        # planned values not kept: their bytes exceeded the block's budget
+    over_budget: int = 0  # planned values not kept: their bytes exceeded the block's budget
     replay_seconds: float = 0.0  # wall time its replays took in backward (host clock)
     invisible_writes: list = field(default_factory=list)  # coordinates replay did not reproduce
 
@@ -61,11 +63,22 @@ def unpack(packed: Packed) -> torch.Tensor:
 class Block:
     """State of one checkpointed block call, from its forward to the end of its backward."""
 
-    def __init__(self, name: str, region: str, module: torch.nn.Module | None, plan: BlockPlan,
-                 recording: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        name: str,
+        region: str,
+        module: torch.nn.Module | None,
+        plan: BlockPlan,
+        recording: Callable[[], Any],
+    ) -> None:
         self.name, self.region, self.module = name, region, module
-        self.plan_coords, self.plan_sequence, self.plan_budget, self.plan_anchors, \
-            self.plan_modules = plan
+        (
+            self.plan_coords,
+            self.plan_sequence,
+            self.plan_budget,
+            self.plan_anchors,
+            self.plan_modules,
+        ) = plan
         self.anchored: set[int] = set()  # held for an anchored coordinate of the plan
         self.module_calls: dict[tuple[str, str], int] = {}  # (module, op) -> calls so far
         self.nodes: list[Node] = []
@@ -90,8 +103,18 @@ class Block:
         self.fingerprints: dict[int, torch.Tensor] = {}
         self.forced = invisible_writes(region)  # coordinates held as mandatory: hidden writes
         self.probe: Any = None  # a timeline.BlockProbe on metered sample steps
-        self.trace = BlockTrace(Tape(name, region, self.nodes, self.values, self.storage_bytes,
-                                     frozenset(), {}, frozenset()))
+        self.trace = BlockTrace(
+            Tape(
+                name,
+                region,
+                self.nodes,
+                self.values,
+                self.storage_bytes,
+                frozenset(),
+                {},
+                frozenset(),
+            )
+        )
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -128,7 +151,8 @@ class Block:
             raise TapeSACError(
                 f"block {self.name!r}: {value.kind} {value.name!r} is a {type(t).__name__} at "
                 "backward time, not the unsharded tensor forward used. Fix: shard with FSDP2 at "
-                "the checkpointed module or above it (fully_shard(block) after checkpoint_module)")
+                "the checkpointed module or above it (fully_shard(block) after checkpoint_module)"
+            )
         return t
 
     def closure(self, targets: Any, available: Callable[[int], bool]) -> set[int]:
@@ -137,8 +161,17 @@ class Block:
     def finish(self, outputs: frozenset[int]) -> None:
         """End of forward: freeze the tape; drop kept tensors no replay or unpack can reach."""
         self.recording = False
-        tape = Tape(self.name, self.region, self.nodes, self.values, self.storage_bytes,
-                    frozenset(self.pack_count), dict(self.mandatory), frozenset(self.planned), outputs)
+        tape = Tape(
+            self.name,
+            self.region,
+            self.nodes,
+            self.values,
+            self.storage_bytes,
+            frozenset(self.pack_count),
+            dict(self.mandatory),
+            frozenset(self.planned),
+            outputs,
+        )
         self.demand = tape.demand
         if self.plan_sequence is not None and tape.fingerprint != self.plan_sequence:
             self.trace.sequence_changed = True
@@ -151,9 +184,13 @@ class Block:
             del self.held[vid]
         missing = self.plan_coords - self.planned_seen
         if missing and not self.trace.sequence_changed:
-            logger.warning("block %r (region %r): the plan names coordinates this block does not "
-                           "have, nothing saved for them: %s", self.name, self.region,
-                           ", ".join(map(str, sorted(missing))))
+            logger.warning(
+                "block %r (region %r): the plan names coordinates this block does not "
+                "have, nothing saved for them: %s",
+                self.name,
+                self.region,
+                ", ".join(map(str, sorted(missing))),
+            )
         self.device_types = {v.meta.device.type for v in self.values if v.meta is not None}
         self.trace.tape = tape
         self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
@@ -178,8 +215,12 @@ class Block:
             if tape.saved_bytes(kept | {vid}) <= budget:
                 kept.add(vid)
         self.trace.over_budget = len(self.planned) - len(kept)
-        logger.debug("block %r: %d planned values over the plan's %d bytes, not kept",
-                     self.name, self.trace.over_budget, budget)
+        logger.debug(
+            "block %r: %d planned values over the plan's %d bytes, not kept",
+            self.name,
+            self.trace.over_budget,
+            budget,
+        )
         return kept
 
     def anchor_call(self, name: str) -> int:
@@ -202,13 +243,15 @@ class Block:
             raise TapeSACError(
                 f"block {self.name!r}: a saved tensor was unpacked (a backward pass ran) during the "
                 f"forward of block {(active or self).name!r}. Reentrant use is not supported: do not "
-                "call backward or torch.autograd.grad inside a checkpointed module")
+                "call backward or torch.autograd.grad inside a checkpointed module"
+            )
         gid = torch._C._current_graph_task_id()
         if gid != -1 and torch.is_grad_enabled():
             raise TapeSACError(
                 f"block {self.name!r}: backward with create_graph=True (double backward) through a "
                 "TapeSAC block is not supported. Fix: do not checkpoint this module for "
-                "higher-order gradients, or use torch.utils.checkpoint for it")
+                "higher-order gradients, or use torch.utils.checkpoint for it"
+            )
         vid = packed.vid
         self.trace.unpacked.add(vid)
         if self.probe is not None:

@@ -47,7 +47,9 @@ PlanSpec = Mapping[str, Any]
 _RECORDING: ContextVar[Block | None] = ContextVar("tapesac_recording", default=None)
 _PLAN: ContextVar[_PlanScope | None] = ContextVar("tapesac_plan", default=None)
 _TRACE: ContextVar[_TraceScope | None] = ContextVar("tapesac_trace", default=None)
-_TORCH_CHECKPOINT: ContextVar[list[str] | None] = ContextVar("tapesac_torch_checkpoint", default=None)
+_TORCH_CHECKPOINT: ContextVar[list[str] | None] = ContextVar(
+    "tapesac_torch_checkpoint", default=None
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,16 +64,23 @@ class BlockConfig:
 
 
 def _is_coord(c: Any) -> bool:
-    return (isinstance(c, (tuple, list)) and len(c) == 3 and isinstance(c[0], str)
-            and isinstance(c[1], int) and isinstance(c[2], int))
+    return (
+        isinstance(c, (tuple, list))
+        and len(c) == 3
+        and isinstance(c[0], str)
+        and isinstance(c[1], int)
+        and isinstance(c[2], int)
+    )
 
 
 def _coords(collection: Any, region: str) -> frozenset[Coord]:
     coords = list(collection)
     bad = [c for c in coords if not _is_coord(c)]
     if bad:
-        raise TapeSACError(f"plan for region {region!r}: {bad[0]!r} is not a coordinate "
-                           "(op_name, k, j), e.g. ('aten.mm.default', 0, 0)")
+        raise TapeSACError(
+            f"plan for region {region!r}: {bad[0]!r} is not a coordinate "
+            "(op_name, k, j), e.g. ('aten.mm.default', 0, 0)"
+        )
     return frozenset((c[0], c[1], c[2]) for c in coords)
 
 
@@ -82,8 +91,9 @@ def normalize_plan(plan: PlanSpec) -> dict[str, frozenset[Coord] | list[frozense
     out: dict[str, Any] = {}
     for region, entry in plan.items():
         items = list(entry)
-        if items and all(not _is_coord(i) and isinstance(i, (set, frozenset, list, tuple))
-                         for i in items):
+        if items and all(
+            not _is_coord(i) and isinstance(i, (set, frozenset, list, tuple)) for i in items
+        ):
             out[region] = [_coords(i, region) for i in items]
         else:
             out[region] = _coords(items, region)
@@ -96,8 +106,9 @@ class _PlanScope:
         # bytes each block's set may keep.
         self.sequences: dict[str, str] = plan.sequences() if hasattr(plan, "sequences") else {}
         self.budgets: dict[str, list[int]] = plan.budgets() if hasattr(plan, "budgets") else {}
-        self.anchors: dict[str, tuple[list[frozenset], Mapping[str, str]]] = \
+        self.anchors: dict[str, tuple[list[frozenset], Mapping[str, str]]] = (
             plan.anchors() if hasattr(plan, "anchors") else {}
+        )
         self.plan = normalize_plan(plan.coordinates() if hasattr(plan, "coordinates") else plan)
         self.blocks: Counter[str] = Counter()
 
@@ -111,9 +122,13 @@ class _PlanScope:
             return BlockPlan()
         budgets = self.budgets.get(region)
         anchors, modules = self.anchors.get(region, ([], {}))
-        return BlockPlan(entry[i % len(entry)], self.sequences.get(region),
-                         budgets[i % len(budgets)] if budgets else None,
-                         anchors[i % len(anchors)] if anchors else frozenset(), modules)
+        return BlockPlan(
+            entry[i % len(entry)],
+            self.sequences.get(region),
+            budgets[i % len(budgets)] if budgets else None,
+            anchors[i % len(anchors)] if anchors else frozenset(),
+            modules,
+        )
 
 
 @contextmanager
@@ -140,8 +155,9 @@ def use_plan(plan: PlanSpec | Any) -> Iterator[None]:
 
 
 class _TraceScope:
-    def __init__(self, time_nodes: bool, one_micro_batch: bool, verify: bool,
-                 probe: Any = None) -> None:
+    def __init__(
+        self, time_nodes: bool, one_micro_batch: bool, verify: bool, probe: Any = None
+    ) -> None:
         self.time_nodes = time_nodes
         self.one_micro_batch = one_micro_batch
         self.verify = verify
@@ -156,12 +172,14 @@ class _TraceScope:
                 "controller step (gradient accumulation: several micro-batches in one step); the "
                 "plan would count every micro-batch's blocks as alive together. Fix: bracket each "
                 "micro-batch in its own `with controller.step(tokens=...)`, with tokens of that "
-                "micro-batch")
+                "micro-batch"
+            )
 
 
 @contextmanager
-def trace(time_nodes: bool = False, one_micro_batch: bool = False, verify: bool = False,
-          probe: Any = None) -> Iterator[list[BlockTrace]]:
+def trace(
+    time_nodes: bool = False, one_micro_batch: bool = False, verify: bool = False, probe: Any = None
+) -> Iterator[list[BlockTrace]]:
     """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays).
 
     With ``one_micro_batch``, a block recorded after another block of the trace ran its backward
@@ -202,7 +220,8 @@ def _refuse_outer_torch_checkpoint(name: str) -> None:
     if hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint":
         raise TapeSACError(
             f"block {name!r} runs inside torch.utils.checkpoint. Fix: remove the outer "
-            "checkpoint; TapeSAC already checkpoints this block")
+            "checkpoint; TapeSAC already checkpoints this block"
+        )
 
 
 @contextmanager
@@ -217,18 +236,27 @@ def _autocast_weight_cache_disabled() -> Iterator[None]:
         torch.set_autocast_cache_enabled(enabled)
 
 
-def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
-               module: torch.nn.Module | None, name: str) -> Any:
+def _run_block(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    region: str,
+    module: torch.nn.Module | None,
+    name: str,
+) -> Any:
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     outer = _RECORDING.get()
     if outer is not None:
-        raise TapeSACError(f"block {name!r} is nested inside checkpointed block {outer.name!r}. "
-                           "Fix: checkpoint only one of them")
+        raise TapeSACError(
+            f"block {name!r} is nested inside checkpointed block {outer.name!r}. "
+            "Fix: checkpoint only one of them"
+        )
     if torch._C._current_graph_task_id() != -1:
         raise TapeSACError(
             f"block {name!r} ran during a backward pass (reentrant checkpointing, e.g. "
-            "torch.utils.checkpoint(use_reentrant=True) around it). Fix: remove the outer checkpoint")
+            "torch.utils.checkpoint(use_reentrant=True) around it). Fix: remove the outer checkpoint"
+        )
     _refuse_outer_torch_checkpoint(name)
     if module is not None:
         _refuse_sharded_inside(module, name)
@@ -240,8 +268,9 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
     scope = _TRACE.get()
     if scope is not None:
         scope.check_micro_batch(name)
-    block = Block(name, region, module, plan.block_plan(region) if plan else BlockPlan(),
-                  _RECORDING.get)
+    block = Block(
+        name, region, module, plan.block_plan(region) if plan else BlockPlan(), _RECORDING.get
+    )
     if scope is not None:
         scope.blocks.append(block.trace)
         if scope.probe is not None:
@@ -255,12 +284,17 @@ def _run_block(fn: Callable[..., Any], args: tuple, kwargs: dict, region: str,
     recorder.register_inputs(inputs)
     token = _RECORDING.set(block)
     try:
-        with _autocast_weight_cache_disabled(), \
-                torch.autograd.graph.saved_tensors_hooks(recorder.pack, unpack), recorder:
+        with (
+            _autocast_weight_cache_disabled(),
+            torch.autograd.graph.saved_tensors_hooks(recorder.pack, unpack),
+            recorder,
+        ):
             out = fn(*args, **kwargs)
     finally:
         _RECORDING.reset(token)
-    block.finish(frozenset(recorder.vid_of(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
+    block.finish(
+        frozenset(recorder.vid_of(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+    )
     if block.probe is not None:
         block.probe.forward_end()
     return out
@@ -276,8 +310,10 @@ def _outside_compile(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     global _told_compiled
     if not _told_compiled:
         _told_compiled = True
-        logger.info("TapeSAC: torch.compile leaves checkpointed blocks uncompiled (they run "
-                    "eagerly, excluded with torch.compiler.disable); the rest of the model compiles")
+        logger.info(
+            "TapeSAC: torch.compile leaves checkpointed blocks uncompiled (they run "
+            "eagerly, excluded with torch.compiler.disable); the rest of the model compiles"
+        )
     return call(*args, **kwargs)
 
 
@@ -295,7 +331,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any, region: str = "default", **kw
         return _outside_compile(checkpoint, fn, *args, region=region, **kwargs)
     module = _module_of(fn)
     name = getattr(getattr(module, "_tapesac", None), "path", None) or getattr(
-        fn, "__qualname__", type(fn).__name__)
+        fn, "__qualname__", type(fn).__name__
+    )
     return _run_block(fn, args, kwargs, region, module, name)
 
 
@@ -306,8 +343,9 @@ def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> A
     if torch.compiler.is_compiling():
         return _outside_compile(_checkpointed_forward, self, *args, **kwargs)
     config: BlockConfig = self._tapesac
-    return _run_block(self._tapesac_forward, args, kwargs, config.region, self,
-                      config.path or type(self).__name__)
+    return _run_block(
+        self._tapesac_forward, args, kwargs, config.region, self, config.path or type(self).__name__
+    )
 
 
 def checkpoint_module(module: M, region: str | None = None) -> M:
@@ -343,14 +381,24 @@ def _refuse_nesting(module: torch.nn.Module, name: str) -> None:
     """A checkpointed module inside ``module``, or ``module`` inside one: an error naming both."""
     outer = getattr(module, "_tapesac_inside", None)
     if outer is not None:
-        raise TapeSACError(f"cannot checkpoint {name!r}: it lies inside {outer!r}, which is "
-                           "already checkpointed (a block inside a block). Fix: checkpoint only "
-                           "one of them")
-    inner = next((f"{name}.{sub_name}" for sub_name, sub in module.named_modules()
-                  if sub is not module and hasattr(sub, "_tapesac")), None)
+        raise TapeSACError(
+            f"cannot checkpoint {name!r}: it lies inside {outer!r}, which is "
+            "already checkpointed (a block inside a block). Fix: checkpoint only "
+            "one of them"
+        )
+    inner = next(
+        (
+            f"{name}.{sub_name}"
+            for sub_name, sub in module.named_modules()
+            if sub is not module and hasattr(sub, "_tapesac")
+        ),
+        None,
+    )
     if inner is not None:
-        raise TapeSACError(f"cannot checkpoint {name!r}: it contains {inner!r}, which is already "
-                           "checkpointed (a block inside a block). Fix: checkpoint only one of them")
+        raise TapeSACError(
+            f"cannot checkpoint {name!r}: it contains {inner!r}, which is already "
+            "checkpointed (a block inside a block). Fix: checkpoint only one of them"
+        )
 
 
 def _refuse_sharded_inside(module: torch.nn.Module, name: str) -> None:
@@ -360,13 +408,21 @@ def _refuse_sharded_inside(module: torch.nn.Module, name: str) -> None:
         return
     from torch.distributed.fsdp import FSDPModule
 
-    inner = next((f"{name}.{sub_name}" for sub_name, sub in module.named_modules()
-                  if sub is not module and isinstance(sub, FSDPModule)), None)
+    inner = next(
+        (
+            f"{name}.{sub_name}"
+            for sub_name, sub in module.named_modules()
+            if sub is not module and isinstance(sub, FSDPModule)
+        ),
+        None,
+    )
     if inner is not None:
-        raise TapeSACError(f"block {name!r} contains {inner!r}, sharded by fully_shard on its own: "
-                           "FSDP gathers and frees its parameters inside the block, which replay "
-                           "cannot repeat. Fix: apply fully_shard to the block (or a module "
-                           "around it), not to modules inside it")
+        raise TapeSACError(
+            f"block {name!r} contains {inner!r}, sharded by fully_shard on its own: "
+            "FSDP gathers and frees its parameters inside the block, which replay "
+            "cannot repeat. Fix: apply fully_shard to the block (or a module "
+            "around it), not to modules inside it"
+        )
 
 
 def _track_submodules(module: torch.nn.Module, name: str) -> None:
@@ -403,8 +459,10 @@ def module_selector(policy: Policy, what: str = "policy") -> Callable[[torch.nn.
             return lambda m: isinstance(m, classes)
     elif callable(policy) and not isinstance(policy, type):
         return policy
-    raise TypeError(f"{what} must be a set of nn.Module classes (e.g. {{DecoderLayer}}) or a "
-                    f"Module -> bool callable, got {policy!r}")
+    raise TypeError(
+        f"{what} must be a set of nn.Module classes (e.g. {{DecoderLayer}}) or a "
+        f"Module -> bool callable, got {policy!r}"
+    )
 
 
 def region_namer(regions: Regions | None) -> Callable[[torch.nn.Module], str | None]:
@@ -415,11 +473,14 @@ def region_namer(regions: Regions | None) -> Callable[[torch.nn.Module], str | N
         return lambda m: next((r for c, r in regions.items() if isinstance(m, c)), None)
     if callable(regions):
         return regions
-    raise TypeError(f"regions must map module classes to region names or be a callable, got {regions!r}")
+    raise TypeError(
+        f"regions must map module classes to region names or be a callable, got {regions!r}"
+    )
 
 
-def checkpoint_modules(model: torch.nn.Module, policy: Policy,
-                       regions: Regions | None = None) -> list[str]:
+def checkpoint_modules(
+    model: torch.nn.Module, policy: Policy, regions: Regions | None = None
+) -> list[str]:
     """Checkpoint every submodule of ``model`` the policy selects (not inside another); their paths.
 
     A selected module inside or around a module checkpointed earlier is a ``TapeSACError``."""
@@ -436,9 +497,11 @@ def checkpoint_modules(model: torch.nn.Module, policy: Policy,
     if not paths:
         found = repeated_block_classes(model)
         example = "{" + ", ".join(found) + "}" if found else "the class of its transformer block"
-        raise TapeSACError(f"the activation checkpointing policy {describe_policy(policy)} matches "
-                           f"no module of {type(model).__name__}. Fix: name its block classes, "
-                           f"e.g. {example}, or pass a callable that selects them")
+        raise TapeSACError(
+            f"the activation checkpointing policy {describe_policy(policy)} matches "
+            f"no module of {type(model).__name__}. Fix: name its block classes, "
+            f"e.g. {example}, or pass a callable that selects them"
+        )
     return paths
 
 
@@ -474,5 +537,3 @@ def record(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Tape:
     with torch.enable_grad(), trace() as blocks:
         checkpoint(fn, *args, **kwargs)
     return blocks[0].tape
-
-

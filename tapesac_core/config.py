@@ -8,8 +8,17 @@ from dataclasses import dataclass, field
 
 from .units import MiB, format_bytes
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,8 +42,11 @@ class MemoryLimit:
         return self.bytes if self.bytes is not None else int(self.fraction * device_bytes)
 
     def __str__(self) -> str:
-        return (f"{self.fraction:g} of device memory" if self.fraction is not None
-                else format_bytes(self.bytes))
+        return (
+            f"{self.fraction:g} of device memory"
+            if self.fraction is not None
+            else format_bytes(self.bytes)
+        )
 
 
 def parse_memory_limit(value: float | int | str | MemoryLimit) -> MemoryLimit:
@@ -45,25 +57,33 @@ def parse_memory_limit(value: float | int | str | MemoryLimit) -> MemoryLimit:
         raise TypeError(f"memory_limit must be a fraction, a size or bytes, got {value!r}")
     if isinstance(value, float):
         if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-            raise ValueError(f"memory_limit {value!r} as a float is a fraction of device memory "
-                             "and must lie in [0, 1]; for an absolute limit pass a size such as "
-                             "'20GiB' or an int of bytes")
+            raise ValueError(
+                f"memory_limit {value!r} as a float is a fraction of device memory "
+                "and must lie in [0, 1]; for an absolute limit pass a size such as "
+                "'20GiB' or an int of bytes"
+            )
         return MemoryLimit(fraction=value)
     if isinstance(value, int):
         if value < MiB:
-            raise ValueError(f"memory_limit {value} as an int is a number of bytes and must be at "
-                             "least 1 MiB (1048576); for a fraction of device memory pass a float "
-                             "such as 0.9, for a size a string such as '20GiB'")
+            raise ValueError(
+                f"memory_limit {value} as an int is a number of bytes and must be at "
+                "least 1 MiB (1048576); for a fraction of device memory pass a float "
+                "such as 0.9, for a size a string such as '20GiB'"
+            )
         return MemoryLimit(bytes=value)
     if isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         unit = match.group(2).lower() if match else ""
         if not match or unit not in _UNITS:
-            raise ValueError(f"cannot read memory_limit {value!r}: write a number and a unit, "
-                             "e.g. '20GiB', '800MB' or '1.5TiB'")
+            raise ValueError(
+                f"cannot read memory_limit {value!r}: write a number and a unit, "
+                "e.g. '20GiB', '800MB' or '1.5TiB'"
+            )
         return parse_memory_limit(int(float(match.group(1)) * _UNITS[unit]))
-    raise TypeError(f"memory_limit must be a float fraction, a size string or an int of bytes, "
-                    f"got {type(value).__name__}")
+    raise TypeError(
+        f"memory_limit must be a float fraction, a size string or an int of bytes, "
+        f"got {type(value).__name__}"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,42 +91,47 @@ class TapeSACConfig:
     """Everything the controller needs to decide what to save (paper §3.4, Algorithm 1)."""
 
     memory_limit: MemoryLimit | float | int | str
-    warmup_steps: int = 2          # W: must-only steps before profiling
-    profile_steps: int = 2         # R: steps timing every block (node time: median over blocks,
-                                   # minimum over steps, see profile.region_profiles)
-    control_steps: int = 1         # must-only steps before a bucket's first planned step
-    control_every: int = 25        # then one must-only step per this many planned steps (0: never);
-                                   # measured speedup compares them with planned steps of the bucket
-    full_control_every: int = 0    # one step with torch.utils.checkpoint on every block per this many
-                                   # planned steps of a bucket (0: never): measured speedup vs full
-                                   # checkpointing; such steps may peak above must-only and are not
-                                   # metered against the limit
-    margin: float = 0.02           # safety reserve, fraction of device memory (of the limit if absolute)
+    warmup_steps: int = 2  # W: must-only steps before profiling
+    profile_steps: int = 2  # R: steps timing every block (node time: median over blocks,
+    # minimum over steps, see profile.region_profiles)
+    control_steps: int = 1  # must-only steps before a bucket's first planned step
+    control_every: int = 25  # then one must-only step per this many planned steps (0: never);
+    # measured speedup compares them with planned steps of the bucket
+    full_control_every: int = 0  # one step with torch.utils.checkpoint on every block per this many
+    # planned steps of a bucket (0: never): measured speedup vs full
+    # checkpointing; such steps may peak above must-only and are not
+    # metered against the limit
+    margin: float = 0.02  # safety reserve, fraction of device memory (of the limit if absolute)
     primary_bucket_factor: float = 1.1
     secondary_bucket_factor: float = 1.25
     secondary_regions: frozenset[str] = field(default_factory=frozenset)
     reprofile_factor: float = 2.0  # profile a region again when its tokens exceed this x reference
     resample_tolerance: float = 0.15  # sample memory again when tokens move this far from a sample
-    near_limit: float = 0.99       # observed peak above this fraction of the limit raises frag;
-                                   # it sits above 1 - margin, where plans fill the capacity to
-                                   # (else every accurate plan would trip it)
+    near_limit: float = 0.99  # observed peak above this fraction of the limit raises frag;
+    # it sits above 1 - margin, where plans fill the capacity to
+    # (else every accurate plan would trip it)
     replay_tolerance: float = 0.2  # profiled replay vs measured replay wall time: beyond a factor
-                                   # 1 + this either way the node times are scaled to the wall time
-    speedup_band: float = 0.15     # measured / predicted speedup outside 1 ± this ...
-    mismatch_windows: int = 3      # ... at this many control steps in a row: profile again
+    # 1 + this either way the node times are scaled to the wall time
+    speedup_band: float = 0.15  # measured / predicted speedup outside 1 ± this ...
+    mismatch_windows: int = 3  # ... at this many control steps in a row: profile again
     beam_width: int = 24
     max_set_size: int = 12
     knapsack_resolution: int = 4096
-    memory_model: str = "peak"     # "peak": the step's measured memory timeline and the tapes
-                                   # predict each plan's peak (plan.peak); "sum": the paper's Eq. 8
-    peak_correction: bool = True   # a metered step above the predicted peak by more than the
-                                   # margin adds the error to the model and solves again
+    memory_model: str = "peak"  # "peak": the step's measured memory timeline and the tapes
+    # predict each plan's peak (plan.peak); "sum": the paper's Eq. 8
+    peak_correction: bool = True  # a metered step above the predicted peak by more than the
+    # margin adds the error to the model and solves again
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_limit", parse_memory_limit(self.memory_limit))
         object.__setattr__(self, "secondary_regions", frozenset(self.secondary_regions))
-        for name in ("warmup_steps", "profile_steps", "control_steps", "control_every",
-                     "full_control_every"):
+        for name in (
+            "warmup_steps",
+            "profile_steps",
+            "control_steps",
+            "control_every",
+            "full_control_every",
+        ):
             if getattr(self, name) < (1 if name == "profile_steps" else 0):
                 raise ValueError(f"{name} must be >= {1 if name == 'profile_steps' else 0}")
         if not 0.0 <= self.margin < 1.0:

@@ -39,8 +39,15 @@ from .errors import TapeSACError
 from .memory import MemoryMeter, MemoryReading, memory_meter, physical_memory
 from .plan import bucket, upper_edge
 from .plan.plan import Plan
-from .profile import (MemoryModel, MemorySample, RegionProfile, ReplayWall, calibrated, merged,
-                      region_profiles)
+from .profile import (
+    MemoryModel,
+    MemorySample,
+    RegionProfile,
+    ReplayWall,
+    calibrated,
+    merged,
+    region_profiles,
+)
 from .solve import modelled_replay, solve_plan
 from .step_time import StepTime, outside_per_token
 from .timeline import StepProbe
@@ -52,10 +59,10 @@ WARMUP, PROFILE, SAMPLE, CONTROL, PLANNED = "warmup", "profile", "sample", "cont
 FULL = "full"  # a control step under torch.utils.checkpoint (opt-in: full_control_every)
 _ALL = "*"
 _WINDOW = 25  # recent step times per bucket that speed comparisons use
-_WALLS = 64   # recent must-only block replays per region that profiled times are checked against
+_WALLS = 64  # recent must-only block replays per region that profiled times are checked against
 _MISMATCH_REPROFILES = 2  # profiling again cannot fix a model that is off for other reasons
 _STATE_VERSION = 3  # 2: plans carry the step time model; must-only steps keep their tokens
-                    # 3: plans carry their predicted peak (the peak-aware memory model)
+# 3: plans carry their predicted peak (the peak-aware memory model)
 
 
 @dataclass(kw_only=True)
@@ -64,22 +71,22 @@ class StepReport:
 
     step: int
     mode: str
-    tokens: dict[str, int]                 # agreed by all ranks (the largest): they set the bucket
+    tokens: dict[str, int]  # agreed by all ranks (the largest): they set the bucket
     bucket: tuple[int, ...]
     plan: Plan | None = None
-    time: float = 0.0                      # seconds, synchronised with the device
-    peak: int | None = None                # bytes, when the step was metered
-    limit: int = 0                         # the memory limit in bytes
-    saved_bytes: int = 0                   # bytes blocks kept beyond S0 (all blocks, all micro-batches)
+    time: float = 0.0  # seconds, synchronised with the device
+    peak: int | None = None  # bytes, when the step was metered
+    limit: int = 0  # the memory limit in bytes
+    saved_bytes: int = 0  # bytes blocks kept beyond S0 (all blocks, all micro-batches)
     replayed_nodes: int = 0
-    over_budget: int = 0                   # planned values not kept: over their block's bytes
+    over_budget: int = 0  # planned values not kept: over their block's bytes
     blocks: int = 0
     predicted_speedup: float | None = None
     measured_speedup: float | None = None  # vs must-only control steps of the bucket
     measured_speedup_vs_full: float | None = None  # vs full-checkpointing control steps
-    measured_reason: str | None = None     # why measured_speedup is None
-    torch_checkpointed: int = 0            # blocks run under torch.utils.checkpoint (full steps)
-    predicted_peak: int | None = None      # bytes the plan's memory model predicts for the step
+    measured_reason: str | None = None  # why measured_speedup is None
+    torch_checkpointed: int = 0  # blocks run under torch.utils.checkpoint (full steps)
+    predicted_peak: int | None = None  # bytes the plan's memory model predicts for the step
     local_tokens: dict[str, int] = field(default_factory=dict)  # this rank's own batch
     block_traces: list = field(default_factory=list, repr=False)
 
@@ -134,22 +141,31 @@ def step_fragmentation(reading: MemoryReading) -> int:
 class Controller:
     """Plans which tensors TapeSAC blocks save, from one memory limit, over training steps."""
 
-    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module],
-                 memory_limit: float | int | str | None = None, *,
-                 config: TapeSACConfig | None = None, device: torch.device | str | None = None,
-                 meter: Callable[[], MemoryMeter] | None = None, process_group: Any = None,
-                 **settings: Any) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        memory_limit: float | int | str | None = None,
+        *,
+        config: TapeSACConfig | None = None,
+        device: torch.device | str | None = None,
+        meter: Callable[[], MemoryMeter] | None = None,
+        process_group: Any = None,
+        **settings: Any,
+    ) -> None:
         if config is None:
             if memory_limit is None:
                 raise TypeError("Controller needs memory_limit (e.g. 0.9 or '20GiB') or a config")
             config = TapeSACConfig(memory_limit=memory_limit, **settings)
         self.config = config
         roots = [model] if isinstance(model, torch.nn.Module) else list(model)
-        self.regions = sorted({m._tapesac.region for root in roots for m in root.modules()
-                               if hasattr(m, "_tapesac")})
+        self.regions = sorted(
+            {m._tapesac.region for root in roots for m in root.modules() if hasattr(m, "_tapesac")}
+        )
         if not self.regions:
-            raise TapeSACError("the controller found no checkpointed module. Fix: call "
-                               "tapesac_core.checkpoint_modules(model, {BlockClass}) first")
+            raise TapeSACError(
+                "the controller found no checkpointed module. Fix: call "
+                "tapesac_core.checkpoint_modules(model, {BlockClass}) first"
+            )
         self.device = torch.device(device) if device is not None else compute_device(roots)
         self._meter = meter or (lambda: memory_meter(self.device))
         self.group = process_group
@@ -174,7 +190,7 @@ class Controller:
         self._planned_since_control: dict[tuple[int, ...], int] = {}
         self._planned_since_full: dict[tuple[int, ...], int] = {}
         self._raise_fragmentation = 0  # seen near the limit; applied at the next step, on all ranks
-        self._raise_model_error = 0    # a peak above its prediction; likewise
+        self._raise_model_error = 0  # a peak above its prediction; likewise
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ public state
@@ -210,23 +226,41 @@ class Controller:
         key = self._bucket(per_region)
         mode = self._mode(per_region, local)
         plan = self._plan(key, per_region) if mode == PLANNED else None
-        metered = mode in (PROFILE, SAMPLE) and (mode == SAMPLE or self._profile_steps_done == 0) \
+        metered = (
+            mode in (PROFILE, SAMPLE)
+            and (mode == SAMPLE or self._profile_steps_done == 0)
             or (mode == PLANNED and (self.device.type != "cpu" or key not in self._checked))
-        report = StepReport(step=self.steps, mode=mode, tokens=per_region, bucket=key, plan=plan,
-                            limit=self.limit_bytes(), local_tokens=local)
+        )
+        report = StepReport(
+            step=self.steps,
+            mode=mode,
+            tokens=per_region,
+            bucket=key,
+            plan=plan,
+            limit=self.limit_bytes(),
+            local_tokens=local,
+        )
         with ExitStack() as stack:
             if plan is not None:
                 stack.enter_context(use_plan(plan))
             torch_checkpointed = stack.enter_context(torch_checkpointing()) if mode == FULL else []
             meter = stack.enter_context(self._meter()) if metered else None
             # Must-only metered steps also measure the memory timeline (the peak-aware model).
-            probe = StepProbe(meter.mark) if meter is not None and hasattr(meter, "mark") \
-                and mode in (PROFILE, SAMPLE) else None
+            probe = (
+                StepProbe(meter.mark)
+                if meter is not None and hasattr(meter, "mark") and mode in (PROFILE, SAMPLE)
+                else None
+            )
             # The peak-aware model knows an earlier micro-batch's blocks freed their values before
             # the next forward; Eq. 8 ("sum") would count them alive together: refused there.
-            blocks = stack.enter_context(trace(
-                time_nodes=mode == PROFILE, one_micro_batch=self.config.memory_model == "sum",
-                verify=self._verifies(mode), probe=probe))
+            blocks = stack.enter_context(
+                trace(
+                    time_nodes=mode == PROFILE,
+                    one_micro_batch=self.config.memory_model == "sum",
+                    verify=self._verifies(mode),
+                    probe=probe,
+                )
+            )
             static = meter.reading().current if meter is not None else 0
             if probe is not None:
                 probe.start()
@@ -240,8 +274,14 @@ class Controller:
         report.block_traces = blocks
         report.torch_checkpointed = len(torch_checkpointed)
         if probe is not None and reading is not None and blocks:
-            self.memory.add_timeline(probe.timeline(
-                blocks, end_peak, tokens=self._primary_tokens(report.local_tokens), static=static))
+            self.memory.add_timeline(
+                probe.timeline(
+                    blocks,
+                    end_peak,
+                    tokens=self._primary_tokens(report.local_tokens),
+                    static=static,
+                )
+            )
         self._finish(report, reading, static)
 
     def _finish(self, report: StepReport, reading: MemoryReading | None, static: int) -> None:
@@ -251,30 +291,43 @@ class Controller:
         report.over_budget = sum(b.over_budget for b in blocks)
         if report.over_budget and "over_budget" not in self._warned:
             self._warned.add("over_budget")
-            logger.info("TapeSAC: %d planned values took more bytes than the plan gave their block "
-                        "(sizes that depend on data, e.g. tokens routed per expert) and were "
-                        "replayed instead, keeping the step under the limit", report.over_budget)
-        report.saved_bytes = sum(b.tape.bytes_of(b.saved) - b.tape.bytes_of(b.saved & set(b.tape.mandatory))
-                                 for b in blocks)
+            logger.info(
+                "TapeSAC: %d planned values took more bytes than the plan gave their block "
+                "(sizes that depend on data, e.g. tokens routed per expert) and were "
+                "replayed instead, keeping the step under the limit",
+                report.over_budget,
+            )
+        report.saved_bytes = sum(
+            b.tape.bytes_of(b.saved) - b.tape.bytes_of(b.saved & set(b.tape.mandatory))
+            for b in blocks
+        )
         key, mode = report.bucket, report.mode
         if reading is not None:
             report.peak = reading.peak
         if report.plan is not None and report.plan.predicted_peak:
             # At this rank's own tokens: the plan was solved at its bucket's upper edge.
             report.predicted_peak = report.plan.peak_at_tokens(
-                self.memory.base(self._primary_tokens(report.local_tokens)))
+                self.memory.base(self._primary_tokens(report.local_tokens))
+            )
         if mode == PROFILE:
             self._take_profile(blocks, report.tokens)
         if reading is not None and mode in (PROFILE, SAMPLE):
             # This rank's memory is that of its own batch: samples carry its own token count.
-            self.memory.add(MemorySample(tokens=self._primary_tokens(report.local_tokens),
-                                         peak=reading.peak,
-                                         static=static, outside=reading.outside,
-                                         fragmentation=step_fragmentation(reading)))
+            self.memory.add(
+                MemorySample(
+                    tokens=self._primary_tokens(report.local_tokens),
+                    peak=reading.peak,
+                    static=static,
+                    outside=reading.outside,
+                    fragmentation=step_fragmentation(reading),
+                )
+            )
         if mode == CONTROL or (mode == WARMUP and report.step > 0):
             self._record_time(self.must_only_times, key, report.time)
-            self.must_only_steps = [*self.must_only_steps[1 - _WINDOW:],
-                                    (key, dict(report.tokens), report.time)]
+            self.must_only_steps = [
+                *self.must_only_steps[1 - _WINDOW :],
+                (key, dict(report.tokens), report.time),
+            ]
             self._record_walls(blocks, report.tokens)
             self._planned_since_control[key] = 0
             if mode == CONTROL and key in self.plans:
@@ -306,8 +359,14 @@ class Controller:
         both slow the step down)."""
         for b in blocks:
             walls = self._replay_walls.setdefault(b.tape.region, [])
-            walls.append(ReplayWall(sequence=b.tape.fingerprint, replayed=tuple(b.replayed),
-                                    seconds=b.replay_seconds, tokens=tokens[b.tape.region]))
+            walls.append(
+                ReplayWall(
+                    sequence=b.tape.fingerprint,
+                    replayed=tuple(b.replayed),
+                    seconds=b.replay_seconds,
+                    tokens=tokens[b.tape.region],
+                )
+            )
             del walls[:-_WALLS]
 
     def _compare(self, key: tuple[int, ...]) -> None:
@@ -325,21 +384,33 @@ class Controller:
             return
         self._mismatches.clear()
         if self._mismatch_reprofiles >= _MISMATCH_REPROFILES:
-            logger.info("TapeSAC: bucket %s measured %.3fx vs predicted %.3fx; already profiled "
-                        "again %d times, keeping the plan", key, measured,
-                        plan.predicted_speedup, self._mismatch_reprofiles)
+            logger.info(
+                "TapeSAC: bucket %s measured %.3fx vs predicted %.3fx; already profiled "
+                "again %d times, keeping the plan",
+                key,
+                measured,
+                plan.predicted_speedup,
+                self._mismatch_reprofiles,
+            )
             return
         self._mismatch_reprofiles += 1
         self._reprofile = True
         self.planned_times.clear()  # they measured the plans about to be replaced
-        logger.info("TapeSAC: bucket %s measured %.3fx vs predicted %.3fx, beyond %.0f%% for %d "
-                    "control windows: profiling again\n%s", key, measured, plan.predicted_speedup,
-                    100 * self.config.speedup_band, self.config.mismatch_windows,
-                    plan.explain(measured_speedup=measured))
+        logger.info(
+            "TapeSAC: bucket %s measured %.3fx vs predicted %.3fx, beyond %.0f%% for %d "
+            "control windows: profiling again\n%s",
+            key,
+            measured,
+            plan.predicted_speedup,
+            100 * self.config.speedup_band,
+            self.config.mismatch_windows,
+            plan.explain(measured_speedup=measured),
+        )
 
     @staticmethod
-    def _record_time(times: dict[tuple[int, ...], list[float]], key: tuple[int, ...],
-                     seconds: float) -> None:
+    def _record_time(
+        times: dict[tuple[int, ...], list[float]], key: tuple[int, ...], seconds: float
+    ) -> None:
         recent = times.setdefault(key, [])
         recent.append(seconds)
         del recent[:-_WINDOW]
@@ -351,16 +422,23 @@ class Controller:
             return WARMUP
         key = self._bucket(tokens)
         known = key in self.plans  # solved earlier, or restored from a checkpoint
-        grown = any(tokens[r] > self.config.reprofile_factor * p.tokens
-                    for r, p in self.profiles.items())
+        grown = any(
+            tokens[r] > self.config.reprofile_factor * p.tokens for r, p in self.profiles.items()
+        )
         needs_profile = grown or (not self.profiles and not known) or self._reprofile
-        needs_sample = not known and not self.memory.covers(self._primary_tokens(local),
-                                                            self.config.resample_tolerance)
+        needs_sample = not known and not self.memory.covers(
+            self._primary_tokens(local), self.config.resample_tolerance
+        )
         if needs_profile and not self._profile_steps_done:
             self.profiles = {}
-        profile, sample, raise_by, model_error = self._reduce_max([
-            int(needs_profile or self._profile_steps_done > 0), int(needs_sample),
-            self._raise_fragmentation, self._raise_model_error])
+        profile, sample, raise_by, model_error = self._reduce_max(
+            [
+                int(needs_profile or self._profile_steps_done > 0),
+                int(needs_sample),
+                self._raise_fragmentation,
+                self._raise_model_error,
+            ]
+        )
         self._raise_fragmentation = self._raise_model_error = 0
         self._apply_fragmentation(raise_by)
         if model_error > 0:  # every rank adds the largest error any rank saw
@@ -378,8 +456,9 @@ class Controller:
         if controls < self.config.control_steps or (every and controls and since >= every):
             return CONTROL
         full_every = self.config.full_control_every
-        if full_every and (not self.full_times.get(key)
-                           or self._planned_since_full.get(key, 0) >= full_every):
+        if full_every and (
+            not self.full_times.get(key) or self._planned_since_full.get(key, 0) >= full_every
+        ):
             return FULL
         return PLANNED
 
@@ -408,8 +487,9 @@ class Controller:
             base = self.memory.base(self._primary_tokens(edges))
             budget = self._agree_budget(capacity - base)
             self.plans[key] = self._broadcast(lambda: self._solve(edges, budget + base, base, key))
-            logger.info("TapeSAC solved bucket %s (tokens %s):\n%s", key, edges,
-                        self.plans[key].explain())
+            logger.info(
+                "TapeSAC solved bucket %s (tokens %s):\n%s", key, edges, self.plans[key].explain()
+            )
         return self.plans[key]
 
     def _solve(self, edges: dict[str, int], capacity: int, base: int, key: tuple[int, ...]) -> Plan:
@@ -417,28 +497,47 @@ class Controller:
         # kernels (events there belong to the GPU-readiness work), so only CPU profiles are checked.
         for r in edges if self.device.type == "cpu" else ():
             if r in self.profiles:
-                self.profiles[r] = calibrated(self.profiles[r], self._replay_walls.get(r, ()),
-                                              self.config.replay_tolerance)
+                self.profiles[r] = calibrated(
+                    self.profiles[r], self._replay_walls.get(r, ()), self.config.replay_tolerance
+                )
         profiles = {r: p for r, p in self.profiles.items() if r in edges}
-        plan = solve_plan(profiles, edges, model=self.model_key, capacity=capacity, base=base,
-                          must_only_step_time=self._must_only_time(key, edges),
-                          config=self.config,
-                          timeline=self.memory.timeline(self._primary_tokens(edges)))
+        plan = solve_plan(
+            profiles,
+            edges,
+            model=self.model_key,
+            capacity=capacity,
+            base=base,
+            must_only_step_time=self._must_only_time(key, edges),
+            config=self.config,
+            timeline=self.memory.timeline(self._primary_tokens(edges)),
+        )
         # Under the peak-aware model a must-only peak above the capacity is not the end: saving
         # removes replay temporaries, so only a plan predicted above it means nothing fits.
         if plan.predicted_peak > capacity and "base" not in self._warned:
             self._warned.add("base")
             if self.config.memory_limit.must_only:  # asked for: no warning
-                logger.info("TapeSAC: memory_limit is 0: every step runs must-only (nothing saved "
-                            "beyond what backward must keep)")
+                logger.info(
+                    "TapeSAC: memory_limit is 0: every step runs must-only (nothing saved "
+                    "beyond what backward must keep)"
+                )
                 return plan
-            lowest = "must-only (nothing more saved)" if plan.empty else \
-                "the plan of the lowest predicted peak"
-            logger.warning("TapeSAC: no plan fits the %s the memory limit %s leaves at %s tokens "
-                           "(%s memory model): the must-only step alone needs %s; running %s, "
-                           "predicted at %s", format_bytes(capacity), self.config.memory_limit,
-                           edges, plan.memory_model, format_bytes(plan.base), lowest,
-                           format_bytes(plan.predicted_peak))
+            lowest = (
+                "must-only (nothing more saved)"
+                if plan.empty
+                else "the plan of the lowest predicted peak"
+            )
+            logger.warning(
+                "TapeSAC: no plan fits the %s the memory limit %s leaves at %s tokens "
+                "(%s memory model): the must-only step alone needs %s; running %s, "
+                "predicted at %s",
+                format_bytes(capacity),
+                self.config.memory_limit,
+                edges,
+                plan.memory_model,
+                format_bytes(plan.base),
+                lowest,
+                format_bytes(plan.predicted_peak),
+            )
         return plan
 
     def _must_only_time(self, key: tuple[int, ...], edges: dict[str, int]) -> float:
@@ -450,8 +549,10 @@ class Controller:
         replay = modelled_replay(profiles, edges)
         own = [s for s in self.must_only_steps if s[0] == key]
         steps = own if len(own) >= 3 else self.must_only_steps
-        rate = outside_per_token((seconds, modelled_replay(profiles, tokens),
-                                  self._primary_tokens(tokens)) for _, tokens, seconds in steps)
+        rate = outside_per_token(
+            (seconds, modelled_replay(profiles, tokens), self._primary_tokens(tokens))
+            for _, tokens, seconds in steps
+        )
         if rate is None:
             return 1.0 + replay
         return StepTime.model(rate * self._primary_tokens(edges), replay).must_only
@@ -470,18 +571,29 @@ class Controller:
         for r, p in profiles.items():
             scale = edges[r] / p.tokens
             points = p.frontier(self.config.beam_width, self.config.max_set_size)
-            curves[r] = [(plan.base + p.blocks * p.bytes_at(pt, scale),
-                          step.planned(p.blocks * (points[0].time - pt.time) * scale))
-                         for pt in points]
+            curves[r] = [
+                (
+                    plan.base + p.blocks * p.bytes_at(pt, scale),
+                    step.planned(p.blocks * (points[0].time - pt.time) * scale),
+                )
+                for pt in points
+            ]
             full += p.blocks * max(0.0, p.full_recompute_time - p.must_only_replay_time) * scale
-        return {"curves": curves, "must_only": (plan.base, seconds), "full": (plan.base, full),
-                "chosen": (plan.predicted_peak or plan.base + plan.saved_bytes,
-                           seconds / plan.predicted_speedup),
-                "peak_at": plan.peak_at,
-                "capacity": plan.capacity}
+        return {
+            "curves": curves,
+            "must_only": (plan.base, seconds),
+            "full": (plan.base, full),
+            "chosen": (
+                plan.predicted_peak or plan.base + plan.saved_bytes,
+                seconds / plan.predicted_speedup,
+            ),
+            "peak_at": plan.peak_at,
+            "capacity": plan.capacity,
+        }
 
-    def _measured(self, key: tuple[int, ...],
-                  control: dict[tuple[int, ...], list[float]] | None = None) -> float | None:
+    def _measured(
+        self, key: tuple[int, ...], control: dict[tuple[int, ...], list[float]] | None = None
+    ) -> float | None:
         """Median control step time (must-only, or ``control``'s) over median planned step time."""
         control_times = (self.must_only_times if control is None else control).get(key)
         planned = self.planned_times.get(key)
@@ -497,8 +609,10 @@ class Controller:
             return "no plan yet for this token bucket (warming up, profiling or sampling memory)"
         if not self.must_only_times.get(key):
             return "no must-only control step timed in this token bucket yet"
-        return ("no planned step timed in this token bucket yet (on CPU a bucket's first planned "
-                "step is metered for memory, not timed)")
+        return (
+            "no planned step timed in this token bucket yet (on CPU a bucket's first planned "
+            "step is metered for memory, not timed)"
+        )
 
     # ------------------------------------------------------------------ memory
 
@@ -510,8 +624,13 @@ class Controller:
     def _capacity(self) -> int:
         """Eq. 9: limit − memory outside the allocator − safety margin − fragmentation."""
         total = self._device_total()
-        return int(self.config.memory_limit.of(total) - self.memory.outside
-                   - self._margin_bytes(total) - self.memory.fragmentation - self.memory.model_error)
+        return int(
+            self.config.memory_limit.of(total)
+            - self.memory.outside
+            - self._margin_bytes(total)
+            - self.memory.fragmentation
+            - self.memory.model_error
+        )
 
     def _margin_bytes(self, total: int) -> float:
         """The safety reserve: a share of the device's ``total`` memory, or of the limit when it
@@ -536,11 +655,16 @@ class Controller:
         margin = self._margin_bytes(self._device_total())
         if unexplained > margin and self.config.peak_correction:
             self._raise_model_error = int(unexplained)
-            logger.info("TapeSAC: step peak %s measured above the predicted %s (%s model) by %s, "
-                        "more than the %s margin: the error is added to the memory model "
-                        "and the plans are solved again at the next step", format_bytes(reading.peak),
-                        format_bytes(report.predicted_peak), plan.memory_model,
-                        format_bytes(error), format_bytes(int(margin)))
+            logger.info(
+                "TapeSAC: step peak %s measured above the predicted %s (%s model) by %s, "
+                "more than the %s margin: the error is added to the memory model "
+                "and the plans are solved again at the next step",
+                format_bytes(reading.peak),
+                format_bytes(report.predicted_peak),
+                plan.memory_model,
+                format_bytes(error),
+                format_bytes(int(margin)),
+            )
 
     def _watch_limit(self, reading: MemoryReading) -> None:
         """A step that came near the limit: the fragmentation estimate goes up at the next step
@@ -557,11 +681,16 @@ class Controller:
         threshold = self.config.near_limit * limit
         if used > threshold or reading.alloc_retries > 0:
             self._raise_fragmentation = max(int(used - threshold), int(0.01 * limit))
-            logger.warning("TapeSAC: step peak %s (%d allocation retries) is within %.0f%% of the "
-                           "limit %s; raising the fragmentation estimate by %s and solving the "
-                           "plans again", format_bytes(used), reading.alloc_retries,
-                           100 * (1 - self.config.near_limit), format_bytes(limit),
-                           format_bytes(self._raise_fragmentation))
+            logger.warning(
+                "TapeSAC: step peak %s (%d allocation retries) is within %.0f%% of the "
+                "limit %s; raising the fragmentation estimate by %s and solving the "
+                "plans again",
+                format_bytes(used),
+                reading.alloc_retries,
+                100 * (1 - self.config.near_limit),
+                format_bytes(limit),
+                format_bytes(self._raise_fragmentation),
+            )
 
     def _apply_fragmentation(self, raise_by: int) -> None:
         if raise_by > 0:
@@ -579,8 +708,10 @@ class Controller:
         if isinstance(tokens, Mapping):
             unknown = set(tokens) - set(self.regions) - {_ALL}
             if unknown:
-                raise TapeSACError(f"tokens name unknown region types {sorted(unknown)}; the "
-                                   f"model's are {self.regions}")
+                raise TapeSACError(
+                    f"tokens name unknown region types {sorted(unknown)}; the "
+                    f"model's are {self.regions}"
+                )
             default = tokens.get(_ALL)
             missing = [r for r in self.regions if r not in tokens and default is None]
             if missing:
@@ -612,9 +743,15 @@ class Controller:
         return self._edges(key)
 
     def _edges(self, key: tuple[int, ...]) -> dict[str, int]:
-        return {r: upper_edge(q, self.config.secondary_bucket_factor
-                              if r in self.config.secondary_regions else self.config.primary_bucket_factor)
-                for r, q in zip(self.regions, key)}
+        return {
+            r: upper_edge(
+                q,
+                self.config.secondary_bucket_factor
+                if r in self.config.secondary_regions
+                else self.config.primary_bucket_factor,
+            )
+            for r, q in zip(self.regions, key)
+        }
 
     # ------------------------------------------------------------------ ranks
 
@@ -657,9 +794,12 @@ class Controller:
                 payload = [solve().to_json()]
             except Exception as e:  # the other ranks wait in the broadcast: tell them, then raise
                 payload = [{"error": f"{type(e).__name__}: {e}"}]
-        dist.broadcast_object_list(payload, src=dist.get_global_rank(self.group, 0)
-                                   if self.group is not None else 0, group=self.group,
-                                   device=self._collective_device())
+        dist.broadcast_object_list(
+            payload,
+            src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+            group=self.group,
+            device=self._collective_device(),
+        )
         if isinstance(payload[0], dict):
             raise TapeSACError(f"TapeSAC: solving the plan failed on rank 0: {payload[0]['error']}")
         return Plan.from_json(payload[0], model=self.model_key)
@@ -672,41 +812,55 @@ class Controller:
 
     def state_dict(self) -> dict[str, Any]:
         """Plan cache, memory samples and step times: resuming needs no new profiling for known buckets."""
-        return {"version": _STATE_VERSION, "model": self.model_key, "steps": self.steps,
-                "plans": {",".join(map(str, k)): p.to_json() for k, p in self.plans.items()},
-                "samples": [vars(s) for s in self.memory.samples],
-                "extra_fragmentation": self.memory.extra_fragmentation,
-                "model_error": self.memory.model_error,
-                "must_only_times": {",".join(map(str, k)): v for k, v in self.must_only_times.items()},
-                "planned_times": {",".join(map(str, k)): v for k, v in self.planned_times.items()},
-                "full_times": {",".join(map(str, k)): v for k, v in self.full_times.items()},
-                "must_only_steps": [[list(k), t, s] for k, t, s in self.must_only_steps]}
+        return {
+            "version": _STATE_VERSION,
+            "model": self.model_key,
+            "steps": self.steps,
+            "plans": {",".join(map(str, k)): p.to_json() for k, p in self.plans.items()},
+            "samples": [vars(s) for s in self.memory.samples],
+            "extra_fragmentation": self.memory.extra_fragmentation,
+            "model_error": self.memory.model_error,
+            "must_only_times": {",".join(map(str, k)): v for k, v in self.must_only_times.items()},
+            "planned_times": {",".join(map(str, k)): v for k, v in self.planned_times.items()},
+            "full_times": {",".join(map(str, k)): v for k, v in self.full_times.items()},
+            "must_only_steps": [[list(k), t, s] for k, t, s in self.must_only_steps],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` saved; plans from another model are refused."""
         if state.get("model") != self.model_key:
-            raise TapeSACError(f"TapeSAC state is for region types {state.get('model')!r}, this "
-                               f"model has {self.model_key!r}: it comes from another model")
+            raise TapeSACError(
+                f"TapeSAC state is for region types {state.get('model')!r}, this "
+                f"model has {self.model_key!r}: it comes from another model"
+            )
         keys = lambda d: {tuple(int(x) for x in k.split(",")): v for k, v in d.items()}  # noqa: E731
         self.steps = state["steps"]
         version = state.get("version", 1)
         if version != _STATE_VERSION and state["plans"]:
             # Version 1 plans predicted speedups with a time model that could explode, version 2
             # plans bounded memory by Eq. 8 alone: solve again (after profiling).
-            logger.info("TapeSAC: state version %s is not this TapeSAC's (version %s: plans with "
-                        "a step time model and a predicted peak): its %d plans are solved again",
-                        version, _STATE_VERSION, len(state["plans"]))
+            logger.info(
+                "TapeSAC: state version %s is not this TapeSAC's (version %s: plans with "
+                "a step time model and a predicted peak): its %d plans are solved again",
+                version,
+                _STATE_VERSION,
+                len(state["plans"]),
+            )
             self.plans = {}
         else:
-            self.plans = {k: Plan.from_json(v, model=self.model_key)
-                          for k, v in keys(state["plans"]).items()}
-        self.memory = MemoryModel(extra_fragmentation=state["extra_fragmentation"],
-                                  model_error=int(state.get("model_error", 0)))
+            self.plans = {
+                k: Plan.from_json(v, model=self.model_key) for k, v in keys(state["plans"]).items()
+            }
+        self.memory = MemoryModel(
+            extra_fragmentation=state["extra_fragmentation"],
+            model_error=int(state.get("model_error", 0)),
+        )
         for s in state["samples"]:
             self.memory.add(MemorySample(**s))
         self.must_only_times = keys(state["must_only_times"])
         self.planned_times = keys(state["planned_times"])
         self.full_times = keys(state.get("full_times", {}))  # absent in states before it existed
         # Version 1 kept no tokens per must-only step: each bucket's upper edge stands in.
-        self.must_only_steps = [(tuple(k), t, s) for k, t, s in state.get("must_only_steps", [])] \
-            or [(k, self._edges(k), s) for k, v in self.must_only_times.items() for s in v]
+        self.must_only_steps = [
+            (tuple(k), t, s) for k, t, s in state.get("must_only_steps", [])
+        ] or [(k, self._edges(k), s) for k, v in self.must_only_times.items() for s in v]

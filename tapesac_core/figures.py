@@ -32,41 +32,76 @@ class MeasuredPoint:
     @classmethod
     def of(cls, label: str, seconds: Sequence[float], peak: int | None = None) -> MeasuredPoint:
         """Median and quartiles of ``seconds`` (at least one)."""
-        q1, median, q3 = (statistics.quantiles(seconds, n=4, method="inclusive")
-                          if len(seconds) > 1 else [seconds[0]] * 3)
+        q1, median, q3 = (
+            statistics.quantiles(seconds, n=4, method="inclusive")
+            if len(seconds) > 1
+            else [seconds[0]] * 3
+        )
         return cls(label=label, peak=peak, seconds=median, q1=q1, q3=q3, count=len(seconds))
 
 
-def frontier_figure(frontier: Mapping[str, Any], measured: Sequence[MeasuredPoint] = (),
-                    title: str = "TapeSAC plan") -> Any:
+def frontier_figure(
+    frontier: Mapping[str, Any], measured: Sequence[MeasuredPoint] = (), title: str = "TapeSAC plan"
+) -> Any:
     """Predicted step time against predicted step peak: one curve per region type, the chosen
     plan, must-only, full recomputation and the capacity; measured steps drawn on top (a
     measured point without a metered peak sits at its mode's predicted peak)."""
     figure, axes = _axes()
     for region, curve in frontier["curves"].items():
         xs, ys = zip(*curve)
-        axes.plot(np.array(xs) / MiB, np.array(ys) * 1e3, "-o", color="0.6", markersize=3,
-                  label=f"frontier ({region})")
-    marks = (("full", "full recomputation (predicted)", "s", "black"),
-             ("must_only", "must-only (predicted)", "o", "tab:blue"),
-             ("chosen", "chosen plan (predicted)", "*", "tab:red"))
+        axes.plot(
+            np.array(xs) / MiB,
+            np.array(ys) * 1e3,
+            "-o",
+            color="0.6",
+            markersize=3,
+            label=f"frontier ({region})",
+        )
+    marks = (
+        ("full", "full recomputation (predicted)", "s", "black"),
+        ("must_only", "must-only (predicted)", "o", "tab:blue"),
+        ("chosen", "chosen plan (predicted)", "*", "tab:red"),
+    )
     for key, label, marker, color in marks:
         x, y = frontier[key]
         if key == "chosen" and frontier.get("peak_at"):
             label = f"chosen plan (predicted; peak at {frontier['peak_at']})"
-        axes.plot(x / MiB, y * 1e3, marker, color=color, markersize=10 if marker == "*" else 7,
-                  linestyle="none", label=label)
-    axes.axvline(frontier["capacity"] / MiB, color="tab:orange", linestyle="--",
-                 label="capacity (limit after margins)")
-    predicted_peak = {"planned": frontier["chosen"][0], "must-only": frontier["must_only"][0],
-                      "full": frontier["full"][0]}
+        axes.plot(
+            x / MiB,
+            y * 1e3,
+            marker,
+            color=color,
+            markersize=10 if marker == "*" else 7,
+            linestyle="none",
+            label=label,
+        )
+    axes.axvline(
+        frontier["capacity"] / MiB,
+        color="tab:orange",
+        linestyle="--",
+        label="capacity (limit after margins)",
+    )
+    predicted_peak = {
+        "planned": frontier["chosen"][0],
+        "must-only": frontier["must_only"][0],
+        "full": frontier["full"][0],
+    }
     colors = {"planned": "tab:red", "must-only": "tab:blue", "full": "black"}
     for point in measured:
-        x = (point.peak if point.peak is not None else predicted_peak.get(point.label, np.nan)) / MiB
+        x = (
+            point.peak if point.peak is not None else predicted_peak.get(point.label, np.nan)
+        ) / MiB
         spread = np.array([[point.seconds - point.q1], [point.q3 - point.seconds]]) * 1e3
-        axes.errorbar(x, point.seconds * 1e3, yerr=spread, fmt="D", markerfacecolor="none",
-                      color=colors.get(point.label), capsize=4,
-                      label=f"{point.label} measured (median, IQR, n={point.count})")
+        axes.errorbar(
+            x,
+            point.seconds * 1e3,
+            yerr=spread,
+            fmt="D",
+            markerfacecolor="none",
+            color=colors.get(point.label),
+            capsize=4,
+            label=f"{point.label} measured (median, IQR, n={point.count})",
+        )
     return _finish(figure, axes, "step peak memory (MiB)", "step time (ms)", title)
 
 
@@ -78,11 +113,22 @@ def speedup_by_bucket_figure(rows: Sequence[tuple[int, float, float | None]]) ->
     axes.plot(tokens, [r[1] for r in rows], "o", color="tab:red", label="predicted")
     measured = [(t, m) for t, _, m in rows if m is not None]
     if measured:
-        axes.plot(*zip(*measured), "D", markerfacecolor="none", color="black",
-                  label="measured (median must-only / median planned step)")
+        axes.plot(
+            *zip(*measured),
+            "D",
+            markerfacecolor="none",
+            color="black",
+            label="measured (median must-only / median planned step)",
+        )
     axes.axhline(1.0, color="0.5", linewidth=1)
-    return _finish(figure, axes, "tokens per step (bucket upper edge)", "speedup vs must-only (x)",
-                   "TapeSAC speedup per token bucket", fontsize=8)
+    return _finish(
+        figure,
+        axes,
+        "tokens per step (bucket upper edge)",
+        "speedup vs must-only (x)",
+        "TapeSAC speedup per token bucket",
+        fontsize=8,
+    )
 
 
 def timeline_figure(scalars: Mapping[str, Sequence[tuple[int, float]]]) -> Any:
@@ -94,8 +140,10 @@ def timeline_figure(scalars: Mapping[str, Sequence[tuple[int, float]]]) -> Any:
     figure = Figure(figsize=(7, 6), dpi=100)
     FigureCanvasAgg(figure)
     top, bottom = figure.subplots(2, 1, sharex=True)
-    for tag, label, style in (("tapesac/predicted_speedup", "predicted", "-"),
-                              ("tapesac/measured_speedup", "measured (medians over recent steps)", ".")):
+    for tag, label, style in (
+        ("tapesac/predicted_speedup", "predicted", "-"),
+        ("tapesac/measured_speedup", "measured (medians over recent steps)", "."),
+    ):
         if scalars.get(tag):
             steps, values = zip(*scalars[tag])
             top.plot(steps, values, style, label=label)
@@ -103,8 +151,10 @@ def timeline_figure(scalars: Mapping[str, Sequence[tuple[int, float]]]) -> Any:
     top.set_ylabel("speedup vs must-only (x)")
     top.set_title("TapeSAC over the run")
     top.legend(fontsize=8)
-    for tag, label, style in (("tapesac/peak_memory_bytes", "measured step peak", "o"),
-                              ("tapesac/memory_limit_bytes", "memory limit", "--")):
+    for tag, label, style in (
+        ("tapesac/peak_memory_bytes", "measured step peak", "o"),
+        ("tapesac/memory_limit_bytes", "memory limit", "--"),
+    ):
         if scalars.get(tag):
             steps, values = zip(*scalars[tag])
             bottom.plot(steps, np.array(values) / MiB, style, label=label)
@@ -119,14 +169,18 @@ def timeline_figure(scalars: Mapping[str, Sequence[tuple[int, float]]]) -> Any:
 
 # Colour and marker per method family in the benchmark comparisons.
 _FAMILY_STYLE = {
-    "none": ("black", "X"), "full": ("0.35", "s"), "torch_sac": ("tab:green", "^"),
-    "tapesac_policy": ("tab:olive", "v"), "compile": ("tab:purple", "P"),
+    "none": ("black", "X"),
+    "full": ("0.35", "s"),
+    "torch_sac": ("tab:green", "^"),
+    "tapesac_policy": ("tab:olive", "v"),
+    "compile": ("tab:purple", "P"),
     "tapesac": ("tab:red", "o"),
 }
 
 
-def method_frontier_figure(points: Sequence[Mapping[str, Any]],
-                           title: str = "Step time against peak memory, every method") -> Any:
+def method_frontier_figure(
+    points: Sequence[Mapping[str, Any]], title: str = "Step time against peak memory, every method"
+) -> Any:
     """Measured step time (median, IQR bars) against measured step peak, one point per method.
 
     ``points``: mappings with ``label``, ``family`` (none, full, torch_sac, tapesac_policy,
@@ -137,31 +191,58 @@ def method_frontier_figure(points: Sequence[Mapping[str, Any]],
     for p in points:
         color, marker = _FAMILY_STYLE.get(p["family"], ("tab:gray", "D"))
         spread = np.array([[p["seconds"] - p["q1"]], [p["q3"] - p["seconds"]]]) * 1e3
-        axes.errorbar(p["peak"] / MiB, p["seconds"] * 1e3, yerr=spread, fmt=marker, color=color,
-                      capsize=3, markersize=6,
-                      label=None if p["family"] in seen else _FAMILY_LABEL.get(p["family"], p["family"]))
+        axes.errorbar(
+            p["peak"] / MiB,
+            p["seconds"] * 1e3,
+            yerr=spread,
+            fmt=marker,
+            color=color,
+            capsize=3,
+            markersize=6,
+            label=None if p["family"] in seen else _FAMILY_LABEL.get(p["family"], p["family"]),
+        )
         seen.add(p["family"])
-        axes.annotate(p["label"], (p["peak"] / MiB, p["seconds"] * 1e3), fontsize=5,
-                      xytext=(3, 3), textcoords="offset points", color=color)
+        axes.annotate(
+            p["label"],
+            (p["peak"] / MiB, p["seconds"] * 1e3),
+            fontsize=5,
+            xytext=(3, 3),
+            textcoords="offset points",
+            color=color,
+        )
     ours, best = [], float("inf")
-    for peak, seconds in sorted((p["peak"], p["seconds"]) for p in points if p["family"] == "tapesac"):
+    for peak, seconds in sorted(
+        (p["peak"], p["seconds"]) for p in points if p["family"] == "tapesac"
+    ):
         if seconds < best:  # TapeSAC's measured Pareto frontier: faster than every smaller point
             ours.append((peak, seconds))
             best = seconds
     if len(ours) > 1:
         xs, ys = zip(*ours)
-        axes.plot(np.array(xs) / MiB, np.array(ys) * 1e3, "-", color="tab:red", alpha=0.5,
-                  label="TapeSAC measured frontier")
+        axes.plot(
+            np.array(xs) / MiB,
+            np.array(ys) * 1e3,
+            "-",
+            color="tab:red",
+            alpha=0.5,
+            label="TapeSAC measured frontier",
+        )
     return _finish(figure, axes, "measured step peak memory (MiB)", "median step time (ms)", title)
 
 
-_FAMILY_LABEL = {"none": "no checkpointing", "full": "torch full checkpointing",
-                 "torch_sac": "hand policy, torch SAC", "tapesac_policy": "hand policy, TapeSAC replay",
-                 "compile": "torch.compile memory budget", "tapesac": "TapeSAC (must-only, planned)"}
+_FAMILY_LABEL = {
+    "none": "no checkpointing",
+    "full": "torch full checkpointing",
+    "torch_sac": "hand policy, torch SAC",
+    "tapesac_policy": "hand policy, TapeSAC replay",
+    "compile": "torch.compile memory budget",
+    "tapesac": "TapeSAC (must-only, planned)",
+}
 
 
-def normalised_frontier_figure(points: Sequence[Mapping[str, Any]],
-                               title: str = "Normalised frontier (Figure 9)") -> Any:
+def normalised_frontier_figure(
+    points: Sequence[Mapping[str, Any]], title: str = "Normalised frontier (Figure 9)"
+) -> Any:
     """The paper's Figure 9: extra memory over full checkpointing (share of what disabling
     checkpointing adds) against recomputation eliminated (share of what disabling it removes),
     from FLOPs (filled) and from time (hollow, IQR bars over per-round values).
@@ -176,18 +257,47 @@ def normalised_frontier_figure(points: Sequence[Mapping[str, Any]],
         seen.add(p["family"])
         x = 100 * p["memory_share"]
         if p.get("flop_share") is not None:
-            axes.plot(x, 100 * p["flop_share"], marker, color=color, markersize=6,
-                      label=label and f"{label} (filled: FLOPs, hollow: time)")
+            axes.plot(
+                x,
+                100 * p["flop_share"],
+                marker,
+                color=color,
+                markersize=6,
+                label=label and f"{label} (filled: FLOPs, hollow: time)",
+            )
             label = None
-            axes.annotate(p["label"], (x, 100 * p["flop_share"]), fontsize=5, xytext=(3, 3),
-                          textcoords="offset points", color=color)
+            axes.annotate(
+                p["label"],
+                (x, 100 * p["flop_share"]),
+                fontsize=5,
+                xytext=(3, 3),
+                textcoords="offset points",
+                color=color,
+            )
         if p.get("time_share") is not None:
-            spread = 100 * np.array([[p["time_share"] - p["time_q1"]], [p["time_q3"] - p["time_share"]]])
-            axes.errorbar(x, 100 * p["time_share"], yerr=spread, fmt=marker, color=color,
-                          markerfacecolor="none", capsize=2, markersize=5, alpha=0.6, label=label)
+            spread = 100 * np.array(
+                [[p["time_share"] - p["time_q1"]], [p["time_q3"] - p["time_share"]]]
+            )
+            axes.errorbar(
+                x,
+                100 * p["time_share"],
+                yerr=spread,
+                fmt=marker,
+                color=color,
+                markerfacecolor="none",
+                capsize=2,
+                markersize=5,
+                alpha=0.6,
+                label=label,
+            )
     axes.plot([0, 100], [0, 100], ":", color="0.5", linewidth=1, label="proportional (diagonal)")
-    return _finish(figure, axes, "extra memory over full checkpointing (% of no-checkpointing's extra)",
-                   "recompute eliminated (% of full's)", title)
+    return _finish(
+        figure,
+        axes,
+        "extra memory over full checkpointing (% of no-checkpointing's extra)",
+        "recompute eliminated (% of full's)",
+        title,
+    )
 
 
 def image_array(figure: Any) -> np.ndarray:
@@ -196,8 +306,7 @@ def image_array(figure: Any) -> np.ndarray:
     return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
 
 
-def _finish(figure: Any, axes: Any, xlabel: str, ylabel: str, title: str,
-            fontsize: int = 7) -> Any:
+def _finish(figure: Any, axes: Any, xlabel: str, ylabel: str, title: str, fontsize: int = 7) -> Any:
     """Titled axes, the legend, the layout: how every single-axes figure here ends."""
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)

@@ -73,7 +73,9 @@ def register_kernel(
     kernel = _Kernel(qualname, function, parsed, fake, outputs, ctx_attributes)
     # custom_op keeps its Library in torch's own registry, so the registration lives as long as the process.
     tags = (torch.Tag.nondeterministic_seeded,) if random else ()
-    op = torch.library.custom_op(qualname, kernel.forward, mutates_args=(), schema=schema, tags=tags)
+    op = torch.library.custom_op(
+        qualname, kernel.forward, mutates_args=(), schema=schema, tags=tags
+    )
     op.register_fake(kernel.fake)
     op.register_autograd(kernel.backward, setup_context=kernel.setup_context)
 
@@ -98,7 +100,13 @@ class _RecordingCtx:
     """Stands in for ctx while forward runs inside the op, recording what it keeps for backward."""
 
     # Forward's own attributes land in __dict__, apart from the recording state.
-    __slots__ = ("__dict__", "_materialize_grads", "_non_differentiable", "_saved", "needs_input_grad")
+    __slots__ = (
+        "__dict__",
+        "_materialize_grads",
+        "_non_differentiable",
+        "_saved",
+        "needs_input_grad",
+    )
 
     def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
         self._saved: tuple[Tensor | None, ...] = ()
@@ -207,7 +215,9 @@ class _Kernel:
         if layout.materialize_grads:
             own_grads = tuple(
                 torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-                for g, (shape, dtype, device) in zip(own_grads, ctx.tapesac_output_meta, strict=True)
+                for g, (shape, dtype, device) in zip(
+                    own_grads, ctx.tapesac_output_meta, strict=True
+                )
             )
         return self.function.backward(function_ctx, *own_grads)
 
@@ -230,7 +240,9 @@ class _Kernel:
                 "One op needs one ctx layout: register one op per variant of the Function."
             )
 
-    def _check_ctx_tensors(self, layout: _CtxLayout, ctx_tensors: list[Tensor], known: list[Any]) -> None:
+    def _check_ctx_tensors(
+        self, layout: _CtxLayout, ctx_tensors: list[Tensor], known: list[Any]
+    ) -> None:
         expected = len(self.schema.returns) - self.outputs
         if len(ctx_tensors) != expected:
             raise ValueError(
@@ -276,7 +288,9 @@ class _Kernel:
 
     def _describe(self, layout: _CtxLayout) -> str:
         saved = ", ".join(self._slot_name(i) for i in layout.saved)
-        attributes = ", ".join(f"ctx.{name}={self._slot_name(i)}" for name, i in layout.tensor_attributes)
+        attributes = ", ".join(
+            f"ctx.{name}={self._slot_name(i)}" for name, i in layout.tensor_attributes
+        )
         return (
             f"saved ({saved}), tensor attributes ({attributes}), non-differentiable outputs "
             f"{list(layout.non_differentiable)}, materialize_grads={layout.materialize_grads}"
@@ -310,14 +324,18 @@ def _learn_layout(
 
     layout = _CtxLayout(
         saved=tuple(None if t is None else slot(t) for t in ctx._saved),
-        tensor_attributes=tuple((name, slot(v)) for name, v in vars(ctx).items() if isinstance(v, Tensor)),
+        tensor_attributes=tuple(
+            (name, slot(v)) for name, v in vars(ctx).items() if isinstance(v, Tensor)
+        ),
         non_differentiable=tuple(slot(t) - len(args) for t in ctx._non_differentiable),
         materialize_grads=ctx._materialize_grads,
     )
     return layout, sources[n_known:]
 
 
-def _run_forward(function: type[torch.autograd.Function], ctx: _RecordingCtx, args: tuple[Any, ...]) -> Any:
+def _run_forward(
+    function: type[torch.autograd.Function], ctx: _RecordingCtx, args: tuple[Any, ...]
+) -> Any:
     """Run forward the way Function.apply would, for either ctx style."""
     if not _has_setup_context(function):
         return function.forward(ctx, *args)
@@ -362,7 +380,9 @@ def _parse_schema(qualname: str, schema: str, outputs: int) -> torch.FunctionSch
             f"'(Tensor x, Tensor w, float eps) -> (Tensor, Tensor)'. Parser said: {error}"
         ) from error
     if any(a.kwarg_only for a in parsed.arguments):
-        raise ValueError(f"{qualname}: forward takes positional arguments; remove the '*' from the schema.")
+        raise ValueError(
+            f"{qualname}: forward takes positional arguments; remove the '*' from the schema."
+        )
     if not all(isinstance(r.type, torch.TensorType) for r in parsed.returns):
         raise ValueError(f"{qualname}: every schema return must be a plain Tensor, got {schema!r}.")
     if not 1 <= outputs <= len(parsed.returns):

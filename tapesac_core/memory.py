@@ -29,16 +29,20 @@ from .recorder import flat_tensors, is_subclass_with_dispatch
 class MemoryReading:
     """One reading of a device's memory, in bytes."""
 
-    peak: int      # peak in use since the window started (allocated on accelerators; live tensors on CPU)
-    current: int   # in use now
+    peak: (
+        int  # peak in use since the window started (allocated on accelerators; live tensors on CPU)
+    )
+    current: int  # in use now
     reserved: int  # peak held by the caching allocator in the window (``current`` on CPU)
-    total: int     # device memory (physical memory on CPU)
-    free: int      # free device memory as the driver/OS reports it
+    total: int  # device memory (physical memory on CPU)
+    free: int  # free device memory as the driver/OS reports it
     outside: int = 0  # device memory in use outside PyTorch's caching allocator (Eq. 9's non_torch)
     # The caching allocator never gives reserved memory back by itself, so ``reserved`` stays at
     # the high-water mark of any earlier step: only what the window itself added tells pressure.
     reserved_growth: int = 0  # bytes reserved beyond what the allocator held when the window began
-    alloc_retries: int = 0    # allocations that failed, freed cached blocks and retried, in the window
+    alloc_retries: int = (
+        0  # allocations that failed, freed cached blocks and retried, in the window
+    )
 
 
 class MemoryMeter(Protocol):
@@ -104,12 +108,16 @@ class AcceleratorMeter:
         free, total = torch.accelerator.get_memory_info(self.device)
         reserved_now = torch.accelerator.memory_reserved(self.device)
         reserved = max(self._reserved, torch.accelerator.max_memory_reserved(self.device))
-        return MemoryReading(peak=max(self._peak, torch.accelerator.max_memory_allocated(self.device)),
-                             current=torch.accelerator.memory_allocated(self.device),
-                             reserved=reserved, total=total, free=free,
-                             outside=max(0, total - free - reserved_now),
-                             reserved_growth=max(0, reserved - self._reserved_start),
-                             alloc_retries=alloc_retries(self.device) - self._retries_start)
+        return MemoryReading(
+            peak=max(self._peak, torch.accelerator.max_memory_allocated(self.device)),
+            current=torch.accelerator.memory_allocated(self.device),
+            reserved=reserved,
+            total=total,
+            free=free,
+            outside=max(0, total - free - reserved_now),
+            reserved_growth=max(0, reserved - self._reserved_start),
+            alloc_retries=alloc_retries(self.device) - self._retries_start,
+        )
 
 
 class _StorageTracker(TorchDispatchMode):
@@ -117,7 +125,9 @@ class _StorageTracker(TorchDispatchMode):
         super().__init__()
         self.meter = meter
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in flat_tensors(out):
             self.meter.track(t)
@@ -182,8 +192,9 @@ class LiveTensorMeter:
 
     def reading(self) -> MemoryReading:
         total, free = physical_memory()
-        return MemoryReading(peak=self.peak, current=self.current, reserved=self.current,
-                             total=total, free=free)
+        return MemoryReading(
+            peak=self.peak, current=self.current, reserved=self.current, total=total, free=free
+        )
 
 
 def memory_meter(device: torch.device | str) -> MemoryMeter:
@@ -197,7 +208,7 @@ class ProfiledMemory:
     """Allocation events of one call, relative to the bytes live before it."""
 
     peak: int  # highest net bytes allocated at any moment during the call
-    end: int   # net bytes still allocated when it returned
+    end: int  # net bytes still allocated when it returned
 
 
 def profile_memory(fn: Callable[[], Any]) -> tuple[Any, ProfiledMemory]:

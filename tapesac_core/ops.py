@@ -16,15 +16,23 @@ UNRECORDED_NAMESPACES = frozenset({"fsdp", "profiler"})
 # Ops that read only their tensor input's metadata. Replay rebuilds their output from the recorded
 # shape, strides, dtype and device, so they add no data dependency (a dropout mask made with
 # ``empty_like(x)`` must not drag the producer of ``x`` into every replay).
-_FILL = {"empty_like": None, "new_empty": None, "new_empty_strided": None,
-         "zeros_like": 0, "new_zeros": 0, "ones_like": 1, "new_ones": 1}
+_FILL = {
+    "empty_like": None,
+    "new_empty": None,
+    "new_empty_strided": None,
+    "zeros_like": 0,
+    "new_zeros": 0,
+    "ones_like": 1,
+    "new_ones": 1,
+}
 _FILL_FROM_ARG = {"full_like": 1, "new_full": 2}  # position of the fill value
 # Random ops of the same kind: replayed on a stand-in input with the recorded metadata.
 _RANDOM_LIKE = frozenset({"rand_like", "randn_like", "randint_like"})
 # Uninitialised allocations: a recorded read before any recorded write means an invisible kernel
 # filled the buffer, so it must be saved.
-_ALLOCATIONS = frozenset({"empty", "empty_like", "new_empty", "empty_strided",
-                          "new_empty_strided", "empty_permuted"})
+_ALLOCATIONS = frozenset(
+    {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted"}
+)
 # Ops that return their input's content, storage and layout unchanged: the same value.
 _IDENTITY = frozenset({"detach", "alias", "lift_fresh"})
 # Ops whose output aliases their input although the schema says nothing about it.
@@ -38,19 +46,19 @@ class OpInfo:
     name: str
     unrecorded: bool
     collective: bool
-    view: bool      # outputs are views of an input (the schema says so): they share its version
+    view: bool  # outputs are views of an input (the schema says so): they share its version
     aliasing: bool  # outputs share an input's storage, views or not (``_unsafe_view``)
     mutated: tuple[tuple[int, str], ...]  # (position, name) of arguments the op writes
-    random: bool    # may draw random numbers: see ``is_random_call``
+    random: bool  # may draw random numbers: see ``is_random_call``
     dropout_arg: tuple[int, str, float] | None  # (position, name, default) of ``dropout_p``
-    generator_arg: tuple[int, str] | None       # (position, name) of a ``Generator`` argument
+    generator_arg: tuple[int, str] | None  # (position, name) of a ``Generator`` argument
     dynamic_shape: bool
     metadata_only: bool
     allocation: bool
     identity: bool
     holds_outputs: bool  # outputs may be mandatory (collectives, data-dependent shapes)
-    plain: bool          # none of the above: fresh outputs, nothing to capture or refuse
-    simple_view: bool    # a view op, otherwise plain: its output shares its first input's storage
+    plain: bool  # none of the above: fresh outputs, nothing to capture or refuse
+    simple_view: bool  # a view op, otherwise plain: its output shares its first input's storage
 
 
 def _is_generator(t: Any) -> bool:
@@ -67,19 +75,40 @@ def op_info(op: Any) -> OpInfo:
     packet = getattr(op, "_opname", name.split(".")[1] if "." in name else name)
     schema = op._schema
     tags = set(getattr(op, "tags", ()))
-    mutated = tuple((i, a.name) for i, a in enumerate(schema.arguments)
-                    if a.alias_info is not None and a.alias_info.is_write)
+    mutated = tuple(
+        (i, a.name)
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
     view = not mutated and any(r.alias_info is not None for r in schema.returns)
-    dropout_arg = next(((i, a.name, float(a.default_value or 0.0))
-                        for i, a in enumerate(schema.arguments) if a.name == "dropout_p"), None)
-    generator_arg = next(((i, a.name) for i, a in enumerate(schema.arguments)
-                          if _is_generator(a.type)), None)
-    random = (torch.Tag.nondeterministic_seeded in tags or dropout_arg is not None
-              or generator_arg is not None)
-    special = (namespace in UNRECORDED_NAMESPACES or namespace in COLLECTIVE_NAMESPACES
-               or bool(mutated) or packet in _IDENTITY or random
-               or torch.Tag.dynamic_output_shape in tags or packet in _ALLOCATIONS
-               or packet in _FILL or packet in _FILL_FROM_ARG or packet in _RANDOM_LIKE)
+    dropout_arg = next(
+        (
+            (i, a.name, float(a.default_value or 0.0))
+            for i, a in enumerate(schema.arguments)
+            if a.name == "dropout_p"
+        ),
+        None,
+    )
+    generator_arg = next(
+        ((i, a.name) for i, a in enumerate(schema.arguments) if _is_generator(a.type)), None
+    )
+    random = (
+        torch.Tag.nondeterministic_seeded in tags
+        or dropout_arg is not None
+        or generator_arg is not None
+    )
+    special = (
+        namespace in UNRECORDED_NAMESPACES
+        or namespace in COLLECTIVE_NAMESPACES
+        or bool(mutated)
+        or packet in _IDENTITY
+        or random
+        or torch.Tag.dynamic_output_shape in tags
+        or packet in _ALLOCATIONS
+        or packet in _FILL
+        or packet in _FILL_FROM_ARG
+        or packet in _RANDOM_LIKE
+    )
     return OpInfo(
         name=name,
         unrecorded=namespace in UNRECORDED_NAMESPACES,
@@ -134,24 +163,28 @@ def has_dynamic_shape(op: Any, info: OpInfo, args: tuple, kwargs: dict) -> bool:
     if not info.dynamic_shape:
         return False
     if op is torch.ops.aten.index.Tensor:
-        return any(t is not None and (t.dtype == torch.bool or t.dtype == torch.uint8)
-                   for t in args[1])
+        return any(
+            t is not None and (t.dtype == torch.bool or t.dtype == torch.uint8) for t in args[1]
+        )
     if op is torch.ops.aten.repeat_interleave.Tensor:
         return kwargs.get("output_size") is None
     return True
 
 
-def rebuild_output(op: Any, node_args: tuple, node_kwargs: dict, out_meta: Any,
-                   in_meta: Any) -> torch.Tensor:
+def rebuild_output(
+    op: Any, node_args: tuple, node_kwargs: dict, out_meta: Any, in_meta: Any
+) -> torch.Tensor:
     """Replay a metadata-only op without its input's data: from recorded output metadata."""
     packet = op._opname
     if packet in _RANDOM_LIKE:
         # The random stream depends on the input's layout only: a stand-in with its metadata works.
-        stand_in = torch.empty_strided(in_meta.shape, in_meta.stride, dtype=in_meta.dtype,
-                                       device=in_meta.device)
+        stand_in = torch.empty_strided(
+            in_meta.shape, in_meta.stride, dtype=in_meta.dtype, device=in_meta.device
+        )
         return op(stand_in, *node_args[1:], **node_kwargs)
-    out = torch.empty_strided(out_meta.shape, out_meta.stride, dtype=out_meta.dtype,
-                              device=out_meta.device)
+    out = torch.empty_strided(
+        out_meta.shape, out_meta.stride, dtype=out_meta.dtype, device=out_meta.device
+    )
     if packet in _FILL_FROM_ARG:
         out.fill_(node_args[_FILL_FROM_ARG[packet]])
     elif _FILL[packet] is not None:

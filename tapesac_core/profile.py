@@ -28,7 +28,7 @@ class RegionProfile:
     region: str
     tape: Tape
     tokens: int
-    node_time: dict[int, float]     # replayed under must-only, seconds (see region_profiles, merged)
+    node_time: dict[int, float]  # replayed under must-only, seconds (see region_profiles, merged)
     forward_time: dict[int, float]  # every node, in forward, seconds (likewise)
     shares_reference: tuple[bool, ...]  # per block of the region, forward order
 
@@ -50,8 +50,9 @@ class RegionProfile:
         """The Pareto frontier of the reference block at its own token count (cached)."""
         key = (beam_width, max_set_size)
         if key not in self._frontiers:
-            self._frontiers[key] = solve_frontier(self.graph, beam_width=beam_width,
-                                                  max_set_size=max_set_size).points
+            self._frontiers[key] = solve_frontier(
+                self.graph, beam_width=beam_width, max_set_size=max_set_size
+            ).points
         return self._frontiers[key]
 
     def bytes_at(self, point: Point, factor: float) -> int:
@@ -106,12 +107,17 @@ def region_profiles(blocks: list[BlockTrace], tokens: dict[str, int]) -> dict[st
         reference = next(b for b in traces if b.tape.fingerprint == common)
         same = [b for b in traces if b.tape.fingerprint == common]
         profiles[region] = RegionProfile(
-            region=region, tape=reference.tape, tokens=tokens[region],
-            node_time=_repeated([{i: min(map(seconds, s)) for i, s in b.node_times.items()}
-                                 for b in same]),
-            forward_time=_repeated([{i: seconds(s) for i, s in b.forward_times.items()}
-                                    for b in same]),
-            shares_reference=tuple(b.tape.fingerprint == common for b in traces))
+            region=region,
+            tape=reference.tape,
+            tokens=tokens[region],
+            node_time=_repeated(
+                [{i: min(map(seconds, s)) for i, s in b.node_times.items()} for b in same]
+            ),
+            forward_time=_repeated(
+                [{i: seconds(s) for i, s in b.forward_times.items()} for b in same]
+            ),
+            shares_reference=tuple(b.tape.fingerprint == common for b in traces),
+        )
     return profiles
 
 
@@ -124,8 +130,14 @@ def merged(old: RegionProfile | None, new: RegionProfile) -> RegionProfile:
     f = new.tokens / old.tokens
     keep = {i: min(t, old.node_time.get(i, t / f) * f) for i, t in new.node_time.items()}
     forward = {i: min(t, old.forward_time.get(i, t / f) * f) for i, t in new.forward_time.items()}
-    return RegionProfile(region=new.region, tape=new.tape, tokens=new.tokens, node_time=keep,
-                         forward_time=forward, shares_reference=new.shares_reference)
+    return RegionProfile(
+        region=new.region,
+        tape=new.tape,
+        tokens=new.tokens,
+        node_time=keep,
+        forward_time=forward,
+        shares_reference=new.shares_reference,
+    )
 
 
 @dataclass(frozen=True)
@@ -147,14 +159,17 @@ def replay_ratio(profile: RegionProfile, walls: Iterable[ReplayWall]) -> float |
     for w in walls:
         if w.sequence != profile.sequence:
             continue
-        modelled = sum(profile.node_time.get(i, 0.0) for i in w.replayed) * w.tokens / profile.tokens
+        modelled = (
+            sum(profile.node_time.get(i, 0.0) for i in w.replayed) * w.tokens / profile.tokens
+        )
         if modelled > 0:
             ratios.append(w.seconds / modelled)
     return statistics.median(ratios) if ratios else None
 
 
-def calibrated(profile: RegionProfile, walls: Iterable[ReplayWall],
-               tolerance: float) -> RegionProfile:
+def calibrated(
+    profile: RegionProfile, walls: Iterable[ReplayWall], tolerance: float
+) -> RegionProfile:
     """``profile`` if the sum of its replay node times agrees with the measured replay wall time
     (``replay_ratio``) within a factor ``1 + tolerance`` either way, else every node time (replay
     and forward) scaled by that ratio, with an info log: the profiling steps were disturbed
@@ -163,13 +178,22 @@ def calibrated(profile: RegionProfile, walls: Iterable[ReplayWall],
     ratio = replay_ratio(profile, walls)
     if ratio is None or 1 / (1 + tolerance) <= ratio <= 1 + tolerance:
         return profile
-    logger.info("TapeSAC: region %r's profiled replay node times sum to %.3g of the measured "
-                "replay wall time (beyond the %.0f%% tolerance): scaling them by %.3g",
-                profile.region, 1 / ratio, 100 * tolerance, ratio)
-    return RegionProfile(region=profile.region, tape=profile.tape, tokens=profile.tokens,
-                         node_time={i: t * ratio for i, t in profile.node_time.items()},
-                         forward_time={i: t * ratio for i, t in profile.forward_time.items()},
-                         shares_reference=profile.shares_reference)
+    logger.info(
+        "TapeSAC: region %r's profiled replay node times sum to %.3g of the measured "
+        "replay wall time (beyond the %.0f%% tolerance): scaling them by %.3g",
+        profile.region,
+        1 / ratio,
+        100 * tolerance,
+        ratio,
+    )
+    return RegionProfile(
+        region=profile.region,
+        tape=profile.tape,
+        tokens=profile.tokens,
+        node_time={i: t * ratio for i, t in profile.node_time.items()},
+        forward_time={i: t * ratio for i, t in profile.forward_time.items()},
+        shares_reference=profile.shares_reference,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,9 +202,9 @@ class MemorySample:
 
     tokens: int
     peak: int
-    static: int = 0          # in use when the step started (model states): does not scale with tokens
-    outside: int = 0         # device memory outside PyTorch's caching allocator
-    fragmentation: int = 0   # reserved minus allocated at the peak
+    static: int = 0  # in use when the step started (model states): does not scale with tokens
+    outside: int = 0  # device memory outside PyTorch's caching allocator
+    fragmentation: int = 0  # reserved minus allocated at the peak
 
 
 @dataclass
@@ -189,7 +213,7 @@ class MemoryModel:
 
     samples: list[MemorySample] = field(default_factory=list)
     extra_fragmentation: int = 0  # raised when observed peaks come near the limit
-    model_error: int = 0          # raised when a metered step exceeded its predicted peak
+    model_error: int = 0  # raised when a metered step exceeded its predicted peak
     timelines: dict[int, Timeline] = field(default_factory=dict)  # per sampled token count
 
     def add_timeline(self, timeline: Timeline) -> None:
@@ -204,8 +228,10 @@ class MemoryModel:
         return self.timelines[min(self.timelines, key=lambda t: (abs(t - tokens), -t))]
 
     def add(self, sample: MemorySample) -> None:
-        self.samples = sorted([s for s in self.samples if s.tokens != sample.tokens] + [sample],
-                              key=lambda s: s.tokens)
+        self.samples = sorted(
+            [s for s in self.samples if s.tokens != sample.tokens] + [sample],
+            key=lambda s: s.tokens,
+        )
 
     def base(self, tokens: int) -> int:
         """Linear between samples, never below the smallest one (memory only grows with tokens);
@@ -217,7 +243,9 @@ class MemoryModel:
             return s[0].peak
         for lo, hi in zip(s, s[1:]):
             if tokens <= hi.tokens:
-                return round(lo.peak + (hi.peak - lo.peak) * (tokens - lo.tokens) / (hi.tokens - lo.tokens))
+                return round(
+                    lo.peak + (hi.peak - lo.peak) * (tokens - lo.tokens) / (hi.tokens - lo.tokens)
+                )
         last = s[-1]
         slope = max(0, last.peak - last.static) / last.tokens
         if len(s) > 1:

@@ -28,8 +28,23 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .errors import TapeSACError
 from .ops import OpInfo, arg, has_dynamic_shape, is_random_call, op_info
-from .tape import (ALIAS_OP, BUFFER, COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT,
-                   INVISIBLE_WRITE, NO_PRODUCER, OP, PARAM, Meta, Node, Packed, Slot, Value)
+from .tape import (
+    ALIAS_OP,
+    BUFFER,
+    COLLECTIVE,
+    DYNAMIC_SHAPE,
+    EXTERNAL,
+    INPUT,
+    INVISIBLE_WRITE,
+    NO_PRODUCER,
+    OP,
+    PARAM,
+    Meta,
+    Node,
+    Packed,
+    Slot,
+    Value,
+)
 from .verify import fingerprint
 
 Tensor = torch.Tensor
@@ -42,8 +57,10 @@ def default_generator(device: torch.device) -> torch.Generator:
     module = getattr(torch, device.type, None)
     generators = getattr(module, "default_generators", None)
     if not generators:
-        raise TapeSACError(f"cannot capture the random generator of device {device}: "
-                           f"torch.{device.type}.default_generators is not available")
+        raise TapeSACError(
+            f"cannot capture the random generator of device {device}: "
+            f"torch.{device.type}.default_generators is not available"
+        )
     index = device.index if device.index is not None else module.current_device()
     return generators[index]
 
@@ -113,12 +130,12 @@ class Recorder(TorchDispatchMode):
         self.block = block
         self.values: list[Value] = block.values
         self.by_id: dict[int, tuple[weakref.ref, int]] = {}
-        self.ptrs: list[int] = []              # storage data_ptr per value
-        self.last_write: dict[int, int] = {}   # sid -> value id of the latest write into it
+        self.ptrs: list[int] = []  # storage data_ptr per value
+        self.last_write: dict[int, int] = {}  # sid -> value id of the latest write into it
         self.held_by_sid: dict[int, set[int]] = {}
         self.leaf_sids: set[int] = set()
         self.uninitialised: set[int] = set()
-        self.epochs: dict[int, int] = {}       # sid -> number of recorded writes into it so far
+        self.epochs: dict[int, int] = {}  # sid -> number of recorded writes into it so far
         self.calls: dict[str, int] = {}
         self._leaves: dict[int, tuple[str, str]] | None = None  # rebuilt in this block, if it was
         self.timer = block.timer  # set before recording when node times are wanted
@@ -127,8 +144,16 @@ class Recorder(TorchDispatchMode):
 
     # ------------------------------------------------------------------ values
 
-    def new_value(self, t: Tensor, node: int, j: int, kind: str, name: Any = None,
-                  sid: int | None = None, version: int | None = None) -> int:
+    def new_value(
+        self,
+        t: Tensor,
+        node: int,
+        j: int,
+        kind: str,
+        name: Any = None,
+        sid: int | None = None,
+        version: int | None = None,
+    ) -> int:
         """Give ``t`` a new value id (``version``: the version it will have once the op returns)."""
         block = self.block
         storage = t.untyped_storage()
@@ -136,8 +161,19 @@ class Recorder(TorchDispatchMode):
             sid = len(block.storage_bytes)
             block.storage_bytes.append(storage.nbytes())
         vid = len(self.values)
-        self.values.append(Value(vid, node, j, sid, self.epochs.get(sid, 0), _meta(t),
-                                 t._version if version is None else version, kind, name))
+        self.values.append(
+            Value(
+                vid,
+                node,
+                j,
+                sid,
+                self.epochs.get(sid, 0),
+                _meta(t),
+                t._version if version is None else version,
+                kind,
+                name,
+            )
+        )
         self.ptrs.append(storage.data_ptr())
         self.by_id[id(t)] = (weakref.ref(t), vid)
         if kind != OP and kind != EXTERNAL:
@@ -177,7 +213,8 @@ class Recorder(TorchDispatchMode):
             raise TapeSACError(
                 f"block {self.block.name!r}: tensor subclass {type(t).__name__} inside a TapeSAC "
                 "block is not supported; checkpoint a module whose forward sees plain tensors "
-                "(apply FSDP2/DTensor outside the checkpointed block)")
+                "(apply FSDP2/DTensor outside the checkpointed block)"
+            )
 
     def _same_view(self, t: Tensor) -> int | None:
         """The newest value with ``t``'s storage, offset, shape, strides and dtype (an alias object)."""
@@ -220,8 +257,10 @@ class Recorder(TorchDispatchMode):
         entry = cached.get(id(t)) if cached is not None else None
         if entry is None and self._leaves is None:
             cached = self._leaves = {}
-            for kind, named in ((PARAM, module.named_parameters(remove_duplicate=False)),
-                                (BUFFER, module.named_buffers(remove_duplicate=False))):
+            for kind, named in (
+                (PARAM, module.named_parameters(remove_duplicate=False)),
+                (BUFFER, module.named_buffers(remove_duplicate=False)),
+            ):
                 for name, p in named:
                     cached.setdefault(id(p), (weakref.ref(p), kind, name))
             module._tapesac_leaves = cached
@@ -240,8 +279,24 @@ class Recorder(TorchDispatchMode):
         index = len(block.nodes)
         vid = self.new_value(t, index, 0, OP, sid=sid)
         k = self._count(ALIAS_OP)
-        block.nodes.append(Node(index, None, ALIAS_OP, k, (_SLOTS[0],), {}, [write], [write], [vid],
-                                (), (), None, False, block.current_module))
+        block.nodes.append(
+            Node(
+                index,
+                None,
+                ALIAS_OP,
+                k,
+                (_SLOTS[0],),
+                {},
+                [write],
+                [write],
+                [vid],
+                (),
+                (),
+                None,
+                False,
+                block.current_module,
+            )
+        )
         if block.plan_coords:
             km = block.anchor_call(ALIAS_OP) if block.plan_anchors else -1
             self._hold_if_planned(ALIAS_OP, k, km, 0, vid, t)
@@ -276,8 +331,12 @@ class Recorder(TorchDispatchMode):
             vid, entry = self.vid_of(t), None
         counts = block.pack_count
         counts[vid] = counts.get(vid, 0) + 1
-        if block.verify and vid not in block.held and vid not in block.fingerprints \
-                and self.values[vid].kind == OP:
+        if (
+            block.verify
+            and vid not in block.held
+            and vid not in block.fingerprints
+            and self.values[vid].kind == OP
+        ):
             block.fingerprints[vid] = fingerprint(t)
         if vid not in block.held and vid not in block.refs:
             value = self.values[vid]
@@ -290,7 +349,9 @@ class Recorder(TorchDispatchMode):
 
     # ------------------------------------------------------------------ dispatch
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         if kwargs is None:
             kwargs = {}
         info = self.infos.get(id(func)) or self._info(func)
@@ -338,8 +399,27 @@ class Recorder(TorchDispatchMode):
         values.append(_new_tuple(Value, (vid, index, 0, sid, epoch, None, version, OP, None)))
         self.ptrs.append(ptr)
         self.by_id[key] = (weakref.ref(out), vid)
-        nodes.append(_new_tuple(Node, (index, func, name, k, targs, tkwargs, inputs, inputs, [vid],
-                                       (), (), None, False, block.current_module)))
+        nodes.append(
+            _new_tuple(
+                Node,
+                (
+                    index,
+                    func,
+                    name,
+                    k,
+                    targs,
+                    tkwargs,
+                    inputs,
+                    inputs,
+                    [vid],
+                    (),
+                    (),
+                    None,
+                    False,
+                    block.current_module,
+                ),
+            )
+        )
         return out
 
     def _record(self, func: Any, info: OpInfo, args: tuple, kwargs: dict) -> Any:
@@ -353,8 +433,11 @@ class Recorder(TorchDispatchMode):
         targs = tuple([self._template(a, inputs) for a in args])
         tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
         writes = self._before_write(func, info, args, kwargs, inputs) if info.mutated else ()
-        rng = (self._capture_rng(info, args, kwargs)
-               if info.random and is_random_call(info, args, kwargs) else None)
+        rng = (
+            self._capture_rng(info, args, kwargs)
+            if info.random and is_random_call(info, args, kwargs)
+            else None
+        )
         if info.metadata_only and inputs:
             self._keep_meta(inputs[0], args[0])
         timer = self.timer
@@ -404,8 +487,11 @@ class Recorder(TorchDispatchMode):
     def _template(self, a: Any, inputs: list[int]) -> Any:
         if isinstance(a, Tensor):
             entry = self.by_id.get(id(a))
-            if (entry is not None and entry[0]() is a
-                    and self.values[entry[1]].version == a._version):
+            if (
+                entry is not None
+                and entry[0]() is a
+                and self.values[entry[1]].version == a._version
+            ):
                 inputs.append(entry[1])
             else:
                 inputs.append(self.vid_of(a))
@@ -418,11 +504,15 @@ class Recorder(TorchDispatchMode):
         return a
 
     def _mutated_tensors(self, info: OpInfo, args: tuple, kwargs: dict) -> list[Tensor]:
-        return [t for position, name in info.mutated
-                for t in flat_tensors(arg(args, kwargs, position, name))]
+        return [
+            t
+            for position, name in info.mutated
+            for t in flat_tensors(arg(args, kwargs, position, name))
+        ]
 
-    def _before_write(self, func: Any, info: OpInfo, args: tuple, kwargs: dict,
-                      inputs: list[int]) -> tuple[int, ...]:
+    def _before_write(
+        self, func: Any, info: OpInfo, args: tuple, kwargs: dict, inputs: list[int]
+    ) -> tuple[int, ...]:
         """Refuse writes into leaves; move held values the write would change. Returns slots written."""
         slots = []
         for t in self._mutated_tensors(info, args, kwargs):
@@ -440,8 +530,11 @@ class Recorder(TorchDispatchMode):
         """Held values on a storage about to be written move to one copy of it (content kept)."""
         held = self.block.held
         ptr = storage.data_ptr()
-        on_it = [h for h in self.held_by_sid.get(sid, ()) if h in held
-                 and held[h].untyped_storage().data_ptr() == ptr]
+        on_it = [
+            h
+            for h in self.held_by_sid.get(sid, ())
+            if h in held and held[h].untyped_storage().data_ptr() == ptr
+        ]
         if on_it:
             copy = storage.clone()
             for h in on_it:
@@ -453,13 +546,17 @@ class Recorder(TorchDispatchMode):
         raise TapeSACError(
             f"block {self.block.name!r}: {func} writes in place into {what}; replay cannot "
             "reproduce a mutation of a block input, parameter or buffer. Fix: make the op "
-            "out-of-place (e.g. `x = x + y` instead of `x += y`), or do not checkpoint this module")
+            "out-of-place (e.g. `x = x + y` instead of `x += y`), or do not checkpoint this module"
+        )
 
     def _capture_rng(self, info: OpInfo, args: tuple, kwargs: dict) -> tuple:
         """The generator a random call draws from (its ``Generator`` argument, else the default
         generator of its device) and that generator's state now."""
-        generator = (arg(args, kwargs, *info.generator_arg) if info.generator_arg is not None
-                     else kwargs.get("generator"))
+        generator = (
+            arg(args, kwargs, *info.generator_arg)
+            if info.generator_arg is not None
+            else kwargs.get("generator")
+        )
         if generator is None:
             device = kwargs.get("device")
             if device is None:
@@ -468,8 +565,9 @@ class Recorder(TorchDispatchMode):
             generator = default_generator(torch.device(device))
         return (generator, generator.get_state())
 
-    def _check_initialised(self, args: tuple, kwargs: dict, inputs: list[int],
-                           writes: tuple[int, ...]) -> None:
+    def _check_initialised(
+        self, args: tuple, kwargs: dict, inputs: list[int], writes: tuple[int, ...]
+    ) -> None:
         """A recorded read of a never-written allocation: an invisible kernel filled it."""
         for slot, t in enumerate(flat_tensors((args, kwargs))):
             vid = inputs[slot]
@@ -481,8 +579,19 @@ class Recorder(TorchDispatchMode):
         self.calls[name] = k + 1
         return k
 
-    def _add_node(self, func: Any, info: OpInfo, targs: tuple, tkwargs: dict, inputs: list[int],
-                  writes: tuple[int, ...], rng: Any, out: Any, args: tuple, kwargs: dict) -> int:
+    def _add_node(
+        self,
+        func: Any,
+        info: OpInfo,
+        targs: tuple,
+        tkwargs: dict,
+        inputs: list[int],
+        writes: tuple[int, ...],
+        rng: Any,
+        out: Any,
+        args: tuple,
+        kwargs: dict,
+    ) -> int:
         """Record the call as a node; its index, or -1 when it produced and wrote no tensor."""
         block = self.block
         returned = [out] if isinstance(out, Tensor) else flat_tensors(out)
@@ -491,8 +600,9 @@ class Recorder(TorchDispatchMode):
         if writes:
             mutated = self._mutated_tensors(info, args, kwargs)
             before_write = {id(t): inputs[slot] for slot, t in zip(writes, mutated)}
-            extra = tuple(slot for slot, t in zip(writes, mutated)
-                          if not any(t is r for r in returned))
+            extra = tuple(
+                slot for slot, t in zip(writes, mutated) if not any(t is r for r in returned)
+            )
             returned = returned + [t for t in mutated if not any(t is r for r in returned)]
         if not returned:
             return -1
@@ -501,7 +611,8 @@ class Recorder(TorchDispatchMode):
                 raise TapeSACError(
                     f"block {block.name!r}: {func} returned a {type(t).__name__}; tensor subclasses "
                     "inside a TapeSAC block are not supported. Fix: wait for or unwrap it (e.g. "
-                    "funcol.wait_tensor) inside the op that produces it, or do not checkpoint this module")
+                    "funcol.wait_tensor) inside the op that produces it, or do not checkpoint this module"
+                )
         index = len(block.nodes)
         name = info.name
         calls = self.calls
@@ -515,13 +626,39 @@ class Recorder(TorchDispatchMode):
             outs.append(vid)
             if info.holds_outputs or plan_coords or block.forced:
                 self._maybe_hold(func, info, name, k, km, j, vid, t, args, kwargs)
-        block.nodes.append(_new_tuple(Node, (
-            index, func, name, k, targs, tkwargs, inputs, [] if info.metadata_only else inputs,
-            outs, writes, extra, rng, info.metadata_only, block.current_module)))
+        block.nodes.append(
+            _new_tuple(
+                Node,
+                (
+                    index,
+                    func,
+                    name,
+                    k,
+                    targs,
+                    tkwargs,
+                    inputs,
+                    [] if info.metadata_only else inputs,
+                    outs,
+                    writes,
+                    extra,
+                    rng,
+                    info.metadata_only,
+                    block.current_module,
+                ),
+            )
+        )
         return index
 
-    def _new_output(self, t: Tensor, index: int, j: int, info: OpInfo, inputs: list[int],
-                    outs: list[int], before_write: dict[int, int]) -> int:
+    def _new_output(
+        self,
+        t: Tensor,
+        index: int,
+        j: int,
+        info: OpInfo,
+        inputs: list[int],
+        outs: list[int],
+        before_write: dict[int, int],
+    ) -> int:
         """A value for output ``j``: in the storage it shares with an input, or in a new one.
 
         Inside the dispatch mode the autograd layer above has not run yet: it will bump the
@@ -558,15 +695,39 @@ class Recorder(TorchDispatchMode):
             epoch = self.epochs.get(sid, 0)
         vid = len(values)
         # Layouts are kept only where replay needs them (they cost recording time).
-        values.append(_new_tuple(Value, (vid, index, j, sid, epoch,
-                                          _meta(t) if info.metadata_only else None,
-                                          t._version if version is None else version, OP, None)))
+        values.append(
+            _new_tuple(
+                Value,
+                (
+                    vid,
+                    index,
+                    j,
+                    sid,
+                    epoch,
+                    _meta(t) if info.metadata_only else None,
+                    t._version if version is None else version,
+                    OP,
+                    None,
+                ),
+            )
+        )
         ptrs.append(ptr)
         self.by_id[key] = (weakref.ref(t), vid)
         return vid
 
-    def _maybe_hold(self, func: Any, info: OpInfo, name: str, k: int, km: int, j: int, vid: int,
-                    t: Tensor, args: tuple, kwargs: dict) -> None:
+    def _maybe_hold(
+        self,
+        func: Any,
+        info: OpInfo,
+        name: str,
+        k: int,
+        km: int,
+        j: int,
+        vid: int,
+        t: Tensor,
+        args: tuple,
+        kwargs: dict,
+    ) -> None:
         if info.collective:
             self.hold(vid, t, COLLECTIVE)
         elif info.dynamic_shape and has_dynamic_shape(func, info, args, kwargs):

@@ -104,9 +104,11 @@ class LiveStorages:
 
 def _dropper(refs: dict[int, weakref.ref], ptr: int) -> Any:
     """A weakref callback removing ``ptr``'s entry, unless a newer storage took the address."""
+
     def drop(ref: weakref.ref) -> None:
         if refs.get(ptr) is ref:
             del refs[ptr]
+
     return drop
 
 
@@ -155,7 +157,9 @@ class Replay:
             # on accelerators it is launch time until the GPU-readiness work gives it events.
             start = time.perf_counter()
             with replay_mode(self.block.device_types):
-                for index in sorted(producer_closure(self.nodes, self.values, [vid], self._available)):
+                for index in sorted(
+                    producer_closure(self.nodes, self.values, [vid], self._available)
+                ):
                     self._run(self.nodes[index])
             self.trace.replay_seconds += time.perf_counter() - start
         t = env[vid]
@@ -186,8 +190,9 @@ class Replay:
         except TapeSACError:
             raise
         except Exception as e:
-            raise TapeSACError(f"block {self.block.name!r}: replaying {node.name} (call {node.k}) "
-                               f"failed: {e}") from e
+            raise TapeSACError(
+                f"block {self.block.name!r}: replaying {node.name} (call {node.k}) failed: {e}"
+            ) from e
         if timer is not None:
             self.trace.node_times.setdefault(node.index, []).append(timer.stop(start))
         self.trace.replayed.append(node.index)
@@ -207,8 +212,9 @@ class Replay:
         """Compare what the node produced with autograd's saved content (hidden writes)."""
         if not outs:
             return
-        if (any(d in self.uncomparable for d in node.deps)
-                or not reproducible(node, outs[0].device.type)):
+        if any(d in self.uncomparable for d in node.deps) or not reproducible(
+            node, outs[0].device.type
+        ):
             self.uncomparable.update(node.outs)
             return
         for vid, t in zip(node.outs, outs):
@@ -222,15 +228,25 @@ class Replay:
         if node.rebuild:
             in_meta = values[node.inputs[0]].meta if node.inputs else None
             with restored_rng(node.rng):
-                return [rebuild_output(node.op, node.args, node.kwargs,
-                                       values[node.outs[0]].meta, in_meta)]
+                return [
+                    rebuild_output(
+                        node.op, node.args, node.kwargs, values[node.outs[0]].meta, in_meta
+                    )
+                ]
         env = self.env
         tensors = [env[v] if v in env else self._input(v) for v in node.inputs]
         for slot in node.writes:
             self._prepare_write(node, slot, tensors)
-        args = tuple([tensors[a.i] if type(a) is Slot else
-                      _fill(a, tensors) if type(a) is list or type(a) is tuple else a
-                      for a in node.args])
+        args = tuple(
+            [
+                tensors[a.i]
+                if type(a) is Slot
+                else _fill(a, tensors)
+                if type(a) is list or type(a) is tuple
+                else a
+                for a in node.args
+            ]
+        )
         kwargs = _fill(node.kwargs, tensors) if node.kwargs else node.kwargs
         if node.rng is None:
             out = node.op(*args, **kwargs)
@@ -253,8 +269,11 @@ class Replay:
         # Values on this storage still read later keep their content on one copy of the whole
         # storage (a copy of the view alone would lose the layout a later alias read relies on).
         reads_here = Counter(node.deps)
-        keep = [vid for vid, t in self.env.items()
-                if t.untyped_storage().data_ptr() == ptr and self.reads.get(vid, 0) > reads_here[vid]]
+        keep = [
+            vid
+            for vid, t in self.env.items()
+            if t.untyped_storage().data_ptr() == ptr and self.reads.get(vid, 0) > reads_here[vid]
+        ]
         if keep:
             copy = tensors[slot].untyped_storage().clone()
             for vid in keep:

@@ -26,8 +26,8 @@ class BucketReport:
 
     tokens: dict[str, int]
     plan: Plan
-    planned: MeasuredPoint | None      # planned steps' seconds
-    must_only: MeasuredPoint | None    # interleaved must-only control steps' seconds
+    planned: MeasuredPoint | None  # planned steps' seconds
+    must_only: MeasuredPoint | None  # interleaved must-only control steps' seconds
 
     @property
     def measured_speedup(self) -> float | None:
@@ -42,11 +42,11 @@ class RunReport:
     """A run's plans, per-bucket or per-step figures, and how it was read."""
 
     source: str
-    kind: str                                         # tensorboard | lightning | accelerate
+    kind: str  # tensorboard | lightning | accelerate
     buckets: list[BucketReport] = field(default_factory=list)
     plan_texts: list[tuple[int, str]] = field(default_factory=list)  # (step, explain()) logged
     scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-    frontier_png: bytes | None = None                 # the last frontier image a run logged
+    frontier_png: bytes | None = None  # the last frontier image a run logged
 
     def text(self) -> str:
         """Plan tables and predicted vs measured speedups and peaks, for a terminal."""
@@ -62,14 +62,23 @@ class RunReport:
 
     def to_json(self) -> dict[str, Any]:
         """The same content as plain data."""
-        return {"source": self.source, "kind": self.kind,
-                "buckets": [{"tokens": b.tokens, "plan": b.plan.to_json(),
-                             "predicted_speedup": b.plan.predicted_speedup,
-                             "measured_speedup": b.measured_speedup,
-                             "planned_steps": _point_json(b.planned),
-                             "must_only_steps": _point_json(b.must_only)} for b in self.buckets],
-                "plans_logged": [{"step": s, "text": t} for s, t in self.plan_texts],
-                "scalars": {k: [list(p) for p in v] for k, v in self.scalars.items()}}
+        return {
+            "source": self.source,
+            "kind": self.kind,
+            "buckets": [
+                {
+                    "tokens": b.tokens,
+                    "plan": b.plan.to_json(),
+                    "predicted_speedup": b.plan.predicted_speedup,
+                    "measured_speedup": b.measured_speedup,
+                    "planned_steps": _point_json(b.planned),
+                    "must_only_steps": _point_json(b.must_only),
+                }
+                for b in self.buckets
+            ],
+            "plans_logged": [{"step": s, "text": t} for s, t in self.plan_texts],
+            "scalars": {k: [list(p) for p in v] for k, v in self.scalars.items()},
+        }
 
     def figures(self) -> dict[str, Any]:
         """Matplotlib figures by file name: speedups per bucket (checkpoints) or speedups and
@@ -79,22 +88,29 @@ class RunReport:
         out = {}
         if self.buckets:
             out["speedup_by_bucket.png"] = speedup_by_bucket_figure(
-                [(max(b.tokens.values()), b.plan.predicted_speedup, b.measured_speedup)
-                 for b in self.buckets])
+                [
+                    (max(b.tokens.values()), b.plan.predicted_speedup, b.measured_speedup)
+                    for b in self.buckets
+                ]
+            )
         if self.scalars:
             out["timeline.png"] = timeline_figure(self.scalars)
         return out
 
     def _speedups(self) -> str:
         parts = []
-        for name, what in (("predicted_speedup", "predicted speedup vs must-only"),
-                           ("measured_speedup", "measured speedup vs must-only"),
-                           ("measured_speedup_vs_full", "measured speedup vs full checkpointing")):
+        for name, what in (
+            ("predicted_speedup", "predicted speedup vs must-only"),
+            ("measured_speedup", "measured speedup vs must-only"),
+            ("measured_speedup_vs_full", "measured speedup vs full checkpointing"),
+        ):
             values = [v for _, v in self.scalars.get(f"tapesac/{name}", [])]
             if values:
                 p = MeasuredPoint.of(name, values)
-                parts.append(f"{what}, as logged each step: median {p.seconds:.3f}x "
-                             f"(IQR {p.q1:.3f}-{p.q3:.3f}, {p.count} steps)")
+                parts.append(
+                    f"{what}, as logged each step: median {p.seconds:.3f}x "
+                    f"(IQR {p.q1:.3f}-{p.q3:.3f}, {p.count} steps)"
+                )
         return "\n".join(parts)
 
     def _peaks(self) -> str:
@@ -110,13 +126,18 @@ def read_run(path: str | Path) -> RunReport:
     """Read a TensorBoard folder, a Lightning checkpoint or an Accelerate ``save_state`` folder."""
     path = Path(path)
     if not path.exists():
-        raise TapeSACError(f"{path} does not exist. Fix: pass a TensorBoard run folder, a Lightning "
-                           "checkpoint or an Accelerate save_state folder")
+        raise TapeSACError(
+            f"{path} does not exist. Fix: pass a TensorBoard run folder, a Lightning "
+            "checkpoint or an Accelerate save_state folder"
+        )
     if path.is_dir() and list(path.rglob("events.out.tfevents.*")):
         return _from_tensorboard(path)
     if path.is_file():
-        return _from_state(path, "lightning", _lightning_state(torch.load(path, map_location="cpu",
-                                                                          weights_only=False)))
+        return _from_state(
+            path,
+            "lightning",
+            _lightning_state(torch.load(path, map_location="cpu", weights_only=False)),
+        )
     if (path / "meta.pt").is_file():
         meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
         return _from_state(path, "lightning", _lightning_state(meta))
@@ -124,29 +145,39 @@ def read_run(path: str | Path) -> RunReport:
         state = torch.load(pickle, map_location="cpu", weights_only=False)
         if isinstance(state, Mapping) and "plans" in state:
             return _from_state(path, "accelerate", state)
-    raise TapeSACError(f"{path} holds no TapeSAC state: no TensorBoard events, no Lightning "
-                       "checkpoint with TapeSAC's callback state, no Accelerate "
-                       "custom_checkpoint_*.pkl with a plan cache")
+    raise TapeSACError(
+        f"{path} holds no TapeSAC state: no TensorBoard events, no Lightning "
+        "checkpoint with TapeSAC's callback state, no Accelerate "
+        "custom_checkpoint_*.pkl with a plan cache"
+    )
 
 
 def _lightning_state(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
     state = checkpoint.get("callbacks", {}).get(_STATE_KEY)
     if not state:
-        raise TapeSACError("the Lightning checkpoint has no TapeSAC state: was it written by a run "
-                           "with TapeSACFSDPStrategy?")
+        raise TapeSACError(
+            "the Lightning checkpoint has no TapeSAC state: was it written by a run "
+            "with TapeSACFSDPStrategy?"
+        )
     return state
 
 
 def _from_state(path: Path, kind: str, state: Mapping[str, Any]) -> RunReport:
     """Buckets of a controller's ``state_dict``: plans and the step times it kept."""
     buckets = []
-    for key, text in sorted(state["plans"].items(), key=lambda kv: [int(q) for q in kv[0].split(",")]):
+    for key, text in sorted(
+        state["plans"].items(), key=lambda kv: [int(q) for q in kv[0].split(",")]
+    ):
         plan = Plan.from_json(text)
         planned, must = state["planned_times"].get(key), state["must_only_times"].get(key)
-        buckets.append(BucketReport(
-            tokens={r: p.tokens for r, p in plan.regions.items()}, plan=plan,
-            planned=MeasuredPoint.of("planned", planned) if planned else None,
-            must_only=MeasuredPoint.of("must-only", must) if must else None))
+        buckets.append(
+            BucketReport(
+                tokens={r: p.tokens for r, p in plan.regions.items()},
+                plan=plan,
+                planned=MeasuredPoint.of("planned", planned) if planned else None,
+                must_only=MeasuredPoint.of("must-only", must) if must else None,
+            )
+        )
     return RunReport(source=str(path), kind=kind, buckets=buckets)
 
 
@@ -168,32 +199,48 @@ def _from_tensorboard(path: Path) -> RunReport:
             if tag.startswith("tapesac/"):
                 scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
         if "tapesac/plan/text_summary" in tags["tensors"]:
-            texts += [(e.step, make_ndarray(e.tensor_proto).item().decode().strip("`\n"))
-                      for e in acc.Tensors("tapesac/plan/text_summary")]
+            texts += [
+                (e.step, make_ndarray(e.tensor_proto).item().decode().strip("`\n"))
+                for e in acc.Tensors("tapesac/plan/text_summary")
+            ]
         if "tapesac/frontier" in tags["images"]:
             png = acc.Images("tapesac/frontier")[-1].encoded_image_string
     if not scalars:
-        raise TapeSACError(f"the TensorBoard events under {path} hold no tapesac/* scalars: was "
-                           "the run trained with TapeSAC and a TensorBoard logger?")
-    source = str(newest) + (f" (the newest of {len(runs)} runs under {path})" if len(runs) > 1 else "")
-    return RunReport(source=source, kind="tensorboard", plan_texts=texts,
-                     scalars={k: sorted(v) for k, v in scalars.items()}, frontier_png=png)
+        raise TapeSACError(
+            f"the TensorBoard events under {path} hold no tapesac/* scalars: was "
+            "the run trained with TapeSAC and a TensorBoard logger?"
+        )
+    source = str(newest) + (
+        f" (the newest of {len(runs)} runs under {path})" if len(runs) > 1 else ""
+    )
+    return RunReport(
+        source=source,
+        kind="tensorboard",
+        plan_texts=texts,
+        scalars={k: sorted(v) for k, v in scalars.items()},
+        frontier_png=png,
+    )
 
 
 def _measured_line(b: BucketReport) -> str:
     if b.measured_speedup is None:
-        return (f"measured: no speedup yet ({'no' if b.planned is None else b.planned.count} "
-                f"planned and {'no' if b.must_only is None else b.must_only.count} must-only "
-                "steps kept for this bucket)")
-    return (f"measured speedup vs must-only {b.measured_speedup:.3f}x: planned steps median "
-            f"{b.planned.seconds * 1e3:.1f} ms (IQR {b.planned.q1 * 1e3:.1f}-{b.planned.q3 * 1e3:.1f}, "
-            f"{b.planned.count} steps), must-only median {b.must_only.seconds * 1e3:.1f} ms "
-            f"({b.must_only.count} steps)")
+        return (
+            f"measured: no speedup yet ({'no' if b.planned is None else b.planned.count} "
+            f"planned and {'no' if b.must_only is None else b.must_only.count} must-only "
+            "steps kept for this bucket)"
+        )
+    return (
+        f"measured speedup vs must-only {b.measured_speedup:.3f}x: planned steps median "
+        f"{b.planned.seconds * 1e3:.1f} ms (IQR {b.planned.q1 * 1e3:.1f}-{b.planned.q3 * 1e3:.1f}, "
+        f"{b.planned.count} steps), must-only median {b.must_only.seconds * 1e3:.1f} ms "
+        f"({b.must_only.count} steps)"
+    )
 
 
 def _point_json(p: MeasuredPoint | None) -> dict[str, float] | None:
-    return None if p is None else {"median_s": p.seconds, "q1_s": p.q1, "q3_s": p.q3,
-                                   "count": p.count}
+    return (
+        None if p is None else {"median_s": p.seconds, "q1_s": p.q1, "q3_s": p.q3, "count": p.count}
+    )
 
 
 # ---------------------------------------------------------------------- a run's own steps
@@ -214,12 +261,16 @@ class Speedup:
     controls: int
 
     def text(self, against: str) -> str:
-        return (f"measured speedup vs {against}: {self.median:.3f}x median over {self.count} "
-                f"planned steps (IQR {self.q1:.3f}-{self.q3:.3f}), against {self.controls} "
-                f"interleaved control steps of their buckets")
+        return (
+            f"measured speedup vs {against}: {self.median:.3f}x median over {self.count} "
+            f"planned steps (IQR {self.q1:.3f}-{self.q3:.3f}), against {self.controls} "
+            f"interleaved control steps of their buckets"
+        )
 
 
-def measured_speedup(steps: list[Mapping[str, Any]], control_modes: tuple[str, ...]) -> Speedup | None:
+def measured_speedup(
+    steps: list[Mapping[str, Any]], control_modes: tuple[str, ...]
+) -> Speedup | None:
     """``Speedup`` of a run's step records (``mode``, ``bucket``, ``time`` in seconds, ``peak``)
     over its control steps in ``control_modes``. The run's first step (one-time costs) and
     metered steps (metering slows a step on CPU) are left out; None without a pair."""
@@ -228,18 +279,31 @@ def measured_speedup(steps: list[Mapping[str, Any]], control_modes: tuple[str, .
     for s in timed:
         if s["mode"] in control_modes:
             controls.setdefault(tuple(s["bucket"]), []).append(s["time"])
-    ratios = [statistics.median(controls[tuple(s["bucket"])]) / s["time"] for s in timed
-              if s["mode"] == "planned" and tuple(s["bucket"]) in controls]
+    ratios = [
+        statistics.median(controls[tuple(s["bucket"])]) / s["time"]
+        for s in timed
+        if s["mode"] == "planned" and tuple(s["bucket"]) in controls
+    ]
     if not ratios:
         return None
     point = MeasuredPoint.of("ratio", ratios)
     used = {tuple(s["bucket"]) for s in timed if s["mode"] == "planned"}
-    return Speedup(median=point.seconds, q1=point.q1, q3=point.q3, count=point.count,
-                   controls=sum(len(v) for k, v in controls.items() if k in used))
+    return Speedup(
+        median=point.seconds,
+        q1=point.q1,
+        q3=point.q3,
+        count=point.count,
+        controls=sum(len(v) for k, v in controls.items() if k in used),
+    )
 
 
-def run_summary(steps: list[Mapping[str, Any]], limit: int, plan: Plan | None,
-                headroom: tuple[int, int] | None = None, measured: float | None = None) -> str:
+def run_summary(
+    steps: list[Mapping[str, Any]],
+    limit: int,
+    plan: Plan | None,
+    headroom: tuple[int, int] | None = None,
+    measured: float | None = None,
+) -> str:
     """A run's closing summary from its own step records: step counts by mode, measured
     speedups vs must-only and vs full checkpointing (medians with spread and counts), the
     predicted speedup, peak against the limit (and, given ``headroom`` = (must-only peak, peak
@@ -247,30 +311,43 @@ def run_summary(steps: list[Mapping[str, Any]], limit: int, plan: Plan | None,
     them), and the plan in effect at the end (with the controller's ``measured`` speedup of its
     bucket)."""
     modes = [s["mode"] for s in steps]
-    lines = [f"TapeSAC: {len(steps)} steps: {modes.count('planned')} planned, "
-             f"{modes.count('control')} must-only control, {modes.count('full')} "
-             f"full-checkpointing control, {len(steps) - sum(modes.count(m) for m in ('planned', 'control', 'full'))} "
-             "warm-up/profiling/sampling"]
-    for modes_, against in ((_MUST_ONLY_MODES, "must-only"),
-                            (("full",), "full checkpointing (torch.utils.checkpoint)")):
+    lines = [
+        f"TapeSAC: {len(steps)} steps: {modes.count('planned')} planned, "
+        f"{modes.count('control')} must-only control, {modes.count('full')} "
+        f"full-checkpointing control, {len(steps) - sum(modes.count(m) for m in ('planned', 'control', 'full'))} "
+        "warm-up/profiling/sampling"
+    ]
+    for modes_, against in (
+        (_MUST_ONLY_MODES, "must-only"),
+        (("full",), "full checkpointing (torch.utils.checkpoint)"),
+    ):
         speedup = measured_speedup(steps, modes_)
-        lines.append(speedup.text(against) if speedup else
-                     f"measured speedup vs {against}: none (no timed planned step shares a "
-                     "bucket with such control steps)")
+        lines.append(
+            speedup.text(against)
+            if speedup
+            else f"measured speedup vs {against}: none (no timed planned step shares a "
+            "bucket with such control steps)"
+        )
     predicted = [s["predicted"] for s in steps if s["mode"] == "planned" and s.get("predicted")]
     if predicted:
-        lines.append(f"predicted speedup vs must-only: {statistics.median(predicted):.3f}x median "
-                     f"over {len(predicted)} planned steps")
+        lines.append(
+            f"predicted speedup vs must-only: {statistics.median(predicted):.3f}x median "
+            f"over {len(predicted)} planned steps"
+        )
     peaks = [s["peak"] for s in steps if s.get("peak") is not None]
     if peaks:
-        lines.append(f"peak memory {format_bytes(max(peaks))} (max over {len(peaks)} metered steps) "
-                     f"against the limit {format_bytes(limit)}; full-checkpointing control steps "
-                     "are not metered (they may peak above must-only)")
+        lines.append(
+            f"peak memory {format_bytes(max(peaks))} (max over {len(peaks)} metered steps) "
+            f"against the limit {format_bytes(limit)}; full-checkpointing control steps "
+            "are not metered (they may peak above must-only)"
+        )
     if headroom is not None and headroom[1] > headroom[0]:
         low, high = headroom
-        lines.append(f"the limit sits {100 * (limit - low) / (high - low):.0f}% of the way from the "
-                     f"must-only peak {format_bytes(low)} to the peak with everything useful "
-                     f"saved {format_bytes(high)} (predicted, final plan's bucket)")
+        lines.append(
+            f"the limit sits {100 * (limit - low) / (high - low):.0f}% of the way from the "
+            f"must-only peak {format_bytes(low)} to the peak with everything useful "
+            f"saved {format_bytes(high)} (predicted, final plan's bucket)"
+        )
     if plan is not None:
         lines += ["plan in effect at the end:", plan.explain(measured)]
     return "\n".join(lines)

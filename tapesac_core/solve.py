@@ -15,14 +15,17 @@ from .step_time import StepTime
 from .units import format_bytes
 
 
-def scaled(points: tuple[Point, ...], factor: float,
-           bytes_at: Callable[[Point, float], int] | None = None) -> tuple[Point, ...]:
+def scaled(
+    points: tuple[Point, ...], factor: float, bytes_at: Callable[[Point, float], int] | None = None
+) -> tuple[Point, ...]:
     """A frontier at another token count: times scale linearly with tokens (§3.4.1), and so do
     sizes, or as ``bytes_at`` says (values that do not grow with tokens stay). Points another
     one now dominates are dropped, so the result is again a frontier."""
     size = bytes_at or (lambda p, f: math.ceil(p.bytes * f))
-    moved = sorted((Point(bytes=size(p, factor), time=p.time * factor, saved=p.saved)
-                    for p in points), key=lambda p: (p.bytes, p.time))
+    moved = sorted(
+        (Point(bytes=size(p, factor), time=p.time * factor, saved=p.saved) for p in points),
+        key=lambda p: (p.bytes, p.time),
+    )
     frontier: list[Point] = []
     for p in moved:
         if not frontier or p.time < frontier[-1].time and p.bytes > frontier[-1].bytes:
@@ -33,13 +36,24 @@ def scaled(points: tuple[Point, ...], factor: float,
 def modelled_replay(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int]) -> float:
     """Seconds of must-only replay in a step at ``tokens``, from the profiled node times (Eq. 6
     for S0, every block of each region, times scaled linearly with tokens)."""
-    return math.fsum(p.blocks * p.must_only_replay_time * tokens[r] / p.tokens
-                     for r, p in profiles.items() if r in tokens)
+    return math.fsum(
+        p.blocks * p.must_only_replay_time * tokens[r] / p.tokens
+        for r, p in profiles.items()
+        if r in tokens
+    )
 
 
-def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int], *, model: str,
-               capacity: int, base: int, must_only_step_time: float,
-               config: TapeSACConfig, timeline: Timeline | None = None) -> Plan:
+def solve_plan(
+    profiles: Mapping[str, RegionProfile],
+    tokens: Mapping[str, int],
+    *,
+    model: str,
+    capacity: int,
+    base: int,
+    must_only_step_time: float,
+    config: TapeSACConfig,
+    timeline: Timeline | None = None,
+) -> Plan:
     """The plan maximising replay time removed with its predicted step peak ≤ capacity.
 
     With ``config.memory_model == "peak"`` and a ``timeline`` of a must-only sample step whose
@@ -53,64 +67,105 @@ def solve_plan(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int],
     must-only replay is the time outside replay (floored, see ``StepTime.model``), so the
     prediction is finite and at most must-only / outside, whatever the profiled times were.
     """
-    frontiers = {r: scaled(p.frontier(config.beam_width, config.max_set_size), tokens[r] / p.tokens,
-                           p.bytes_at) for r, p in profiles.items()}
+    frontiers = {
+        r: scaled(
+            p.frontier(config.beam_width, config.max_set_size), tokens[r] / p.tokens, p.bytes_at
+        )
+        for r, p in profiles.items()
+    }
     budget = capacity - base
-    peak = _peak_choice(profiles, frontiers, tokens, timeline, capacity, base, config) \
-        if config.memory_model == "peak" and timeline is not None else None
+    peak = (
+        _peak_choice(profiles, frontiers, tokens, timeline, capacity, base, config)
+        if config.memory_model == "peak" and timeline is not None
+        else None
+    )
     if peak is not None:
         choices, saved_bytes, gain, predicted, peak_at = peak
     else:
         choice = solve_knapsack(
             {r: RegionFrontier(points=f, blocks=profiles[r].blocks) for r, f in frontiers.items()},
-            budget, resolution=config.knapsack_resolution)
+            budget,
+            resolution=config.knapsack_resolution,
+        )
         choices, saved_bytes, gain = choice.choices, choice.bytes, choice.gain
         predicted, peak_at = base + saved_bytes, "the start of backward (Eq. 8 bound)"
-    regions = {r: _region_plan(profiles[r], frontiers[r], choices[r], tokens[r])
-               for r in sorted(profiles)}
-    full = sum(p.blocks * (p.full_recompute_time - p.must_only_replay_time) * tokens[r] / p.tokens
-               for r, p in profiles.items())
+    regions = {
+        r: _region_plan(profiles[r], frontiers[r], choices[r], tokens[r]) for r in sorted(profiles)
+    }
+    full = sum(
+        p.blocks * (p.full_recompute_time - p.must_only_replay_time) * tokens[r] / p.tokens
+        for r, p in profiles.items()
+    )
     step = StepTime.of_step(must_only_step_time, modelled_replay(profiles, tokens))
     planned_time = step.planned(gain)
     notes = _capacity_notes(base, capacity, predicted, saved_bytes)
-    return Plan(model=model, regions=regions, capacity=capacity, base=base,
-                saved_bytes=saved_bytes, predicted_speedup=step.speedup(gain),
-                predicted_speedup_vs_full=(step.must_only + max(0.0, full)) / planned_time, notes=notes,
-                step_time=step.must_only, replay_time=step.replay,
-                memory_model="peak" if peak is not None else "sum", predicted_peak=predicted,
-                peak_at=peak_at, static=timeline.static if timeline is not None else 0)
+    return Plan(
+        model=model,
+        regions=regions,
+        capacity=capacity,
+        base=base,
+        saved_bytes=saved_bytes,
+        predicted_speedup=step.speedup(gain),
+        predicted_speedup_vs_full=(step.must_only + max(0.0, full)) / planned_time,
+        notes=notes,
+        step_time=step.must_only,
+        replay_time=step.replay,
+        memory_model="peak" if peak is not None else "sum",
+        predicted_peak=predicted,
+        peak_at=peak_at,
+        static=timeline.static if timeline is not None else 0,
+    )
 
 
 def _capacity_notes(base: int, capacity: int, predicted: int, saved: int) -> tuple[str, ...]:
     """What explain() says when the must-only step does not fit the capacity."""
     if base <= capacity:
         return ()
-    head = (f"the must-only step needs {format_bytes(base)} of the {format_bytes(capacity)} the "
-            "limit leaves")
+    head = (
+        f"the must-only step needs {format_bytes(base)} of the {format_bytes(capacity)} the "
+        "limit leaves"
+    )
     if predicted > capacity:
-        return (f"{head}, and no plan fits: this one has the lowest predicted peak, "
-                f"{format_bytes(predicted)}" if saved else f"{head}: nothing more is saved",)
-    return (f"{head}: this plan fits, its saved values remove more replay temporaries than "
-            "they keep",)
+        return (
+            f"{head}, and no plan fits: this one has the lowest predicted peak, "
+            f"{format_bytes(predicted)}"
+            if saved
+            else f"{head}: nothing more is saved",
+        )
+    return (
+        f"{head}: this plan fits, its saved values remove more replay temporaries than they keep",
+    )
 
 
-def region_menus(profiles: Mapping[str, RegionProfile], frontiers: Mapping[str, tuple[Point, ...]],
-                 tokens: Mapping[str, int]) -> dict[str, RegionMenu]:
+def region_menus(
+    profiles: Mapping[str, RegionProfile],
+    frontiers: Mapping[str, tuple[Point, ...]],
+    tokens: Mapping[str, int],
+) -> dict[str, RegionMenu]:
     """Each region's frontier (at ``tokens``) for the timeline model."""
     menus = {}
     for r, points in frontiers.items():
         p = profiles[r]
-        menus[r] = RegionMenu(sequence=p.sequence, graph=p.graph,
-                              bytes=tuple(pt.bytes for pt in points),
-                              gains=tuple(points[0].time - pt.time for pt in points),
-                              saved=tuple(p.graph.value_ids(pt.saved) for pt in points),
-                              scale=tokens[r] / p.tokens)
+        menus[r] = RegionMenu(
+            sequence=p.sequence,
+            graph=p.graph,
+            bytes=tuple(pt.bytes for pt in points),
+            gains=tuple(points[0].time - pt.time for pt in points),
+            saved=tuple(p.graph.value_ids(pt.saved) for pt in points),
+            scale=tokens[r] / p.tokens,
+        )
     return menus
 
 
-def _peak_choice(profiles: Mapping[str, RegionProfile], frontiers: Mapping[str, tuple[Point, ...]],
-                 tokens: Mapping[str, int], timeline: Timeline, capacity: int, base: int,
-                 config: TapeSACConfig):
+def _peak_choice(
+    profiles: Mapping[str, RegionProfile],
+    frontiers: Mapping[str, tuple[Point, ...]],
+    tokens: Mapping[str, int],
+    timeline: Timeline,
+    capacity: int,
+    base: int,
+    config: TapeSACConfig,
+):
     """Per region the point of each block, bytes, gain, predicted peak and where it falls,
     under the timeline model; None when the timeline's blocks do not match the profiles (the
     caller falls back to Eq. 8)."""
@@ -123,20 +178,29 @@ def _peak_choice(profiles: Mapping[str, RegionProfile], frontiers: Mapping[str, 
     menus = menus_of(scaled_timeline, region_menus(profiles, frontiers, tokens))
     picks = solve_peak(scaled_timeline, menus, capacity, resolution=config.knapsack_resolution)
     if picks is None:  # a limit of 0 asks for must-only, any other for the least memory
-        picks = (0,) * len(menus) if config.memory_limit.must_only else \
-            _lowest_peak(scaled_timeline, menus, capacity, config.knapsack_resolution)
+        picks = (
+            (0,) * len(menus)
+            if config.memory_limit.must_only
+            else _lowest_peak(scaled_timeline, menus, capacity, config.knapsack_resolution)
+        )
     options = [m[c] for m, c in zip(menus, picks)]
     prediction = predict(scaled_timeline, options)
     choices: dict[str, list[int]] = {r: [0] * p.blocks for r, p in profiles.items()}
     for b, o in zip(timeline.blocks, options):
         if b.region in choices:
             choices[b.region][b.index] = o.point
-    return ({r: tuple(c) for r, c in choices.items()}, sum(o.bytes for o in options),
-            math.fsum(o.gain for o in options), prediction.peak, prediction.label)
+    return (
+        {r: tuple(c) for r, c in choices.items()},
+        sum(o.bytes for o in options),
+        math.fsum(o.gain for o in options),
+        prediction.peak,
+        prediction.label,
+    )
 
 
-def _lowest_peak(timeline: Timeline, menus: list[list[Option]], capacity: int,
-                 resolution: int) -> tuple[int, ...]:
+def _lowest_peak(
+    timeline: Timeline, menus: list[list[Option]], capacity: int, resolution: int
+) -> tuple[int, ...]:
     """When no plan fits ``capacity``: the fastest plan among those of the lowest predicted peak
     (to 0.1% of the step's peak), by bisection on the capacity. Saving removes replay
     temporaries, so that is often well below must-only's peak, the upper end."""
@@ -153,21 +217,32 @@ def _lowest_peak(timeline: Timeline, menus: list[list[Option]], capacity: int,
     return best
 
 
-def _region_plan(profile: RegionProfile, points: tuple[Point, ...], chosen: tuple[int, ...],
-                 tokens: int) -> RegionPlan:
+def _region_plan(
+    profile: RegionProfile, points: tuple[Point, ...], chosen: tuple[int, ...], tokens: int
+) -> RegionPlan:
     tape = profile.tape
     blocks = tuple(frozenset(name_coord(n) for n in points[i].saved) for i in chosen)
     anchors = tuple(frozenset(tape.anchor(tape.find(c)) for c in b) for b in blocks)
     modules = {m: tape.module_fingerprints[m] for b in anchors for m, *_ in b}
     others = len(blocks) - sum(profile.shares_reference)
-    note = (f"{others} of {len(blocks)} blocks ran another op sequence (data-dependent control "
-            "flow): they save what the plan names in submodules whose ops match the reference "
-            "block's (anchored coordinates)" if others else "")
+    note = (
+        f"{others} of {len(blocks)} blocks ran another op sequence (data-dependent control "
+        "flow): they save what the plan names in submodules whose ops match the reference "
+        "block's (anchored coordinates)"
+        if others
+        else ""
+    )
     largest = points[max(chosen)] if chosen else points[0]
-    return RegionPlan(sequence=profile.sequence, blocks=blocks, tokens=tokens,
-                      saved=_describe(profile, largest, tokens / profile.tokens), note=note,
-                      block_bytes=tuple(points[i].bytes for i in chosen), anchors=anchors,
-                      modules=modules)
+    return RegionPlan(
+        sequence=profile.sequence,
+        blocks=blocks,
+        tokens=tokens,
+        saved=_describe(profile, largest, tokens / profile.tokens),
+        note=note,
+        block_bytes=tuple(points[i].bytes for i in chosen),
+        anchors=anchors,
+        modules=modules,
+    )
 
 
 def _describe(profile: RegionProfile, point: Point, factor: float) -> tuple[Saved, ...]:
@@ -180,7 +255,12 @@ def _describe(profile: RegionProfile, point: Point, factor: float) -> tuple[Save
         coord = name_coord(graph.value_names[vid])
         node = tape.nodes[tape.values[vid].node]
         grows = vid not in tape.token_independent
-        rows.append(Saved(coord=coord, module=node.module,
-                          bytes=math.ceil(tape.bytes_of([vid]) * (factor if grows else 1)),
-                          time_removed=(replay_time(graph, saved - {vid}) - whole) * factor))
+        rows.append(
+            Saved(
+                coord=coord,
+                module=node.module,
+                bytes=math.ceil(tape.bytes_of([vid]) * (factor if grows else 1)),
+                time_removed=(replay_time(graph, saved - {vid}) - whole) * factor,
+            )
+        )
     return tuple(rows)

@@ -32,7 +32,11 @@ OP, INPUT, PARAM, BUFFER, EXTERNAL = "op", "input", "param", "buffer", "external
 
 # Why a value is in the mandatory set S0.
 COLLECTIVE, DYNAMIC_SHAPE, INVISIBLE_WRITE, NO_PRODUCER = (
-    "collective", "dynamic_shape", "invisible_write", "no_producer")
+    "collective",
+    "dynamic_shape",
+    "invisible_write",
+    "no_producer",
+)
 
 ALIAS_OP = "tapesac.alias"
 """Synthetic node: a view read again after its storage was mutated through another alias."""
@@ -64,14 +68,14 @@ class Value(NamedTuple):
     """One recorded value: a tensor's content at one version."""
 
     vid: int
-    node: int             # producer node index, -1 for a leaf
-    j: int                # output position in the producer
-    sid: int              # storage id (views share their base's)
-    epoch: int            # in-place writes into the storage before this value was made
-    meta: Meta | None     # layout: kept for leaves, externals, views read again after a write,
-                          # and metadata-only ops and their inputs (what replay rebuilds from)
-    version: int          # the tensor's version counter for this content
-    kind: str             # OP, INPUT, PARAM, BUFFER or EXTERNAL
+    node: int  # producer node index, -1 for a leaf
+    j: int  # output position in the producer
+    sid: int  # storage id (views share their base's)
+    epoch: int  # in-place writes into the storage before this value was made
+    meta: Meta | None  # layout: kept for leaves, externals, views read again after a write,
+    # and metadata-only ops and their inputs (what replay rebuilds from)
+    version: int  # the tensor's version counter for this content
+    kind: str  # OP, INPUT, PARAM, BUFFER or EXTERNAL
     name: str | int | None = None  # leaf: input position or parameter/buffer name
 
     def __repr__(self) -> str:
@@ -83,18 +87,18 @@ class Node(NamedTuple):
 
     index: int
     op: Any
-    name: str             # str(op), e.g. "aten.mm.default"
-    k: int                # how many calls of this op came before it in the block
+    name: str  # str(op), e.g. "aten.mm.default"
+    k: int  # how many calls of this op came before it in the block
     args: Any
     kwargs: Any
-    inputs: list[int]     # value ids of the tensor arguments, in Slot order
-    deps: list[int]       # the inputs whose data the op reads
-    outs: list[int]       # value ids produced: the returns, then the written-but-not-returned
+    inputs: list[int]  # value ids of the tensor arguments, in Slot order
+    deps: list[int]  # the inputs whose data the op reads
+    outs: list[int]  # value ids produced: the returns, then the written-but-not-returned
     writes: tuple[int, ...]  # positions in ``inputs`` the op writes in place
-    extra: tuple[int, ...]   # written positions not returned: their new values follow the returns
-    rng: Any              # (generator, state) captured before a random op ran
-    rebuild: bool         # metadata-only op: output rebuilt from recorded metadata at replay
-    module: str | None    # path of the submodule that issued the op, when known
+    extra: tuple[int, ...]  # written positions not returned: their new values follow the returns
+    rng: Any  # (generator, state) captured before a random op ran
+    rebuild: bool  # metadata-only op: output rebuilt from recorded metadata at replay
+    module: str | None  # path of the submodule that issued the op, when known
 
     def __repr__(self) -> str:
         return f"Node({self.index}, {self.name}#{self.k}, in={self.deps}, out={self.outs})"
@@ -118,7 +122,7 @@ class Tape:
     storage_bytes: list[int]
     demand: frozenset[int]
     mandatory: Mapping[int, str]  # vid -> reason it is in S0
-    planned: frozenset[int]       # values the plan asked to save (on top of S0)
+    planned: frozenset[int]  # values the plan asked to save (on top of S0)
     outputs: frozenset[int] = frozenset()  # values the block returned
 
     @property
@@ -164,8 +168,10 @@ class Tape:
         ops: dict[str, list[str]] = {}
         for node in self.nodes:
             ops.setdefault(node.module or "", []).append(node.name)
-        return {m: f"{zlib.crc32(chr(10).join(names).encode()):08x}-{len(names)}"
-                for m, names in ops.items()}
+        return {
+            m: f"{zlib.crc32(chr(10).join(names).encode()):08x}-{len(names)}"
+            for m, names in ops.items()
+        }
 
     def find(self, coord: Coord) -> int | None:
         """The value at a plan coordinate, or None if the block has no such output."""
@@ -210,7 +216,9 @@ class Tape:
         """Bytes the mandatory set S0 keeps alive (storages counted once, leaves excluded)."""
         return self.bytes_of(self.mandatory)
 
-    def replay_nodes(self, saved: Iterable[int] = (), demand: Iterable[int] | None = None) -> list[int]:
+    def replay_nodes(
+        self, saved: Iterable[int] = (), demand: Iterable[int] | None = None
+    ) -> list[int]:
         """Eq. 3: the nodes replay runs to regenerate the demand set from ``saved`` ∪ S0 ∪ leaves.
 
         ``demand`` narrows P to the values backward actually reads (a branch whose gradient is
@@ -265,8 +273,9 @@ class Tape:
         return f"{zlib.crc32(chr(10).join(self.op_sequence()).encode()):08x}-{len(self.nodes)}"
 
 
-def producer_closure(nodes: list[Node], values: list[Value], targets: Iterable[int],
-                     available: Callable[[int], bool]) -> set[int]:
+def producer_closure(
+    nodes: list[Node], values: list[Value], targets: Iterable[int], available: Callable[[int], bool]
+) -> set[int]:
     """Indices of the nodes that must run so that ``targets`` exist, stopping at available values."""
     needed: set[int] = set()
     stack = [v for v in targets if not available(v)]

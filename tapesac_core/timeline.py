@@ -13,8 +13,17 @@ from typing import Any
 
 import torch
 
-from .plan.peak import (FORWARD_END, FORWARD_START, RELEASE, UNPACK_END, UNPACK_START, Event,
-                        Timeline, TimelineBlock, timeline_of)
+from .plan.peak import (
+    FORWARD_END,
+    FORWARD_START,
+    RELEASE,
+    UNPACK_END,
+    UNPACK_START,
+    Event,
+    Timeline,
+    TimelineBlock,
+    timeline_of,
+)
 
 
 class StepProbe:
@@ -33,8 +42,9 @@ class StepProbe:
         if self.closed:
             return
         peak, current = self._mark()
-        self.events.append(Event(kind=kind, block=block, peak=peak, current=current, vid=vid,
-                                 node=node))
+        self.events.append(
+            Event(kind=kind, block=block, peak=peak, current=current, vid=vid, node=node)
+        )
 
     def watch(self, block: Any, index: int) -> BlockProbe:
         """Start watching ``block`` (the ``index``-th of the step): its forward starts now."""
@@ -57,20 +67,34 @@ class StepProbe:
             if e.kind == UNPACK_START and e.block < len(traces):
                 # Consecutive unpacks by one autograd node call form a group.
                 same = e.node is not None and e.node == last[e.block]
-                groups[e.block].append(groups[e.block][-1] if same and groups[e.block]
-                                       else len(groups[e.block]))
+                groups[e.block].append(
+                    groups[e.block][-1] if same and groups[e.block] else len(groups[e.block])
+                )
                 last[e.block] = e.node
                 unpacks[e.block].append(e.vid)
         per_region: dict[str, int] = {}
         blocks = []
         for t, order, group in zip(traces, unpacks, groups):
             region = t.tape.region
-            blocks.append(TimelineBlock(region=region, index=per_region.get(region, 0),
-                                        sequence=t.tape.fingerprint, unpacks=tuple(order),
-                                        taken=frozenset(t.alive_taken), groups=tuple(group)))
+            blocks.append(
+                TimelineBlock(
+                    region=region,
+                    index=per_region.get(region, 0),
+                    sequence=t.tape.fingerprint,
+                    unpacks=tuple(order),
+                    taken=frozenset(t.alive_taken),
+                    groups=tuple(group),
+                )
+            )
             per_region[region] = per_region.get(region, 0) + 1
-        return timeline_of(self.events, blocks, tokens=tokens, static=static, end_peak=end_peak,
-                           names=[t.tape.name for t in traces])
+        return timeline_of(
+            self.events,
+            blocks,
+            tokens=tokens,
+            static=static,
+            end_peak=end_peak,
+            names=[t.tape.name for t in traces],
+        )
 
 
 class BlockProbe:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-_LEAD = 5e-3      # seconds of device work queued ahead of the host whenever it catches up
+_LEAD = 5e-3  # seconds of device work queued ahead of the host whenever it catches up
 _HEADROOM = 1e-3  # queued work left when the host starts an op: longer than launching one op
 
 
@@ -25,8 +25,9 @@ class DeviceQueue:
     towards more queued work.
     """
 
-    def __init__(self, delay: Callable[[float], None],
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, delay: Callable[[float], None], clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.delay, self.clock = delay, clock
         self.busy_until = float("-inf")  # host-clock time the queued sleeps end, at the earliest
 
@@ -59,6 +60,7 @@ def _cuda_delay(device: torch.device) -> Callable[[float], None]:
     def delay(seconds: float) -> None:
         with torch.cuda.device(index):
             torch.cuda._sleep(int(seconds * _cuda_cycles_per_second(index)))
+
     return delay
 
 
@@ -81,8 +83,13 @@ class NodeTimer:
     without a sync per op.
     """
 
-    def __init__(self, device: torch.device, *, queue: DeviceQueue | None = None,
-                 event: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        queue: DeviceQueue | None = None,
+        event: Callable[..., Any] | None = None,
+    ) -> None:
         self.device = device
         self.events = device.type != "cpu"
         self.queue = queue if queue is not None or not self.events else device_queue(device)

@@ -26,9 +26,21 @@ logger = logging.getLogger(__name__)
 
 # Accumulating with atomics on CUDA: the order of additions, hence the bits, varies between runs
 # unless torch.use_deterministic_algorithms(True).
-_ATOMIC_ON_CUDA = frozenset({"index_add", "index_add_", "scatter_add", "scatter_add_",
-                             "index_put", "index_put_", "_index_put_impl_", "scatter_reduce",
-                             "scatter_reduce_", "index_reduce", "index_reduce_"})
+_ATOMIC_ON_CUDA = frozenset(
+    {
+        "index_add",
+        "index_add_",
+        "scatter_add",
+        "scatter_add_",
+        "index_put",
+        "index_put_",
+        "_index_put_impl_",
+        "scatter_reduce",
+        "scatter_reduce_",
+        "index_reduce",
+        "index_reduce_",
+    }
+)
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 20  # elements fingerprinted at once: 24 MiB of int64 temporaries at most
 
@@ -52,9 +64,10 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
             flat = flat.view(torch.uint8)
         total = torch.zeros(2, dtype=torch.int64, device=flat.device)
         for start in range(0, flat.numel(), _CHUNK):
-            bits = flat[start:start + _CHUNK].to(torch.int64)
-            weights = torch.arange(start + 1, start + 1 + bits.numel(), dtype=torch.int64,
-                                   device=bits.device)
+            bits = flat[start : start + _CHUNK].to(torch.int64)
+            weights = torch.arange(
+                start + 1, start + 1 + bits.numel(), dtype=torch.int64, device=bits.device
+            )
             total += torch.stack([bits.sum(), (bits * weights).sum()])
         return total
 
@@ -79,6 +92,12 @@ def check_replayed(block: Any, node: Node, vid: int, t: torch.Tensor) -> bool:
     logger.warning(
         "block %r (region %r): replaying %s (call %d, output %d) in module %r did not reproduce "
         "the content autograd saved: a kernel wrote into its storage out of the dispatcher's "
-        "sight. Its output is saved from now on (mandatory set)", block.name, block.region,
-        node.name, node.k, block.values[vid].j, node.module or "<block>")
+        "sight. Its output is saved from now on (mandatory set)",
+        block.name,
+        block.region,
+        node.name,
+        node.k,
+        block.values[vid].j,
+        node.module or "<block>",
+    )
     return False

@@ -1,7 +1,7 @@
 """TapeSAC integrations for Lightning and Accelerate."""
 
+from .accelerate import TapeSACAccelerator, TapeSACPlugin
 from .callback import TapeSACCallback
 from .strategy import TapeSACFSDPStrategy
-from .accelerate import TapeSACAccelerator, TapeSACPlugin
 
 __all__ = ["TapeSACAccelerator", "TapeSACCallback", "TapeSACFSDPStrategy", "TapeSACPlugin"]

@@ -25,15 +25,22 @@ from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataPar
 from typing_extensions import override
 
 from tapesac_core import Controller, TapeSACConfig, TapeSACError
-from tapesac_core.checkpoint import (Regions, checkpoint_modules, region_namer,
-                                     repeated_block_classes, repeated_blocks)
+from tapesac_core.checkpoint import (
+    Regions,
+    checkpoint_modules,
+    region_namer,
+    repeated_block_classes,
+    repeated_blocks,
+)
 
 from .driver import StepDiscarded, StepDriver, TokenCounter, tokens_in
 from .logging import Publisher
 
 SETTINGS_ENV = "TAPESAC_ACCELERATE_SETTINGS"
 PREFIX = "tapesac_"
-_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(TapeSACConfig) if f.name != "memory_limit")
+_CONFIG_FIELDS = tuple(
+    f.name for f in dataclasses.fields(TapeSACConfig) if f.name != "memory_limit"
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,8 +67,10 @@ class TapeSACPlugin:
             object.__setattr__(self, "checkpoint_modules", tuple(self.checkpoint_modules))
         unknown = sorted(set(self.settings) - set(_CONFIG_FIELDS))
         if unknown:
-            raise TapeSACError(f"unknown TapeSAC setting {unknown[0]!r}. Fix: use one of "
-                               f"{', '.join(_CONFIG_FIELDS)}")
+            raise TapeSACError(
+                f"unknown TapeSAC setting {unknown[0]!r}. Fix: use one of "
+                f"{', '.join(_CONFIG_FIELDS)}"
+            )
         region_namer(self.regions)  # validates
         self.config()  # validates the limit and the settings now, not at the first step
 
@@ -74,8 +83,11 @@ class TapeSACPlugin:
         """These settings, with the fields left unset taken from ``fallback``."""
         if fallback is None:
             return self
-        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                 if getattr(self, f.name) is not None}
+        given = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
         given["settings"] = {**fallback.settings, **self.settings}
         return dataclasses.replace(fallback, **given)
 
@@ -94,13 +106,15 @@ class TapeSACPlugin:
                 raise TapeSACError(
                     f"unknown key fsdp_config.{PREFIX}{name} in the accelerate config. Fix: use "
                     f"{PREFIX}memory_limit, {PREFIX}checkpoint_modules or {PREFIX}<field> for a "
-                    f"TapeSACConfig field ({', '.join(_CONFIG_FIELDS)})")
+                    f"TapeSACConfig field ({', '.join(_CONFIG_FIELDS)})"
+                )
         try:
             return cls(**fields)
         except (TypeError, ValueError) as e:
             written = ", ".join(f"{PREFIX}{k.removeprefix(PREFIX)}: {v!r}" for k, v in keys.items())
-            raise TapeSACError(f"the accelerate config's fsdp_config ({written}) is not valid. "
-                               f"Fix: {e}") from None
+            raise TapeSACError(
+                f"the accelerate config's fsdp_config ({written}) is not valid. Fix: {e}"
+            ) from None
 
     @classmethod
     def from_environment(cls) -> TapeSACPlugin | None:
@@ -127,11 +141,13 @@ def check_fsdp2(config: Mapping[str, Any]) -> None:
             f"TapeSAC under Accelerate needs FSDP2, the accelerate config has distributed_type: "
             f"{config.get('distributed_type')} and fsdp_config.fsdp_version: "
             f"{fsdp.get('fsdp_version', 1)}. Fix: set distributed_type: FSDP and "
-            "fsdp_config.fsdp_version: 2 (or remove the tapesac_* keys)")
+            "fsdp_config.fsdp_version: 2 (or remove the tapesac_* keys)"
+        )
 
 
-def use_fsdp_on_cpu(accelerator: Accelerator, fsdp_plugin: FullyShardedDataParallelPlugin | None
-                    = None) -> None:
+def use_fsdp_on_cpu(
+    accelerator: Accelerator, fsdp_plugin: FullyShardedDataParallelPlugin | None = None
+) -> None:
     """Works around AcceleratorState leaving a multi-process CPU run as ``MULTI_CPU`` when the
     config asks for FSDP (it only turns accelerator device types into FSDP): installs the FSDP
     plugin as it would, so Accelerate's own FSDP2 path (prepare, save_state, load_state) runs.
@@ -159,10 +175,14 @@ class TapeSACAccelerator(Accelerator):
     ``save_state`` / ``load_state``.
     """
 
-    def __init__(self, *args: Any, tapesac_plugin: TapeSACPlugin | None = None,
-                 **kwargs: Any) -> None:
-        plugin = tapesac_plugin.over(TapeSACPlugin.from_environment()) if tapesac_plugin \
+    def __init__(
+        self, *args: Any, tapesac_plugin: TapeSACPlugin | None = None, **kwargs: Any
+    ) -> None:
+        plugin = (
+            tapesac_plugin.over(TapeSACPlugin.from_environment())
+            if tapesac_plugin
             else TapeSACPlugin.from_environment()
+        )
         super().__init__(*args, **kwargs)
         self.tapesac_plugin = plugin
         self.tapesac_controller: Controller | None = None
@@ -177,12 +197,14 @@ class TapeSACAccelerator(Accelerator):
                 f"TapeSAC under Accelerate needs FSDP2, this run is {self.distributed_type.value}"
                 f"{'' if self.state.fsdp_plugin is None else ' version 1'}. Fix: in the accelerate "
                 "config set distributed_type: FSDP and fsdp_config.fsdp_version: 2, and start "
-                "with `tapesac launch` (or remove the tapesac_* keys)")
+                "with `tapesac launch` (or remove the tapesac_* keys)"
+            )
         if self.state.dynamo_plugin.backend != DynamoBackend.NO:
             raise TapeSACError(
                 f"TapeSAC under Accelerate does not run with dynamo_backend "
                 f"{self.state.dynamo_plugin.backend.value} yet. Fix: set dynamo_backend: 'NO' in "
-                "the accelerate config (or remove the tapesac_* keys)")
+                "the accelerate config (or remove the tapesac_* keys)"
+            )
 
     @override
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
@@ -219,13 +241,15 @@ class TapeSACAccelerator(Accelerator):
         if missing:
             raise TapeSACError(
                 f"{key} names {missing[0]!r}, a class {type(model).__name__} does not contain. "
-                f"Fix: name its block classes, e.g. {', '.join(repeated_block_classes(model)) or '...'}")
+                f"Fix: name its block classes, e.g. {', '.join(repeated_block_classes(model)) or '...'}"
+            )
         checkpoint_modules(model, lambda m: type(m).__name__ in wanted, plugin.regions)
 
     def _drive(self, model: torch.nn.Module) -> None:
         """A controller for the prepared model, its steps driven by hooks that survive ``prepare``."""
-        self.tapesac_controller = Controller(model, config=self.tapesac_plugin.config(),
-                                             device=self.device)
+        self.tapesac_controller = Controller(
+            model, config=self.tapesac_plugin.config(), device=self.device
+        )
         self._driver = StepDriver(self.tapesac_controller, self.tapesac_plugin.tokens or tokens_in)
         # First of the pre-forward hooks, so the step also times FSDP's root all-gather.
         model.register_forward_pre_hook(self._before_forward, prepend=True, with_kwargs=True)
@@ -258,9 +282,13 @@ class TapeSACAccelerator(Accelerator):
         self._backward_done = False
         if report is None or not self.is_main_process:
             return
-        self._publisher.publish(self.tapesac_controller, report, report.step,
-                                lambda metrics, step: self.log(metrics, step=step),
-                                self._tensorboard())
+        self._publisher.publish(
+            self.tapesac_controller,
+            report,
+            report.step,
+            lambda metrics, step: self.log(metrics, step=step),
+            self._tensorboard(),
+        )
 
     @override
     def end_training(self) -> None:
@@ -269,8 +297,9 @@ class TapeSACAccelerator(Accelerator):
         elif self._driver is not None:
             self._driver.discard(StepDiscarded("training ended before its backward"))
         if self._driver is not None and self.is_main_process:
-            self._publisher.finish(self.tapesac_controller, self.tapesac_controller.steps,
-                                   self._tensorboard())
+            self._publisher.finish(
+                self.tapesac_controller, self.tapesac_controller.steps, self._tensorboard()
+            )
         super().end_training()
 
     def _tensorboard(self) -> Any:

@@ -32,26 +32,40 @@ class TapeSACCallback(Callback):
         return "TapeSAC"
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.strategy.driver.open(batch)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         report = self.strategy.driver.close()
         if report is None or trainer.logger is None or not trainer.is_global_zero:
             return
         logger = trainer.logger
-        self._publisher.publish(self.strategy.controller, report, _log_step(trainer),
-                                lambda metrics, step: logger.log_metrics(metrics, step=step),
-                                getattr(logger, "experiment", None))
+        self._publisher.publish(
+            self.strategy.controller,
+            report,
+            _log_step(trainer),
+            lambda metrics, step: logger.log_metrics(metrics, step=step),
+            getattr(logger, "experiment", None),
+        )
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.logger is not None and trainer.is_global_zero:
-            self._publisher.finish(self.strategy.controller, _log_step(trainer),
-                                   getattr(trainer.logger, "experiment", None))
+            self._publisher.finish(
+                self.strategy.controller,
+                _log_step(trainer),
+                getattr(trainer.logger, "experiment", None),
+            )
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -63,8 +77,9 @@ class TapeSACCallback(Callback):
             self.strategy.driver.discard(StepDiscarded("the batch was skipped"))
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                     exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         if self.strategy.driver is not None:
             self.strategy.driver.discard(exception)
 

@@ -80,11 +80,19 @@ def bench(args: argparse.Namespace) -> None:
     import importlib.util
 
     roots = (Path.cwd(), Path(__file__).resolve().parents[1])
-    script = next((r / "benchmarks" / "frontier.py" for r in roots
-                   if (r / "benchmarks" / "frontier.py").is_file()), None)
+    script = next(
+        (
+            r / "benchmarks" / "frontier.py"
+            for r in roots
+            if (r / "benchmarks" / "frontier.py").is_file()
+        ),
+        None,
+    )
     if script is None:
-        raise TapeSACError("benchmarks/frontier.py not found. Fix: run `tapesac bench` from a "
-                           "TapeSAC source checkout")
+        raise TapeSACError(
+            "benchmarks/frontier.py not found. Fix: run `tapesac bench` from a "
+            "TapeSAC source checkout"
+        )
     spec = importlib.util.spec_from_file_location("tapesac_frontier_bench", script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -106,26 +114,36 @@ def parser() -> argparse.ArgumentParser:
     p = CustomArgumentParser(prog="tapesac", description="TapeSAC command line")
     commands = p.add_subparsers(dest="command", required=True)
     launch_parser = launch_command_parser(commands)
-    launch_parser.description = ("Accelerate's `accelerate launch` (same arguments), with the "
-                                 "tapesac_* keys of the config's fsdp_config carried to the workers")
+    launch_parser.description = (
+        "Accelerate's `accelerate launch` (same arguments), with the "
+        "tapesac_* keys of the config's fsdp_config carried to the workers"
+    )
     launch_parser.set_defaults(func=launch)
-    _list_launch(commands, "Accelerate's launcher, with the tapesac_* config keys carried to the workers")
+    _list_launch(
+        commands, "Accelerate's launcher, with the tapesac_* config keys carried to the workers"
+    )
     report_parser = commands.add_parser(
-        "report", help="a finished run's plans, predicted vs measured speedups and peaks",
+        "report",
+        help="a finished run's plans, predicted vs measured speedups and peaks",
         description="Read a TensorBoard run folder, a Lightning checkpoint or an Accelerate "
-                    "save_state folder; print each plan's table, predicted vs measured speedups "
-                    "and peaks; write figures with --out.")
-    report_parser.add_argument("run", help="TensorBoard folder, Lightning checkpoint, or "
-                                           "Accelerate save_state folder")
+        "save_state folder; print each plan's table, predicted vs measured speedups "
+        "and peaks; write figures with --out.",
+    )
+    report_parser.add_argument(
+        "run", help="TensorBoard folder, Lightning checkpoint, or Accelerate save_state folder"
+    )
     report_parser.add_argument("--out", default=None, help="write the figures (PNG) here")
     report_parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     report_parser.set_defaults(func=report)
     bench_parser = commands.add_parser(
-        "bench", help="TapeSAC against every checkpointing baseline at equal memory",
+        "bench",
+        help="TapeSAC against every checkpointing baseline at equal memory",
         description="benchmarks/frontier.py (from a source checkout): table, JSON and plots; "
-                    "`tapesac bench --help` lists its options.",
+        "`tapesac bench --help` lists its options.",
         # Every argument goes to frontier.py: no option of this parser may claim a "-" one.
-        add_help=False, prefix_chars="+")
+        add_help=False,
+        prefix_chars="+",
+    )
     bench_parser.add_argument("args", nargs=argparse.REMAINDER)
     bench_parser.set_defaults(func=bench)
     return p

@@ -22,10 +22,15 @@ def tokens_in(batch: Any) -> int:
     """Tokens of a batch: elements of its first integer tensor, else of its first tensor."""
     tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     if not tensors:
-        raise TapeSACError("the batch holds no tensor to count tokens from. Fix: pass "
-                           "tokens=lambda batch: ... returning the token count")
-    integer = [t for t in tensors if not t.is_floating_point() and not t.is_complex()
-               and t.dtype != torch.bool]
+        raise TapeSACError(
+            "the batch holds no tensor to count tokens from. Fix: pass "
+            "tokens=lambda batch: ... returning the token count"
+        )
+    integer = [
+        t
+        for t in tensors
+        if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+    ]
     return (integer or tensors)[0].numel()
 
 

@@ -9,22 +9,42 @@ from typing import Any
 from tapesac_core import Controller, StepReport
 from tapesac_core.figures import MeasuredPoint, frontier_figure, image_array
 
-SCALARS = ("tapesac/step_time_ms", "tapesac/memory_limit_bytes", "tapesac/saved_bytes",
-           "tapesac/replayed_nodes", "tapesac/peak_memory_bytes", "tapesac/predicted_speedup",
-           "tapesac/measured_speedup", "tapesac/measured_speedup_vs_full",
-           "tapesac/predicted_peak_bytes")
+SCALARS = (
+    "tapesac/step_time_ms",
+    "tapesac/memory_limit_bytes",
+    "tapesac/saved_bytes",
+    "tapesac/replayed_nodes",
+    "tapesac/peak_memory_bytes",
+    "tapesac/predicted_speedup",
+    "tapesac/measured_speedup",
+    "tapesac/measured_speedup_vs_full",
+    "tapesac/predicted_peak_bytes",
+)
 
 
 def step_metrics(report: StepReport) -> dict[str, float]:
     """The step's ``tapesac/*`` scalars (speedups once known, peak when measured)."""
-    values = (report.time * 1e3, report.limit, report.saved_bytes, report.replayed_nodes,
-              report.peak, report.predicted_speedup, report.measured_speedup,
-              report.measured_speedup_vs_full, report.predicted_peak)
+    values = (
+        report.time * 1e3,
+        report.limit,
+        report.saved_bytes,
+        report.replayed_nodes,
+        report.peak,
+        report.predicted_speedup,
+        report.measured_speedup,
+        report.measured_speedup_vs_full,
+        report.predicted_peak,
+    )
     return {name: float(v) for name, v in zip(SCALARS, values) if v is not None}
 
 
-_LABELS = {"planned": "planned", "control": "must-only", "warmup": "must-only",
-           "profile": "must-only", "sample": "must-only"}
+_LABELS = {
+    "planned": "planned",
+    "control": "must-only",
+    "warmup": "must-only",
+    "profile": "must-only",
+    "sample": "must-only",
+}
 
 
 class Publisher:
@@ -37,14 +57,23 @@ class Publisher:
         self._peaks: dict[tuple[tuple[int, ...], str], int] = {}
         self._last: StepReport | None = None
 
-    def publish(self, controller: Controller, report: StepReport, step: int,
-                log_scalars: Callable[[dict[str, float], int], None], writer: Any) -> None:
+    def publish(
+        self,
+        controller: Controller,
+        report: StepReport,
+        step: int,
+        log_scalars: Callable[[dict[str, float], int], None],
+        writer: Any,
+    ) -> None:
         """Log ``report`` at ``step`` through ``log_scalars``; text and image through ``writer``."""
         log_scalars(step_metrics(report), step)
         # A rank's peak is its own batch's: drawn against the bucket only if that batch had the
         # bucket's (agreed, largest) token count.
-        if report.peak is not None and report.mode in _LABELS \
-                and report.local_tokens in ({}, report.tokens):
+        if (
+            report.peak is not None
+            and report.mode in _LABELS
+            and report.local_tokens in ({}, report.tokens)
+        ):
             self._peaks[report.bucket, _LABELS[report.mode]] = report.peak
         self._last = report
         plan = report.plan
@@ -54,26 +83,43 @@ class Publisher:
         if writer is None or not hasattr(writer, "add_text"):
             return
         writer.add_text("tapesac/plan", f"```\n{plan.explain(report.measured_speedup)}\n```", step)
-        writer.add_image("tapesac/frontier", image_array(self.figure(controller, report.bucket)),
-                         step, dataformats="HWC")
+        writer.add_image(
+            "tapesac/frontier",
+            image_array(self.figure(controller, report.bucket)),
+            step,
+            dataformats="HWC",
+        )
 
     def finish(self, controller: Controller, step: int, writer: Any) -> None:
         """At the end of training: the last plan's frontier with its bucket's measured steps."""
         last = self._last
-        if last is None or last.bucket not in controller.plans or writer is None \
-                or not hasattr(writer, "add_image"):
+        if (
+            last is None
+            or last.bucket not in controller.plans
+            or writer is None
+            or not hasattr(writer, "add_image")
+        ):
             return
-        writer.add_image("tapesac/frontier", image_array(self.figure(controller, last.bucket)),
-                         step, dataformats="HWC")
+        writer.add_image(
+            "tapesac/frontier",
+            image_array(self.figure(controller, last.bucket)),
+            step,
+            dataformats="HWC",
+        )
 
     def figure(self, controller: Controller, key: tuple[int, ...]) -> Any:
         """The bucket's predicted frontier and its measured must-only, full-checkpointing and
         planned steps."""
-        measured = [MeasuredPoint.of(label, times, self._peaks.get((key, label)))
-                    for label, times in (("must-only", controller.must_only_times.get(key)),
-                                         ("full", controller.full_times.get(key)),
-                                         ("planned", controller.planned_times.get(key)))
-                    if times]
+        measured = [
+            MeasuredPoint.of(label, times, self._peaks.get((key, label)))
+            for label, times in (
+                ("must-only", controller.must_only_times.get(key)),
+                ("full", controller.full_times.get(key)),
+                ("planned", controller.planned_times.get(key)),
+            )
+            if times
+        ]
         tokens = ", ".join(f"{n} ({r})" for r, n in controller.bucket_tokens(key).items())
-        return frontier_figure(controller.step_frontier(key), measured,
-                               title=f"TapeSAC plan for up to {tokens} tokens")
+        return frontier_figure(
+            controller.step_frontier(key), measured, title=f"TapeSAC plan for up to {tokens} tokens"
+        )

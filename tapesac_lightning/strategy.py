@@ -14,8 +14,14 @@ from lightning.pytorch.strategies import model_parallel as _model_parallel
 from typing_extensions import override
 
 from tapesac_core import Controller, TapeSACConfig, TapeSACError
-from tapesac_core.checkpoint import (Policy, Regions, checkpoint_modules, module_selector, region_namer,
-                                     repeated_blocks)
+from tapesac_core.checkpoint import (
+    Policy,
+    Regions,
+    checkpoint_modules,
+    module_selector,
+    region_namer,
+    repeated_blocks,
+)
 
 from .callback import TapeSACCallback
 from .driver import StepDriver, TokenCounter, tokens_in
@@ -29,7 +35,8 @@ def _configure_model_not_required() -> Iterator[None]:
     parallelises the model itself, so that one check is skipped."""
     original = _model_parallel.is_overridden
     _model_parallel.is_overridden = lambda name, *args, **kwargs: (
-        True if name == "configure_model" else original(name, *args, **kwargs))
+        True if name == "configure_model" else original(name, *args, **kwargs)
+    )
     try:
         yield
     finally:
@@ -53,31 +60,52 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
     them). Further keywords are ``TapeSACConfig``'s.
     """
 
-    def __init__(self, memory_limit: float | int | str = 0.9, *,
-                 activation_checkpointing_policy: Policy | None = None,
-                 auto_wrap_policy: Policy | None = None, regions: Regions | None = None,
-                 tokens: TokenCounter | None = None,
-                 data_parallel_size: Literal["auto"] | int = "auto",
-                 save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout, mp_policy: Any = None,
-                 reshard_after_forward: bool | int | None = None, offload_policy: Any = None,
-                 **settings: Any) -> None:
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
-                         save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+    def __init__(
+        self,
+        memory_limit: float | int | str = 0.9,
+        *,
+        activation_checkpointing_policy: Policy | None = None,
+        auto_wrap_policy: Policy | None = None,
+        regions: Regions | None = None,
+        tokens: TokenCounter | None = None,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        mp_policy: Any = None,
+        reshard_after_forward: bool | int | None = None,
+        offload_policy: Any = None,
+        **settings: Any,
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         self.tapesac_config = TapeSACConfig(memory_limit=memory_limit, **settings)
         if activation_checkpointing_policy is not None:  # validated now, applied at setup
             module_selector(activation_checkpointing_policy, "activation_checkpointing_policy")
         self._policy = activation_checkpointing_policy
-        self._shard = (module_selector(auto_wrap_policy, "auto_wrap_policy")
-                       if auto_wrap_policy is not None else None)
+        self._shard = (
+            module_selector(auto_wrap_policy, "auto_wrap_policy")
+            if auto_wrap_policy is not None
+            else None
+        )
         region_namer(regions)  # validates
         self._regions = regions
         self._tokens = tokens or tokens_in
         # Only the options given: fully_shard's own defaults stay in charge of the others.
-        self._fsdp_options = {k: v for k, v in (("mp_policy", mp_policy),
-                                                ("reshard_after_forward", reshard_after_forward),
-                                                ("offload_policy", offload_policy)) if v is not None}
+        self._fsdp_options = {
+            k: v
+            for k, v in (
+                ("mp_policy", mp_policy),
+                ("reshard_after_forward", reshard_after_forward),
+                ("offload_policy", offload_policy),
+            )
+            if v is not None
+        }
         self.controller: Controller | None = None
         self.driver: StepDriver | None = None
 
@@ -106,11 +134,12 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
 
         if not any(hasattr(m, "_tapesac") for m in module.modules()):
             try:
-                checkpoint_modules(module, self._policy or repeated_blocks(module),
-                                   self._regions)
+                checkpoint_modules(module, self._policy or repeated_blocks(module), self._regions)
             except TapeSACError as e:
-                raise TapeSACError(f"{e}. The policy came from TapeSACFSDPStrategy("
-                                   "activation_checkpointing_policy=...)") from None
+                raise TapeSACError(
+                    f"{e}. The policy came from TapeSACFSDPStrategy("
+                    "activation_checkpointing_policy=...)"
+                ) from None
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return  # sharded in configure_model: TapeSAC only
         mesh = self.device_mesh["data_parallel"]

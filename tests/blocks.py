@@ -27,18 +27,18 @@ class InplaceViews(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.d
         h = self.up(x)
-        h[:, :d].relu_()                       # write through a view of h
-        s = h.sum(-1, keepdim=True)             # read the base after that write
+        h[:, :d].relu_()  # write through a view of h
+        s = h.sum(-1, keepdim=True)  # read the base after that write
         b = h[:, d:].clone()
-        b[:, :2].add_(b[:, 2:4])                # write through a slice, reading another slice
+        b[:, :2].add_(b[:, 2:4])  # write through a slice, reading another slice
         idx = torch.arange(b.shape[0] - 1, -1, -1)
         c = torch.zeros_like(b)
-        c.index_add_(0, idx, b * h[:, :d])      # index_add_ into zeros
+        c.index_add_(0, idx, b * h[:, :d])  # index_add_ into zeros
         c.masked_fill_(c.abs() < 0.05, 0.0)
         y = self.down(c.t().contiguous().t())
         y = F.dropout(y, 0.2, training=True) * torch.sigmoid(s)
         buf = torch.empty_like(y)
-        buf.copy_(y)                            # an allocation written by a recorded op
+        buf.copy_(y)  # an allocation written by a recorded op
         buf.add_(1.0)
         return buf + x
 
@@ -71,9 +71,14 @@ class Case:
         """Every output of the block that a plan may name."""
         tape = self.must_only
         leaf_sids = {tape.values[v].sid for v in tape.leaves}
-        return sorted(tape.coord(v.vid) for v in tape.values
-                      if v.node >= 0 and v.sid not in leaf_sids and v.vid not in tape.mandatory
-                      and not tape.nodes[v.node].name.startswith("tapesac."))
+        return sorted(
+            tape.coord(v.vid)
+            for v in tape.values
+            if v.node >= 0
+            and v.sid not in leaf_sids
+            and v.vid not in tape.mandatory
+            and not tape.nodes[v.node].name.startswith("tapesac.")
+        )
 
 
 def _make(kind: str) -> Case:

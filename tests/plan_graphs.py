@@ -31,7 +31,9 @@ def plan_graphs(draw: st.DrawFn, max_candidates: int = 16) -> PlanGraph:
     deps: list[tuple[int, ...]] = []
     outs: list[tuple[int, ...]] = []
     for _ in range(draw(st.integers(3, 11))):
-        reads = draw(st.lists(st.integers(0, len(storage) - 1), min_size=1, max_size=3, unique=True))
+        reads = draw(
+            st.lists(st.integers(0, len(storage) - 1), min_size=1, max_size=3, unique=True)
+        )
         kind = draw(st.sampled_from(["new", "new", "new", "view", "split"]))
         mine = []
         for k in range(draw(st.sampled_from([1, 1, 1, 2, 2, 3]))):
@@ -49,9 +51,15 @@ def plan_graphs(draw: st.DrawFn, max_candidates: int = 16) -> PlanGraph:
     produced = list(range(leaves, len(storage)))
     demand = draw(st.sets(st.sampled_from(produced), min_size=1))
     mandatory = draw(st.sets(st.sampled_from(produced), max_size=1))
-    graph = PlanGraph(node_time=tuple(times), node_deps=tuple(deps), node_outs=tuple(outs),
-                      value_storage=tuple(storage), storage_bytes=tuple(sizes),
-                      value_names=tuple(f"v{v}" for v in range(len(storage))),
-                      demand=frozenset(demand), available=frozenset(range(leaves)) | mandatory)
+    graph = PlanGraph(
+        node_time=tuple(times),
+        node_deps=tuple(deps),
+        node_outs=tuple(outs),
+        value_storage=tuple(storage),
+        storage_bytes=tuple(sizes),
+        value_names=tuple(f"v{v}" for v in range(len(storage))),
+        demand=frozenset(demand),
+        available=frozenset(range(leaves)) | mandatory,
+    )
     assume(sum(len(c) == 1 for c in candidates(graph)) <= max_candidates)
     return graph

@@ -23,13 +23,16 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.counts: Counter[str] = Counter()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
 
-def step(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], seed: int = 0
-         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def step(
+    model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], seed: int = 0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One forward and backward from a fixed RNG state: the loss and every gradient."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
@@ -44,7 +47,8 @@ def require_deterministic() -> None:
     """Deterministic algorithms are on: without them, CUDA's ``index_add_``, ``scatter_add_``
     and ``index_put_(accumulate=True)`` add in a varying order and bitwise checks fail."""
     assert torch.are_deterministic_algorithms_enabled(), (
-        "bitwise tests need torch.use_deterministic_algorithms(True) (tests/conftest.py sets it)")
+        "bitwise tests need torch.use_deterministic_algorithms(True) (tests/conftest.py sets it)"
+    )
 
 
 def assert_bitwise(ref: tuple, got: tuple) -> None:
@@ -56,13 +60,19 @@ def assert_bitwise(ref: tuple, got: tuple) -> None:
     assert not different, f"gradients differ: {different}"
 
 
-def brute_force_replay(tape: tapesac_core.Tape, kept: set[int] | frozenset[int] = frozenset(),
-                       demand: set[int] | frozenset[int] | None = None) -> list[int]:
+def brute_force_replay(
+    tape: tapesac_core.Tape,
+    kept: set[int] | frozenset[int] = frozenset(),
+    demand: set[int] | frozenset[int] | None = None,
+) -> list[int]:
     """Eq. 3 by fixed-point iteration over every node, independent of the library's closure:
     a node runs when one of its outputs is wanted and not available (kept, S0 or a leaf); a
     running node wants the inputs whose data it reads."""
-    available = set(kept) | set(tape.mandatory) | {
-        v.vid for v in tape.values if v.kind in ("input", "param", "buffer")}
+    available = (
+        set(kept)
+        | set(tape.mandatory)
+        | {v.vid for v in tape.values if v.kind in ("input", "param", "buffer")}
+    )
     wanted = {v for v in (tape.demand if demand is None else demand) if v not in available}
     run: set[int] = set()
     changed = True
@@ -105,8 +115,9 @@ class VirtualClock(TorchDispatchMode):
     run the steps inside ``with clock:``: node timers, replay wall times and step times then all
     read the same model time, whatever else loads the host."""
 
-    def __init__(self, costs: dict[str, float], default: float = 1e-4,
-                 reference_tokens: int = 1) -> None:
+    def __init__(
+        self, costs: dict[str, float], default: float = 1e-4, reference_tokens: int = 1
+    ) -> None:
         super().__init__()
         self.costs, self.default, self.reference_tokens = costs, default, reference_tokens
         self.now, self.tokens, self.slowdown = 0.0, reference_tokens, 1.0
@@ -114,10 +125,13 @@ class VirtualClock(TorchDispatchMode):
     def read(self) -> float:
         return self.now
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         name = func.__name__.split(".")[0]
-        self.now += (self.costs.get(name, self.default) * self.slowdown
-                     * self.tokens / self.reference_tokens)
+        self.now += (
+            self.costs.get(name, self.default) * self.slowdown * self.tokens / self.reference_tokens
+        )
         return func(*args, **(kwargs or {}))
 
 
@@ -127,8 +141,9 @@ def process_group_of_one() -> Iterator[None]:
     import torch.distributed as dist
 
     with tempfile.TemporaryDirectory() as store:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(store, 'store')}",
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(store, 'store')}", rank=0, world_size=1
+        )
         try:
             yield
         finally:

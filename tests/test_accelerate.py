@@ -39,10 +39,21 @@ def config(tmp: Path, tapesac: bool = True, **changes) -> Path:
 
 def launch(yaml_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != SETTINGS_ENV}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])]),
-               OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "tapesac_lightning.cli", "launch", "--config_file",
-               str(yaml_path), "-m", "examples.train_accelerate", *args]
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])]),
+        OMP_NUM_THREADS="1",
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "tapesac_lightning.cli",
+        "launch",
+        "--config_file",
+        str(yaml_path),
+        "-m",
+        "examples.train_accelerate",
+        *args,
+    ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if check:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -85,11 +96,18 @@ def test_launch_shards_the_run_is_bitwise_torch_checkpoint_and_logs_from_rank_0(
     assert losses(tapesac) == losses(torch_baseline(tmp_path, *SHORT))
     assert_really_tapesac(tapesac)
     for rank, result in enumerate(tapesac):
-        assert result["run"] == {"rank": rank, "num_processes": 2, "process_index": rank,
-                                 "is_main": rank == 0, "is_fsdp2": True, "dtensor_params": True,
-                                 "tapesac_blocks": 4, "tapesac_classes": ["DecoderLayer"],
-                                 "checkpoint_wrappers": 0,
-                                 "same_state_dict_keys": True}
+        assert result["run"] == {
+            "rank": rank,
+            "num_processes": 2,
+            "process_index": rank,
+            "is_main": rank == 0,
+            "is_fsdp2": True,
+            "dtensor_params": True,
+            "tapesac_blocks": 4,
+            "tapesac_classes": ["DecoderLayer"],
+            "checkpoint_wrappers": 0,
+            "same_state_dict_keys": True,
+        }
     # Each rank trained its own shard of the loader: together, every batch once.
     source = batches(batch_size=4, max_len=96, min_len=96, seed=0)
     every = [zlib.crc32(next(source).numpy().tobytes()) for _ in range(20)]
@@ -104,9 +122,18 @@ def test_launch_shards_the_run_is_bitwise_torch_checkpoint_and_logs_from_rank_0(
     assert acc.Tags()["tensors"] == ["tapesac/plan/text_summary"]
 
 
-def test_plain_accelerator_on_the_same_path_wraps_blocks_in_its_checkpoint_wrapper(tmp_path) -> None:
-    plain = fit(tmp_path, "plain", config(tmp_path, tapesac=False), "--steps", "1",
-                "--baseline", "accelerate")
+def test_plain_accelerator_on_the_same_path_wraps_blocks_in_its_checkpoint_wrapper(
+    tmp_path,
+) -> None:
+    plain = fit(
+        tmp_path,
+        "plain",
+        config(tmp_path, tapesac=False),
+        "--steps",
+        "1",
+        "--baseline",
+        "accelerate",
+    )
     assert [r["run"]["checkpoint_wrappers"] for r in plain] == [4, 4]
     assert [r["run"]["tapesac_blocks"] for r in plain] == [0, 0]
     assert all(r["run"]["is_fsdp2"] for r in plain)
@@ -123,8 +150,9 @@ def test_hugging_face_qwen3_named_by_class_in_the_yaml(tmp_path) -> None:
     args = (*SHORT, "--hf")
     yaml_path = config(tmp_path, fsdp_transformer_layer_cls_to_wrap="Qwen3DecoderLayer")
     tapesac = fit(tmp_path, "tapesac", yaml_path, *args)
-    baseline = torch_baseline(tmp_path, *args,
-                              fsdp_transformer_layer_cls_to_wrap="Qwen3DecoderLayer")
+    baseline = torch_baseline(
+        tmp_path, *args, fsdp_transformer_layer_cls_to_wrap="Qwen3DecoderLayer"
+    )
     assert losses(tapesac) == losses(baseline)
     assert_really_tapesac(tapesac)
     assert tapesac[0]["run"]["tapesac_classes"] == ["Qwen3DecoderLayer"]
@@ -142,8 +170,9 @@ def test_accumulation_and_no_grad_evaluation_count_one_step_per_micro_batch(tmp_
     tapesac = fit(tmp_path, "tapesac", config(tmp_path), *args)
     baseline = torch_baseline(tmp_path, *args)
     assert losses(tapesac) == losses(baseline)
-    assert [[s["eval_loss"] for s in r["steps"] if "eval_loss" in s] for r in tapesac] == \
-        [[s["eval_loss"] for s in r["steps"] if "eval_loss" in s] for r in baseline]
+    assert [[s["eval_loss"] for s in r["steps"] if "eval_loss" in s] for r in tapesac] == [
+        [s["eval_loss"] for s in r["steps"] if "eval_loss" in s] for r in baseline
+    ]
     assert [s["controller_steps"] for s in tapesac[0]["steps"]] == list(range(1, 11))
     assert_really_tapesac(tapesac)
 
@@ -151,31 +180,64 @@ def test_accumulation_and_no_grad_evaluation_count_one_step_per_micro_batch(tmp_
 def test_save_state_load_state_round_trips_the_plan_cache(tmp_path) -> None:
     yaml_path = config(tmp_path)
     common = ("--steps", "12", "--min-len", "96", "--max-len", "96", "--dropout", "0.0")
-    whole = fit(tmp_path, "whole", yaml_path, *common, "--save-at", "6",
-                "--save-dir", str(tmp_path / "state"))
-    resumed = fit(tmp_path, "resumed", yaml_path, *common, "--resume", str(tmp_path / "state"),
-                  "--save-at", "6")
-    assert losses(resumed) == [l[6:] for l in losses(whole)]
+    whole = fit(
+        tmp_path,
+        "whole",
+        yaml_path,
+        *common,
+        "--save-at",
+        "6",
+        "--save-dir",
+        str(tmp_path / "state"),
+    )
+    resumed = fit(
+        tmp_path,
+        "resumed",
+        yaml_path,
+        *common,
+        "--resume",
+        str(tmp_path / "state"),
+        "--save-at",
+        "6",
+    )
+    assert losses(resumed) == [run[6:] for run in losses(whole)]
     assert [s["mode"] for s in resumed[0]["steps"]] == ["planned"] * 6  # no warm-up, no profiling
     assert resumed[0]["steps"][0]["plan"] == whole[0]["steps"][5]["plan"]
     # tapesac report reads the plan cache from the save_state folder.
-    done = subprocess.run([sys.executable, "-m", "tapesac_lightning.cli", "report",
-                           str(tmp_path / "state"), "--json"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tapesac_lightning.cli",
+            "report",
+            str(tmp_path / "state"),
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["kind"] == "accelerate"
     assert whole[0]["steps"][5]["plan"] in [b["plan"] for b in result["buckets"]]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"tapesac_memory_limit": 1.5}, "tapesac_memory_limit: 1.5"),
-    ({"tapesac_warmup_step": 2}, "unknown key fsdp_config.tapesac_warmup_step"),
-    ({"fsdp_version": 1}, "fsdp_config.fsdp_version: 2"),
-    ({"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"},
-     "fsdp_transformer_layer_cls_to_wrap names 'LlamaDecoderLayer'"),
-    ({"dynamo_config": {"dynamo_backend": "INDUCTOR"}}, "does not run with dynamo_backend"),
-], ids=["limit", "unknown_key", "fsdp1", "unknown_class", "dynamo"])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"tapesac_memory_limit": 1.5}, "tapesac_memory_limit: 1.5"),
+        ({"tapesac_warmup_step": 2}, "unknown key fsdp_config.tapesac_warmup_step"),
+        ({"fsdp_version": 1}, "fsdp_config.fsdp_version: 2"),
+        (
+            {"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"},
+            "fsdp_transformer_layer_cls_to_wrap names 'LlamaDecoderLayer'",
+        ),
+        ({"dynamo_config": {"dynamo_backend": "INDUCTOR"}}, "does not run with dynamo_backend"),
+    ],
+    ids=["limit", "unknown_key", "fsdp1", "unknown_class", "dynamo"],
+)
 def test_bad_yaml_fails_at_start_naming_the_key_and_the_fix(tmp_path, change, message) -> None:
     done = launch(config(tmp_path, **change), "--steps", "2", check=False)
     assert done.returncode != 0
@@ -183,8 +245,9 @@ def test_bad_yaml_fails_at_start_naming_the_key_and_the_fix(tmp_path, change, me
 
 
 def test_plugin_from_yaml_keys_and_explicit_fields_win() -> None:
-    yaml_plugin = TapeSACPlugin.from_keys({"tapesac_memory_limit": "20GiB",
-                                           "tapesac_warmup_steps": 3})
+    yaml_plugin = TapeSACPlugin.from_keys(
+        {"tapesac_memory_limit": "20GiB", "tapesac_warmup_steps": 3}
+    )
     assert yaml_plugin.config().memory_limit.bytes == 20 * 2**30
     merged = TapeSACPlugin(memory_limit=0.5, settings={"profile_steps": 4}).over(yaml_plugin)
     assert merged.config().memory_limit.fraction == 0.5

@@ -44,7 +44,9 @@ class Net(torch.nn.Module):
         return self.out(h.cos()).square().mean()
 
 
-def _compiled_run(model: torch.nn.Module, x: torch.Tensor) -> tuple[CompileCounterWithBackend, tuple]:
+def _compiled_run(
+    model: torch.nn.Module, x: torch.Tensor
+) -> tuple[CompileCounterWithBackend, tuple]:
     """Compile ``model`` with inductor (graphs counted); loss and gradients of its second step."""
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
@@ -54,7 +56,8 @@ def _compiled_run(model: torch.nn.Module, x: torch.Tensor) -> tuple[CompileCount
 
 
 def test_compile_excludes_blocks_compiles_the_rest_and_matches_uncompiled_blocks_bitwise(
-        caplog, monkeypatch) -> None:
+    caplog, monkeypatch
+) -> None:
     torch.manual_seed(0)
     plain = Net()
     x = torch.randn(4, 16)
@@ -66,18 +69,24 @@ def test_compile_excludes_blocks_compiles_the_rest_and_matches_uncompiled_blocks
     model = copy.deepcopy(plain)
     tapesac_core.checkpoint_modules(model, {Mlp})
     monkeypatch.setattr(checkpoint_module_file, "_told_compiled", False)
-    with caplog.at_level(logging.INFO, logger="tapesac_core"), \
-            torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True), \
-            tapesac_core.trace() as blocks:
+    with (
+        caplog.at_level(logging.INFO, logger="tapesac_core"),
+        torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True),
+        tapesac_core.trace() as blocks,
+    ):
         counter, got = _compiled_run(model, x)
     try:
         entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(
-            checkpoint_module_file._checkpointed_forward.__code__)
+            checkpoint_module_file._checkpointed_forward.__code__
+        )
     finally:
         torch._dynamo.reset()
     assert_bitwise(ref, got)
     # Before, between and after the blocks: four graphs, the same as the reference's.
-    assert (counter.frame_count, counter.op_count) == (ref_counter.frame_count, ref_counter.op_count)
+    assert (counter.frame_count, counter.op_count) == (
+        ref_counter.frame_count,
+        ref_counter.op_count,
+    )
     assert counter.frame_count == 4 and counter.op_count > 0
     # One cache entry serves every block (it guards nothing on them): no recompilation per block
     # (with three blocks and a limit of two, a per-block guard would have hit the limit, which
@@ -97,8 +106,9 @@ def test_a_compiled_function_block_runs_eagerly_and_exactly() -> None:
     torch._dynamo.reset()
     try:
         with tapesac_core.trace() as blocks:
-            out = torch.compile(lambda t: tapesac_core.checkpoint(gelu_block, t.exp()).sum(),
-                                backend="inductor")(x)
+            out = torch.compile(
+                lambda t: tapesac_core.checkpoint(gelu_block, t.exp()).sum(), backend="inductor"
+            )(x)
             got = torch.autograd.grad(out, x)
     finally:
         torch._dynamo.reset()

@@ -7,8 +7,14 @@ from collections import Counter
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from support import (OpCounter, assert_bitwise, brute_force_replay, process_group_of_one,
-                     require_deterministic, step)
+from support import (
+    OpCounter,
+    assert_bitwise,
+    brute_force_replay,
+    process_group_of_one,
+    require_deterministic,
+    step,
+)
 
 import tapesac_core
 from tapesac_core import TapeSACError
@@ -40,7 +46,9 @@ def _x():
 def test_nested_blocks_are_an_error_naming_both() -> None:
     model = Stack()
     tapesac_core.checkpoint_modules(model, {Block})
-    with pytest.raises(TapeSACError, match=r"block 'inner' is nested inside checkpointed block 'Stack'"):
+    with pytest.raises(
+        TapeSACError, match=r"block 'inner' is nested inside checkpointed block 'Stack'"
+    ):
         tapesac_core.checkpoint(model, _x())
 
 
@@ -70,14 +78,19 @@ def _stacks(model):
     return tapesac_core.checkpoint_modules(model, {Stack})
 
 
-@pytest.mark.parametrize("first, second, inner, outer", [
-    (_stacks, _blocks, "stacks.0.inner", "stacks.0"),
-    (_blocks, _stacks, "stacks.0.inner", "stacks.0"),
-    (_blocks, lambda m: tapesac_core.checkpoint_module(m.stacks[1]), "Stack.inner", "Stack"),
-    (_stacks, lambda m: tapesac_core.checkpoint_module(m.stacks[1].inner), "Block", "stacks.1"),
-], ids=["child_after_parent", "parent_after_child", "module_around_block", "module_inside_block"])
+@pytest.mark.parametrize(
+    "first, second, inner, outer",
+    [
+        (_stacks, _blocks, "stacks.0.inner", "stacks.0"),
+        (_blocks, _stacks, "stacks.0.inner", "stacks.0"),
+        (_blocks, lambda m: tapesac_core.checkpoint_module(m.stacks[1]), "Stack.inner", "Stack"),
+        (_stacks, lambda m: tapesac_core.checkpoint_module(m.stacks[1].inner), "Block", "stacks.1"),
+    ],
+    ids=["child_after_parent", "parent_after_child", "module_around_block", "module_inside_block"],
+)
 def test_wrapping_a_module_inside_or_around_a_block_is_an_error_naming_both(
-        first, second, inner, outer) -> None:
+    first, second, inner, outer
+) -> None:
     message = _wrap_errors(first, second)
     assert f"'{inner}'" in message and f"'{outer}'" in message, message
     assert "Fix: checkpoint only one of them" in message
@@ -157,11 +170,15 @@ def _scale_weight(self, x):
     return self.proj(x)
 
 
-@pytest.mark.parametrize("body, what", [
-    (lambda self, x: x.add_(1.0) * 2, "block input 0"),
-    (_scale_weight, "param 'proj.weight'"),
-    (lambda self, x: self.offset.add_(1.0) * x, "buffer 'offset'"),
-], ids=["input", "parameter", "buffer"])
+@pytest.mark.parametrize(
+    "body, what",
+    [
+        (lambda self, x: x.add_(1.0) * 2, "block input 0"),
+        (_scale_weight, "param 'proj.weight'"),
+        (lambda self, x: self.offset.add_(1.0) * x, "buffer 'offset'"),
+    ],
+    ids=["input", "parameter", "buffer"],
+)
 def test_writing_into_a_block_input_parameter_or_buffer_is_an_error(body, what) -> None:
     class Mutates(Block):
         forward = body
@@ -173,8 +190,10 @@ def test_writing_into_a_block_input_parameter_or_buffer_is_an_error(body, what) 
 
 def test_a_plan_coordinate_the_block_lacks_is_a_warning_naming_it(caplog) -> None:
     block = tapesac_core.checkpoint_module(Block())
-    with caplog.at_level(logging.WARNING), tapesac_core.use_plan(
-            {"Block": {("aten.mm.default", 5, 0), ("aten.tanh.default", 0, 0)}}):
+    with (
+        caplog.at_level(logging.WARNING),
+        tapesac_core.use_plan({"Block": {("aten.mm.default", 5, 0), ("aten.tanh.default", 0, 0)}}),
+    ):
         block(_x())
     assert "('aten.mm.default', 5, 0)" in caplog.text
     assert "aten.tanh" not in caplog.text
@@ -197,14 +216,27 @@ def test_tensor_subclasses_inside_a_block_are_an_error() -> None:
 def test_a_policy_error_on_a_hugging_face_model_suggests_its_decoder_class() -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=2,
-                                         num_key_value_heads=1, head_dim=16))
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        )
+    )
     with pytest.raises(TapeSACError) as error:
         tapesac_core.checkpoint_modules(model, lambda m: False)
     message = str(error.value)
-    assert "policy callable test_a_policy_error_on_a_hugging_face_model_suggests_its_decoder_class.<locals>.<lambda>" in message
-    assert "e.g. {Qwen3DecoderLayer}" in message and "DecoderLayer}" not in message.replace("Qwen3DecoderLayer}", "")
+    assert (
+        "policy callable test_a_policy_error_on_a_hugging_face_model_suggests_its_decoder_class.<locals>.<lambda>"
+        in message
+    )
+    assert "e.g. {Qwen3DecoderLayer}" in message and "DecoderLayer}" not in message.replace(
+        "Qwen3DecoderLayer}", ""
+    )
 
 
 def test_a_policy_matching_nothing_or_of_the_wrong_type_is_an_error() -> None:
@@ -275,12 +307,16 @@ def test_checkpoint_of_a_function_names_and_regions_it() -> None:
 
     with tapesac_core.trace() as blocks:
         tapesac_core.checkpoint(gelu_block, _x(), region="mlp").sum().backward()
-    assert (blocks[0].tape.name, blocks[0].tape.region) == ("test_checkpoint_of_a_function_names_and_regions_it.<locals>.gelu_block", "mlp")
+    assert (blocks[0].tape.name, blocks[0].tape.region) == (
+        "test_checkpoint_of_a_function_names_and_regions_it.<locals>.gelu_block",
+        "mlp",
+    )
 
 
 def test_a_value_read_after_two_writes_through_views_replays_exactly() -> None:
     """Replay keeps an old version still read on a copy of the whole storage, so a view of that
     storage read again later keeps its recorded offset and strides."""
+
     def writes_twice(x):
         base = x * 3
         a = base[2:]
@@ -325,14 +361,19 @@ def test_a_plan_may_save_a_view_read_again_after_a_write() -> None:
 
 
 def _chain(x):
-    y = x.sin()            # saves x (a leaf)
-    z = y.exp()            # saves z
-    w = (z * 3.0).tanh()   # the multiplication saves nothing; tanh saves w
+    y = x.sin()  # saves x (a leaf)
+    z = y.exp()  # saves z
+    w = (z * 3.0).tanh()  # the multiplication saves nothing; tanh saves w
     return w.sum()
 
 
-NAMES = ["aten.sin.default", "aten.exp.default", "aten.mul.Tensor", "aten.tanh.default",
-         "aten.sum.default"]
+NAMES = [
+    "aten.sin.default",
+    "aten.exp.default",
+    "aten.mul.Tensor",
+    "aten.tanh.default",
+    "aten.sum.default",
+]
 
 
 def test_tape_times_follow_eqs_5_and_6() -> None:
@@ -341,12 +382,12 @@ def test_tape_times_follow_eqs_5_and_6() -> None:
     missing saved value, skipping only nodes whose outputs are all kept."""
     tape = tapesac_core.record(_chain, torch.randn(4, requires_grad=True))
     assert [n.name for n in tape.nodes] == NAMES
-    times = {n.index: float(2 ** n.index) for n in tape.nodes}  # sin 1, exp 2, mul 4, tanh 8, sum 16
+    times = {n.index: float(2**n.index) for n in tape.nodes}  # sin 1, exp 2, mul 4, tanh 8, sum 16
     z, w = tape.nodes[1].outs[0], tape.nodes[3].outs[0]
     assert tape.replay_time((), times) == tape.block_time((), times) == 1 + 2 + 4 + 8
-    assert tape.replay_time({z}, times) == 4 + 8       # sin and exp are not needed for w
-    assert tape.block_time({z}, times) == 1 + 4 + 8    # torch reruns sin, skips only exp
-    assert tape.replay_time({w}, times) == 1 + 2       # z is still needed by exp's backward
+    assert tape.replay_time({z}, times) == 4 + 8  # sin and exp are not needed for w
+    assert tape.block_time({z}, times) == 1 + 4 + 8  # torch reruns sin, skips only exp
+    assert tape.replay_time({w}, times) == 1 + 2  # z is still needed by exp's backward
     assert tape.block_time({w}, times) == 1 + 2
     assert tape.replay_time({z, w}, times) == tape.block_time({z, w}, times) == 0
 
@@ -393,9 +434,12 @@ def test_a_dtensor_parameter_at_backward_is_an_error_naming_the_fsdp2_order() ->
         out = block(_x())
         sharded = distribute_tensor(block.proj.weight.detach(), mesh, [Shard(0)])
         block.proj.weight = torch.nn.Parameter(sharded)
-        with pytest.raises(TapeSACError, match=r"block 'Block': param 'proj.weight' is a DTensor at "
-                                               r"backward time.*Fix: shard with FSDP2 at the "
-                                               r"checkpointed module or above it"):
+        with pytest.raises(
+            TapeSACError,
+            match=r"block 'Block': param 'proj.weight' is a DTensor at "
+            r"backward time.*Fix: shard with FSDP2 at the "
+            r"checkpointed module or above it",
+        ):
             out.sum().backward()
 
 

@@ -36,8 +36,9 @@ class FakeMeter:
     def reading(self) -> MemoryReading:
         self.readings += 1
         peak = self.base + self.per_token * self.tokens + self.extra
-        return MemoryReading(peak=peak, current=self.base, reserved=peak, total=64 * GiB,
-                             free=32 * GiB)
+        return MemoryReading(
+            peak=peak, current=self.base, reserved=peak, total=64 * GiB, free=32 * GiB
+        )
 
 
 class CachingAllocatorMeter(FakeMeter):
@@ -55,18 +56,38 @@ class CachingAllocatorMeter(FakeMeter):
     def reading(self) -> MemoryReading:
         r = super().reading()
         self.reserved = max(self.reserved, r.peak)
-        return dataclasses.replace(r, reserved=self.reserved, alloc_retries=self.window_retries,
-                                   reserved_growth=self.reserved - self.start)
+        return dataclasses.replace(
+            r,
+            reserved=self.reserved,
+            alloc_retries=self.window_retries,
+            reserved_growth=self.reserved - self.start,
+        )
 
 
 def _setup(limit, meter=None, **settings):
     torch.manual_seed(0)
-    model = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                                  intermediate_size=64, num_layers=3))
+    model = DecoderLM(
+        ModelConfig(
+            hidden_size=32,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            intermediate_size=64,
+            num_layers=3,
+        )
+    )
     tapesac_core.checkpoint_modules(model, {DecoderLayer})
     meter = meter or FakeMeter()
-    controller = Controller(model, limit, meter=meter, warmup_steps=1, profile_steps=1,
-                            control_steps=1, control_every=0, **settings)
+    controller = Controller(
+        model,
+        limit,
+        meter=meter,
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+        control_every=0,
+        **settings,
+    )
     return model, meter, controller
 
 
@@ -106,7 +127,9 @@ def test_state_machine_warmup_profile_control_then_one_plan_per_bucket() -> None
     assert not c.plans[key].empty
     # Another count in the same bucket reuses the plan: no new solve, no new memory sample.
     readings = meter.readings
-    report = _run(model, meter, c, 33)  # 66 tokens: bucket of 64 when 1.1**q <= 64 < 66 < 1.1**(q+1)
+    report = _run(
+        model, meter, c, 33
+    )  # 66 tokens: bucket of 64 when 1.1**q <= 64 < 66 < 1.1**(q+1)
     assert bucket(66, 1.1) == q and report.mode == PLANNED and len(c.plans) == 1
     assert meter.readings == readings
 
@@ -127,8 +150,8 @@ def test_memory_is_sampled_again_when_tokens_move_more_than_15_percent() -> None
     for _ in range(4):
         _run(model, meter, c, 32)
     assert [s.tokens for s in c.memory.samples] == [64]
-    assert _run(model, meter, c, 36).mode == CONTROL        # 72 tokens: within 15%
-    assert _run(model, meter, c, 38).mode == SAMPLE         # 76 tokens: 18.75% away
+    assert _run(model, meter, c, 36).mode == CONTROL  # 72 tokens: within 15%
+    assert _run(model, meter, c, 38).mode == SAMPLE  # 76 tokens: 18.75% away
     assert [s.tokens for s in c.memory.samples] == [64, 76]
 
 
@@ -147,7 +170,9 @@ def test_fragmentation_near_the_limit_shrinks_the_plan(caplog) -> None:
     model, meter, c = _setup(limit)
     for _ in range(3):
         _run(model, meter, c, 32)
-    meter.extra = int(0.995 * limit) - meter.base - meter.per_token * 64  # the planned step reads 99.5%
+    meter.extra = (
+        int(0.995 * limit) - meter.base - meter.per_token * 64
+    )  # the planned step reads 99.5%
     with caplog.at_level(logging.WARNING):
         first = _run(model, meter, c, 32)
     assert first.mode == PLANNED and first.peak == int(0.995 * limit)
@@ -178,15 +203,17 @@ def _raises(caplog) -> int:
 
 
 def test_reserved_memory_left_by_one_near_limit_step_raises_once_and_leaves_the_plan_stable(
-        caplog) -> None:
+    caplog,
+) -> None:
     limit = 8 * MiB + 650 * KiB
     model, meter, c, before = _near_limit_step(limit, caplog)
     with caplog.at_level(logging.WARNING):
         plans = [_run(model, meter, c, 32).plan for _ in range(6)]
     assert meter.reserved == int(0.995 * limit)  # the allocator still holds the near-limit peak
     assert _raises(caplog) == 1
-    assert c.memory.extra_fragmentation == max(int(int(0.995 * limit) - 0.99 * limit),
-                                               int(0.01 * limit))
+    assert c.memory.extra_fragmentation == max(
+        int(int(0.995 * limit) - 0.99 * limit), int(0.01 * limit)
+    )
     assert 0 < plans[0].saved_bytes < before.saved_bytes  # the one real event shrank the plan
     assert all(p.coordinates() == plans[0].coordinates() for p in plans)
 
@@ -208,7 +235,8 @@ def test_allocation_retries_raise_once_although_the_peak_is_below_the_limit(capl
 
 
 def test_a_sample_step_that_fits_in_memory_reserved_earlier_measures_no_fragmentation(
-        caplog) -> None:
+    caplog,
+) -> None:
     limit = 8 * MiB + 650 * KiB
     model, meter, c, _ = _near_limit_step(limit, caplog)
     assert _run(model, meter, c, 38).mode == SAMPLE  # 76 tokens: a new memory sample
@@ -245,7 +273,9 @@ def test_the_must_only_peak_above_the_limit_warns_once_and_runs_must_only(caplog
             report = _run(model, meter, c, 32)
     assert report.mode == PLANNED and report.plan.empty and report.saved_bytes == 0
     assert caplog.text.count("no plan fits") == 1
-    assert "the must-only step alone needs 64.26 MiB" in caplog.text  # at the bucket edge, 66 tokens
+    assert (
+        "the must-only step alone needs 64.26 MiB" in caplog.text
+    )  # at the bucket edge, 66 tokens
     assert "64.25 MiB" in caplog.text and "62.72 MiB" in caplog.text
 
 
@@ -265,7 +295,9 @@ def test_state_dict_round_trip_reuses_plans_without_profiling() -> None:
         fresh.load_state_dict({**state, "model": "Other"})
 
 
-def test_full_checkpointing_control_steps_run_torch_checkpoint_on_every_block_and_record_none() -> None:
+def test_full_checkpointing_control_steps_run_torch_checkpoint_on_every_block_and_record_none() -> (
+    None
+):
     model, meter, c = _setup(64 * MiB + 2 * MiB, full_control_every=3)
     counted = []
     original = torch.utils.checkpoint.checkpoint
@@ -282,11 +314,24 @@ def test_full_checkpointing_control_steps_run_torch_checkpoint_on_every_block_an
     modes = [r.mode for r in reports]
     # warm-up, profile, control; then a full step before the first planned step and one per
     # three planned steps of the bucket.
-    assert modes == [WARMUP, PROFILE, CONTROL, FULL, PLANNED, PLANNED, PLANNED, FULL, PLANNED,
-                     PLANNED, PLANNED, FULL]
+    assert modes == [
+        WARMUP,
+        PROFILE,
+        CONTROL,
+        FULL,
+        PLANNED,
+        PLANNED,
+        PLANNED,
+        FULL,
+        PLANNED,
+        PLANNED,
+        PLANNED,
+        FULL,
+    ]
     full = [r for r in reports if r.mode == FULL]
-    assert [(r.blocks, r.replayed_nodes, r.torch_checkpointed, r.peak) for r in full] == \
-        [(0, 0, 3, None)] * 3
+    assert [(r.blocks, r.replayed_nodes, r.torch_checkpointed, r.peak) for r in full] == [
+        (0, 0, 3, None)
+    ] * 3
     assert counted == [False] * 9  # torch.utils.checkpoint(use_reentrant=False), every block
     assert all(r.blocks == 3 for r in reports if r.mode != FULL)
     # The first planned step is metered (CPU), not timed: no ratio until the second.
@@ -294,18 +339,21 @@ def test_full_checkpointing_control_steps_run_torch_checkpoint_on_every_block_an
     assert "metered for memory, not timed" in reports[4].measured_reason
     later = reports[5]
     assert later.measured_reason is None
-    assert later.measured_speedup == pytest.approx(c.must_only_times[later.bucket][0]
-                                                   / c.planned_times[later.bucket][0])
-    assert later.measured_speedup_vs_full == pytest.approx(c.full_times[later.bucket][0]
-                                                           / c.planned_times[later.bucket][0])
+    assert later.measured_speedup == pytest.approx(
+        c.must_only_times[later.bucket][0] / c.planned_times[later.bucket][0]
+    )
+    assert later.measured_speedup_vs_full == pytest.approx(
+        c.full_times[later.bucket][0] / c.planned_times[later.bucket][0]
+    )
 
 
 def test_measured_reason_names_what_is_missing() -> None:
     model, meter, c = _setup(64 * MiB + 2 * MiB)
     first = _run(model, meter, c, seq=16)
     assert first.measured_speedup is None
-    assert first.measured_reason == ("no plan yet for this token bucket (warming up, profiling "
-                                     "or sampling memory)")
+    assert first.measured_reason == (
+        "no plan yet for this token bucket (warming up, profiling or sampling memory)"
+    )
 
 
 def _micro_batches(seq: int = 32) -> list[torch.Tensor]:
@@ -320,9 +368,11 @@ def test_several_micro_batches_in_one_step_are_an_error_saying_to_bracket_each()
     for _ in range(4):
         _run(model, meter, c, 32)
     first, second = _micro_batches()
-    with pytest.raises(tapesac_core.TapeSACError,
-                       match=r"block 'layers.0' ran its forward after the backward.*Fix: bracket "
-                             r"each micro-batch in its own `with controller.step"):
+    with pytest.raises(
+        tapesac_core.TapeSACError,
+        match=r"block 'layers.0' ran its forward after the backward.*Fix: bracket "
+        r"each micro-batch in its own `with controller.step",
+    ):
         with c.step(tokens=first.numel()):
             model.loss(first).backward()
             model.loss(second).backward()
@@ -335,8 +385,16 @@ def test_several_micro_batches_in_one_step_are_an_error_saying_to_bracket_each()
 
 def test_gradient_accumulation_with_one_step_per_micro_batch_is_bitwise() -> None:
     torch.manual_seed(0)
-    plain = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                                  intermediate_size=64, num_layers=3))
+    plain = DecoderLM(
+        ModelConfig(
+            hidden_size=32,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            intermediate_size=64,
+            num_layers=3,
+        )
+    )
     model, meter, c = _setup(64 * MiB + 2 * MiB)
     model.load_state_dict(plain.state_dict())
     for _ in range(4):
@@ -374,21 +432,40 @@ def test_a_control_step_runs_every_control_every_planned_steps() -> None:
     model, meter, c = _setup(64 * MiB + 2 * MiB)
     c.config = dataclasses.replace(c.config, control_every=3)
     modes = [_run(model, meter, c, 32).mode for _ in range(11)]
-    assert modes == [WARMUP, PROFILE, CONTROL] + [PLANNED] * 3 + [CONTROL] + [PLANNED] * 3 + [CONTROL]
+    assert modes == [WARMUP, PROFILE, CONTROL] + [PLANNED] * 3 + [CONTROL] + [PLANNED] * 3 + [
+        CONTROL
+    ]
     assert len(c.must_only_times[(bucket(64, 1.1),)]) == 3  # the three control steps' times
 
 
 def test_secondary_regions_bucket_their_largest_count_so_far_with_their_own_factor() -> None:
     torch.manual_seed(0)
-    model = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                                  intermediate_size=64, num_layers=3))
+    model = DecoderLM(
+        ModelConfig(
+            hidden_size=32,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            intermediate_size=64,
+            num_layers=3,
+        )
+    )
     last = model.layers[2]
-    tapesac_core.checkpoint_modules(model, {DecoderLayer},
-                                    regions=lambda m: "vision" if m is last else "text")
+    tapesac_core.checkpoint_modules(
+        model, {DecoderLayer}, regions=lambda m: "vision" if m is last else "text"
+    )
     meter = FakeMeter()
-    c = Controller(model, 64 * MiB + 2 * MiB, meter=meter, warmup_steps=1, profile_steps=1,
-                   control_steps=1, control_every=0, secondary_regions={"vision"},
-                   secondary_bucket_factor=2.0)
+    c = Controller(
+        model,
+        64 * MiB + 2 * MiB,
+        meter=meter,
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+        control_every=0,
+        secondary_regions={"vision"},
+        secondary_bucket_factor=2.0,
+    )
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     meter.tokens = ids.numel()
 
@@ -420,10 +497,12 @@ def test_a_step_above_its_predicted_peak_adds_the_error_and_solves_again(caplog)
     for _ in range(3):
         _run(model, meter, c, 32)
     first = _run(model, meter, c, 32)
-    assert first.mode == PLANNED and first.predicted_peak == first.plan.peak_at_tokens(c.memory.base(64))
+    assert first.mode == PLANNED and first.predicted_peak == first.plan.peak_at_tokens(
+        c.memory.base(64)
+    )
     assert c.memory.model_error == 0 and first.plan.saved_bytes > 0
     meter.extra = 2 * MiB  # the model was wrong: the step measures 2 MiB more than before
-    c._checked.clear()     # meter the next planned step again
+    c._checked.clear()  # meter the next planned step again
     with caplog.at_level(logging.INFO):
         checked = _run(model, meter, c, 32)
     error = checked.peak - checked.predicted_peak
@@ -462,8 +541,13 @@ def test_a_state_of_an_older_version_is_solved_again_with_an_info_log(caplog) ->
         _run(model, meter, c, 32)
     state = c.state_dict()
     assert state["version"] == 3
-    old = {**state, "version": 2, "plans": {k: json.dumps({**json.loads(v), "version": 1})
-                                            for k, v in state["plans"].items()}}
+    old = {
+        **state,
+        "version": 2,
+        "plans": {
+            k: json.dumps({**json.loads(v), "version": 1}) for k, v in state["plans"].items()
+        },
+    }
     model2, meter2, fresh = _setup(64 * MiB + 2 * MiB)
     with caplog.at_level(logging.INFO):
         fresh.load_state_dict(old)

@@ -45,8 +45,11 @@ def recomputed(config: ModelConfig) -> dict[str, Counter]:
     layer, args = _block(config)
     plain = _backward_ops(lambda: layer(*args))
     torch_runs = {
-        f"torch_early_stop_{flag}": _backward_ops(lambda flag=flag: torch_checkpoint.checkpoint(
-            layer, *args, use_reentrant=False, early_stop=flag))
+        f"torch_early_stop_{flag}": _backward_ops(
+            lambda flag=flag: torch_checkpoint.checkpoint(
+                layer, *args, use_reentrant=False, early_stop=flag
+            )
+        )
         for flag in (True, False)
     }
     tapesac_layer = tapesac_core.checkpoint_module(copy.deepcopy(layer))
@@ -59,12 +62,16 @@ def recomputed(config: ModelConfig) -> dict[str, Counter]:
 
 
 # Metadata-only ops are replayed from recorded metadata: an empty_strided, then a fill.
-REBUILT_AS = {"aten.empty_like.default": ["aten.empty_strided.default"],
-              "aten.zeros_like.default": ["aten.empty_strided.default", "aten.fill_.Scalar"]}
+REBUILT_AS = {
+    "aten.empty_like.default": ["aten.empty_strided.default"],
+    "aten.zeros_like.default": ["aten.empty_strided.default", "aten.fill_.Scalar"],
+}
 
 
 def _names(tape: tapesac_core.Tape, nodes: list[int]) -> Counter:
-    return Counter(name for i in nodes for name in REBUILT_AS.get(tape.nodes[i].name, [tape.nodes[i].name]))
+    return Counter(
+        name for i in nodes for name in REBUILT_AS.get(tape.nodes[i].name, [tape.nodes[i].name])
+    )
 
 
 def _torch_names(tape: tapesac_core.Tape, nodes: list[int]) -> Counter:
@@ -118,9 +125,11 @@ def _full_checkpoint_nodes(tape: tapesac_core.Tape) -> list[int]:
     return [n.index for n in tape.nodes[: last + 1]]
 
 
-@pytest.mark.parametrize("config", [ModelConfig(), ModelConfig(dropout=0.1),
-                                    ModelConfig(moe=True, routing_weights_on_input=True)],
-                         ids=["dense", "dropout", "moe"])
+@pytest.mark.parametrize(
+    "config",
+    [ModelConfig(), ModelConfig(dropout=0.1), ModelConfig(moe=True, routing_weights_on_input=True)],
+    ids=["dense", "dropout", "moe"],
+)
 def test_block_nodes_predict_torch_block_recomputation(config) -> None:
     """Eq. 4 on the tape counts what torch's checkpoint (early_stop=True) really reruns."""
     r = recomputed(config)

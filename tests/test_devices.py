@@ -33,8 +33,11 @@ def nccl_on_two_ranks(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: calls.append(("all_reduce",)))
-    monkeypatch.setattr(dist, "broadcast_object_list",
-                        lambda objects, **kw: calls.append(("broadcast", kw.get("device"))))
+    monkeypatch.setattr(
+        dist,
+        "broadcast_object_list",
+        lambda objects, **kw: calls.append(("broadcast", kw.get("device"))),
+    )
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     real_tensor = torch.tensor
 
@@ -99,7 +102,7 @@ class SimulatedDevice:
     finished what was queued before; an event's time is when the device reaches it."""
 
     def __init__(self) -> None:
-        self.host = 0.0     # host clock
+        self.host = 0.0  # host clock
         self.free_at = 0.0  # the device finishes its queue
 
     def enqueue(self, duration: float) -> None:
@@ -127,7 +130,8 @@ class SimulatedDevice:
 
 
 def test_event_timed_node_times_are_the_ops_device_time_not_the_hosts_dispatch_gap(
-        monkeypatch) -> None:
+    monkeypatch,
+) -> None:
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: None)
     sim = SimulatedDevice()
     delays = []

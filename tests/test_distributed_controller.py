@@ -16,7 +16,7 @@ from tapesac_core.plan import bucket, upper_edge
 from tapesac_core.units import GiB, MiB
 
 STEPS = 6
-SEQ = {0: 32, 1: 40}                     # rank 1 has more tokens...
+SEQ = {0: 32, 1: 40}  # rank 1 has more tokens...
 BASE = {0: 64 * MiB, 1: 64 * MiB + 512 * 1024}  # ...and less room under the same limit
 LIMIT = 64 * MiB + 2560 * 1024
 
@@ -42,11 +42,20 @@ class RankMeter:
 def _rank_model(rank: int, out: str) -> DecoderLM:
     """Join the 2-rank gloo group (a file store: no TCP port to race other processes for) and
     build the same checkpointed model on every rank."""
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
-                            world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank, world_size=2
+    )
     torch.manual_seed(0)
-    model = DecoderLM(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                                  intermediate_size=64, num_layers=3))
+    model = DecoderLM(
+        ModelConfig(
+            hidden_size=32,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            intermediate_size=64,
+            num_layers=3,
+        )
+    )
     tapesac_core.checkpoint_modules(model, {DecoderLayer})
     return model
 
@@ -54,8 +63,16 @@ def _rank_model(rank: int, out: str) -> DecoderLM:
 def _worker(rank: int, out: str) -> None:
     model = _rank_model(rank, out)
     meter = RankMeter(BASE[rank])
-    controller = Controller(model, LIMIT, meter=meter, margin=0.0, warmup_steps=1,
-                            profile_steps=1, control_steps=1, control_every=0)
+    controller = Controller(
+        model,
+        LIMIT,
+        meter=meter,
+        margin=0.0,
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+        control_every=0,
+    )
     steps = []
     for step in range(STEPS):
         ids = torch.randint(0, 256, (2, SEQ[rank]), generator=torch.Generator().manual_seed(step))
@@ -63,8 +80,13 @@ def _worker(rank: int, out: str) -> None:
         with controller.step(tokens=ids.numel()) as report:
             model.loss(ids).backward()
         model.zero_grad(set_to_none=True)
-        steps.append({"mode": report.mode, "tokens": report.tokens["DecoderLayer"],
-                      "plan": report.plan.to_json() if report.plan else None})
+        steps.append(
+            {
+                "mode": report.mode,
+                "tokens": report.tokens["DecoderLayer"],
+                "plan": report.plan.to_json() if report.plan else None,
+            }
+        )
     local_budget = LIMIT - controller.memory.base(upper_edge(bucket(2 * SEQ[1], 1.1), 1.1))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"steps": steps, "local_budget": local_budget}, f)
@@ -96,8 +118,13 @@ class NearLimitMeter(RankMeter):
 
     def reading(self) -> MemoryReading:
         r = super().reading()
-        return MemoryReading(peak=r.peak + self.extra, current=r.current,
-                             reserved=r.reserved + self.extra, total=r.total, free=r.free)
+        return MemoryReading(
+            peak=r.peak + self.extra,
+            current=r.current,
+            reserved=r.reserved + self.extra,
+            total=r.total,
+            free=r.free,
+        )
 
 
 def _flags_worker(rank: int, out: str) -> None:
@@ -106,9 +133,17 @@ def _flags_worker(rank: int, out: str) -> None:
     meter = NearLimitMeter(BASE[0])
     # The injected meter's readings follow no plan: the peak model's correction is off, so the
     # capacity moves only by the fragmentation flag under test.
-    controller = Controller(model, LIMIT, meter=meter, margin=0.0, warmup_steps=1,
-                            profile_steps=1, control_steps=1, control_every=0,
-                            peak_correction=False)
+    controller = Controller(
+        model,
+        LIMIT,
+        meter=meter,
+        margin=0.0,
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+        control_every=0,
+        peak_correction=False,
+    )
     record: dict = {"modes": [], "plans": [], "fragmentation": []}
 
     def step(seq: int) -> None:
@@ -125,8 +160,10 @@ def _flags_worker(rank: int, out: str) -> None:
         meter.extra = int(0.995 * LIMIT) - BASE[0] - 2048 * 64 if (rank, i) == (1, 3) else 0
         step(32)
     if rank == 0:
+
         def fails(*args, **kwargs):
             raise ValueError("no frontier for region DecoderLayer")
+
         controller._solve = fails
     step(36)  # a new bucket: its control step, then its first planned step solves
     try:
@@ -142,8 +179,11 @@ def test_ranks_agree_on_a_flag_one_rank_raised_and_a_solve_failure_on_rank_0_rea
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_flags_worker, args=(out,), nprocs=2, join=True)
         ranks = [json.load(open(os.path.join(out, f"flags{r}.json"))) for r in range(2)]
-    assert ranks[0]["modes"] == ranks[1]["modes"] == [
-        "warmup", "profile", "control", "planned", "planned", "control"]
+    assert (
+        ranks[0]["modes"]
+        == ranks[1]["modes"]
+        == ["warmup", "profile", "control", "planned", "planned", "control"]
+    )
     # Rank 1's near-limit peak raised the fragmentation estimate on both ranks at the next step,
     # and both solved again, under the same smaller capacity, to the same plan.
     frag0, frag1 = ranks[0]["fragmentation"], ranks[1]["fragmentation"]
@@ -153,5 +193,7 @@ def test_ranks_agree_on_a_flag_one_rank_raised_and_a_solve_failure_on_rank_0_rea
     assert second.capacity == first.capacity - frag0[4]
     # Rank 0's solve failed: every rank raised, naming rank 0's error.
     for r in ranks:
-        assert r["error"] == ("TapeSAC: solving the plan failed on rank 0: ValueError: no "
-                              "frontier for region DecoderLayer")
+        assert r["error"] == (
+            "TapeSAC: solving the plan failed on rank 0: ValueError: no "
+            "frontier for region DecoderLayer"
+        )

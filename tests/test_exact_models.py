@@ -34,12 +34,25 @@ def _hf_case(kind: str):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
-    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, attention_dropout=0.1)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_dropout=0.1,
+    )
     if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(intermediate_size=128, **common)), Qwen3DecoderLayer
-    config = Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-                            num_experts_per_tok=2, decoder_sparse_step=1, **common)
+    config = Qwen3MoeConfig(
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        **common,
+    )
     return Qwen3MoeForCausalLM(config), Qwen3MoeDecoderLayer
 
 

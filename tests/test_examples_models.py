@@ -14,7 +14,9 @@ from examples.models import DecoderLM, ModelConfig
 
 CONFIGS = {
     "dense": ModelConfig.tiny(),
-    "dense_no_gate_mha_tied": ModelConfig.tiny(attention_output_gate=False, num_kv_heads=4, tie_word_embeddings=True),
+    "dense_no_gate_mha_tied": ModelConfig.tiny(
+        attention_output_gate=False, num_kv_heads=4, tie_word_embeddings=True
+    ),
     "dense_dropout": ModelConfig.tiny(dropout=0.1),
     "moe": ModelConfig.tiny(moe=True),
     "moe_weights_on_input": ModelConfig.tiny(moe=True, routing_weights_on_input=True),
@@ -172,7 +174,12 @@ def test_forward_depends_on_no_global_state(name: str) -> None:
 
 def test_models_module_does_not_use_tapesac() -> None:
     tree = ast.parse(Path(models.__file__).read_text())
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not any(name.startswith("tapesac") for name in imported), imported
 

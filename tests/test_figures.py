@@ -9,9 +9,13 @@ from tapesac_core.figures import MeasuredPoint, frontier_figure, image_array
 from tapesac_core.units import MiB
 from tapesac_lightning.logging import Publisher
 
-FRONTIER = {"curves": {"DecoderLayer": [(10 * MiB, 0.100), (12 * MiB, 0.095), (15 * MiB, 0.090)]},
-            "must_only": (10 * MiB, 0.100), "full": (10 * MiB, 0.104),
-            "chosen": (15 * MiB, 0.090), "capacity": 16 * MiB}
+FRONTIER = {
+    "curves": {"DecoderLayer": [(10 * MiB, 0.100), (12 * MiB, 0.095), (15 * MiB, 0.090)]},
+    "must_only": (10 * MiB, 0.100),
+    "full": (10 * MiB, 0.104),
+    "chosen": (15 * MiB, 0.090),
+    "capacity": 16 * MiB,
+}
 
 
 def test_measured_point_is_the_median_with_quartiles_and_count() -> None:
@@ -22,24 +26,36 @@ def test_measured_point_is_the_median_with_quartiles_and_count() -> None:
 
 
 def test_frontier_figure_has_titled_axes_with_units_and_every_point() -> None:
-    measured = [MeasuredPoint.of("must-only", [0.10, 0.11, 0.098], peak=10 * MiB + MiB // 2),
-                MeasuredPoint.of("planned", [0.09, 0.092, 0.091])]
-    figure = frontier_figure(FRONTIER, measured, title="TapeSAC plan for up to 512 (DecoderLayer) tokens")
+    measured = [
+        MeasuredPoint.of("must-only", [0.10, 0.11, 0.098], peak=10 * MiB + MiB // 2),
+        MeasuredPoint.of("planned", [0.09, 0.092, 0.091]),
+    ]
+    figure = frontier_figure(
+        FRONTIER, measured, title="TapeSAC plan for up to 512 (DecoderLayer) tokens"
+    )
     (axes,) = figure.axes
     assert axes.get_xlabel() == "step peak memory (MiB)"
     assert axes.get_ylabel() == "step time (ms)"
     assert axes.get_title() == "TapeSAC plan for up to 512 (DecoderLayer) tokens"
     labels = [t.get_text() for t in axes.get_legend().get_texts()]
-    assert labels == ["frontier (DecoderLayer)", "full recomputation (predicted)",
-                      "must-only (predicted)", "chosen plan (predicted)",
-                      "capacity (limit after margins)",
-                      "must-only measured (median, IQR, n=3)", "planned measured (median, IQR, n=3)"]
+    assert labels == [
+        "frontier (DecoderLayer)",
+        "full recomputation (predicted)",
+        "must-only (predicted)",
+        "chosen plan (predicted)",
+        "capacity (limit after margins)",
+        "must-only measured (median, IQR, n=3)",
+        "planned measured (median, IQR, n=3)",
+    ]
     lines = {line.get_label(): line for line in axes.get_lines()}
     assert list(lines["capacity (limit after margins)"].get_xdata()) == [16.0, 16.0]
     assert list(lines["frontier (DecoderLayer)"].get_ydata()) == [100.0, 95.0, 90.0]
     # A measured point sits at its metered peak, or at its mode's predicted peak when unmetered.
-    points = [(line.get_xdata()[0], line.get_ydata()[0]) for line in axes.get_lines()
-              if line.get_marker() == "D"]
+    points = [
+        (line.get_xdata()[0], line.get_ydata()[0])
+        for line in axes.get_lines()
+        if line.get_marker() == "D"
+    ]
     assert points == [(10.5, 100.0), (15.0, 91.0)]
     pixels = image_array(figure)
     assert pixels.shape == (450, 700, 3) and pixels.dtype == np.uint8
@@ -59,20 +75,37 @@ class Writer:
 def test_publisher_logs_scalars_every_step_and_each_new_plan_once() -> None:
     plan = SimpleNamespace(to_json=lambda: "plan-1", explain=lambda measured=None: "table")
     controller = SimpleNamespace(
-        plans={(5,): plan}, must_only_times={(5,): [0.1, 0.11]}, planned_times={(5,): [0.09]},
+        plans={(5,): plan},
+        must_only_times={(5,): [0.1, 0.11]},
+        planned_times={(5,): [0.09]},
         full_times={},
-        bucket_tokens=lambda key: {"DecoderLayer": 512}, step_frontier=lambda key: FRONTIER)
+        bucket_tokens=lambda key: {"DecoderLayer": 512},
+        step_frontier=lambda key: FRONTIER,
+    )
     scalars, writer, publisher = [], Writer(), Publisher()
     for step, mode in enumerate(["control", "planned", "planned"]):
-        report = StepReport(step=step, mode=mode, tokens={"DecoderLayer": 500}, bucket=(5,),
-                            plan=plan if mode == "planned" else None, time=0.1, limit=MiB,
-                            peak=2 * MiB if step < 2 else None,
-                            predicted_speedup=1.1 if mode == "planned" else None)
-        publisher.publish(controller, report, step, lambda m, s: scalars.append((s, sorted(m))),
-                          writer)
+        report = StepReport(
+            step=step,
+            mode=mode,
+            tokens={"DecoderLayer": 500},
+            bucket=(5,),
+            plan=plan if mode == "planned" else None,
+            time=0.1,
+            limit=MiB,
+            peak=2 * MiB if step < 2 else None,
+            predicted_speedup=1.1 if mode == "planned" else None,
+        )
+        publisher.publish(
+            controller, report, step, lambda m, s: scalars.append((s, sorted(m))), writer
+        )
     publisher.finish(controller, 3, writer)
     assert [s for s, _ in scalars] == [0, 1, 2]
-    assert "tapesac/peak_memory_bytes" in scalars[0][1] and "tapesac/peak_memory_bytes" not in scalars[2][1]
+    assert (
+        "tapesac/peak_memory_bytes" in scalars[0][1]
+        and "tapesac/peak_memory_bytes" not in scalars[2][1]
+    )
     assert writer.texts == [("tapesac/plan", 1)]
-    assert writer.images == [("tapesac/frontier", 1, (450, 700, 3), "HWC"),
-                             ("tapesac/frontier", 3, (450, 700, 3), "HWC")]
+    assert writer.images == [
+        ("tapesac/frontier", 1, (450, 700, 3), "HWC"),
+        ("tapesac/frontier", 3, (450, 700, 3), "HWC"),
+    ]

@@ -13,8 +13,16 @@ from tapesac_core.figures import method_frontier_figure, normalised_frontier_fig
 from tapesac_core.units import MiB
 
 ROOT = Path(__file__).resolve().parents[1]
-BASELINES = {"none", "full", "full_no_stop", "tt_torch", "attn_torch", "tt_tapesac",
-             "attn_tapesac", "tapesac_must"}
+BASELINES = {
+    "none",
+    "full",
+    "full_no_stop",
+    "tt_torch",
+    "attn_torch",
+    "tt_tapesac",
+    "attn_tapesac",
+    "tapesac_must",
+}
 BUDGETS = {"compile@0", "compile@0.1", "compile@0.3", "compile@0.5", "compile@0.8"}
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -32,21 +40,43 @@ def test_every_method_gives_a_measured_row_and_outputs_are_written(tmp_path: Pat
     frontier = _frontier()
     markdown = tmp_path / "RESULTS.md"
     markdown.write_text("# title\n\nhand-written analysis stays\n")
-    result = frontier.main(["--size", "tiny", "--steps", "2", "--warmup", "1", "--fractions", "0.5,1",
-                            "--compile-backend", "aot_eager_decomp_partition",
-                            "--out-dir", str(tmp_path), "--markdown", str(markdown)])
+    result = frontier.main(
+        [
+            "--size",
+            "tiny",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--fractions",
+            "0.5,1",
+            "--compile-backend",
+            "aot_eager_decomp_partition",
+            "--out-dir",
+            str(tmp_path),
+            "--markdown",
+            str(markdown),
+        ]
+    )
     rows = {r["method"]: r for r in result["rows"]}
     assert BASELINES | BUDGETS <= set(rows)
-    planned = [r for r in rows.values() if r["family"] == "tapesac" and r["method"] != "tapesac_must"]
+    planned = [
+        r for r in rows.values() if r["family"] == "tapesac" and r["method"] != "tapesac_must"
+    ]
     assert planned and all(r["limit_bytes"] is not None for r in planned)
     # Figure 9's 10% point is planned: its own row, or merged into an identical plan's note.
-    fig9 = int(rows["full"]["peak_bytes"] + 0.1 * (rows["none"]["peak_bytes"] - rows["full"]["peak_bytes"]))
+    fig9 = int(
+        rows["full"]["peak_bytes"] + 0.1 * (rows["none"]["peak_bytes"] - rows["full"]["peak_bytes"])
+    )
     own = rows.get("tapesac@fig9=0.1")
     assert (own is not None and own["limit_bytes"] == fig9) or any(
-        "the plan at tapesac@fig9=0.1" in r["note"] for r in planned)
+        "the plan at tapesac@fig9=0.1" in r["note"] for r in planned
+    )
     for name, r in rows.items():
         if r["error"] is not None:
-            assert r["family"] == "compile" and r["error"].strip(), name  # failure rows: compile only
+            assert r["family"] == "compile" and r["error"].strip(), (
+                name
+            )  # failure rows: compile only
             continue
         assert r["peak_bytes"] > 0 and r["n"] == 2 and r["median_s"] > 0, name
         assert r["backward_flops"] > 0 and r["recomputed_flops"] is not None, name
@@ -75,32 +105,74 @@ def test_every_method_gives_a_measured_row_and_outputs_are_written(tmp_path: Pat
 
 def test_a_torch_compile_failure_is_a_row_with_the_exception_text(tmp_path: Path) -> None:
     frontier = _frontier()
-    result = frontier.main(["--size", "tiny", "--steps", "1", "--warmup", "0", "--budgets", "0.5",
-                            "--families", "none,full,compile", "--compile-backend", "no_such_backend",
-                            "--out-dir", str(tmp_path)])
+    result = frontier.main(
+        [
+            "--size",
+            "tiny",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--budgets",
+            "0.5",
+            "--families",
+            "none,full,compile",
+            "--compile-backend",
+            "no_such_backend",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     rows = {r["method"]: r for r in result["rows"]}
     assert "no_such_backend" in rows["compile@0.5"]["error"]
     assert rows["none"]["error"] is None and rows["full"]["n"] == 1
 
 
-def test_a_save_set_cap_other_than_the_default_gets_its_own_files_and_section(tmp_path: Path) -> None:
+def test_a_save_set_cap_other_than_the_default_gets_its_own_files_and_section(
+    tmp_path: Path,
+) -> None:
     frontier = _frontier()
     markdown = tmp_path / "RESULTS.md"
-    result = frontier.main(["--size", "tiny", "--steps", "1", "--warmup", "0", "--fractions", "1",
-                            "--families", "none,full,tapesac", "--max-set-size", "2",
-                            "--out-dir", str(tmp_path), "--markdown", str(markdown)])
+    result = frontier.main(
+        [
+            "--size",
+            "tiny",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--fractions",
+            "1",
+            "--families",
+            "none,full,tapesac",
+            "--max-set-size",
+            "2",
+            "--out-dir",
+            str(tmp_path),
+            "--markdown",
+            str(markdown),
+        ]
+    )
     assert result["max_set_size"] == 2
     assert (tmp_path / "frontier_dense_tiny_set2.json").is_file()
     text = markdown.read_text()
     assert "<!-- frontier dense:tiny:set2 -->" in text and "max_set_size 2" in text
-    planned = [r for r in result["rows"] if r["family"] == "tapesac" and r["method"] != "tapesac_must"]
+    planned = [
+        r for r in result["rows"] if r["family"] == "tapesac" and r["method"] != "tapesac_must"
+    ]
     assert planned and all(r["peak_bytes"] > 0 for r in planned)
 
 
 def test_tapesac_bench_runs_the_harness_from_the_checkout(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-m", "tapesac_lightning.cli", "bench", "--help"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "tapesac_lightning.cli", "bench", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "usage: tapesac bench" in out.stdout and "--compile-backend" in out.stdout
 
@@ -109,38 +181,94 @@ def test_tapesac_help_lists_every_command_with_its_line() -> None:
     from tapesac_lightning.cli import parser
 
     text = parser().format_help()
-    for command, line in (("launch", "Accelerate's launcher"), ("report", "a finished run's plans"),
-                          ("bench", "TapeSAC against every checkpointing baseline")):
+    for command, line in (
+        ("launch", "Accelerate's launcher"),
+        ("report", "a finished run's plans"),
+        ("bench", "TapeSAC against every checkpointing baseline"),
+    ):
         assert f"    {command}  " in text and line in text, text
 
 
 def test_comparison_figures_have_titled_axes_with_units() -> None:
-    points = [{"label": "full", "family": "full", "peak": 10 * MiB, "seconds": 0.1, "q1": 0.09, "q3": 0.11},
-              {"label": "tapesac@1", "family": "tapesac", "peak": 12 * MiB, "seconds": 0.09,
-               "q1": 0.08, "q3": 0.1},
-              {"label": "tapesac_must", "family": "tapesac", "peak": 10 * MiB, "seconds": 0.095,
-               "q1": 0.09, "q3": 0.1}]
+    points = [
+        {
+            "label": "full",
+            "family": "full",
+            "peak": 10 * MiB,
+            "seconds": 0.1,
+            "q1": 0.09,
+            "q3": 0.11,
+        },
+        {
+            "label": "tapesac@1",
+            "family": "tapesac",
+            "peak": 12 * MiB,
+            "seconds": 0.09,
+            "q1": 0.08,
+            "q3": 0.1,
+        },
+        {
+            "label": "tapesac_must",
+            "family": "tapesac",
+            "peak": 10 * MiB,
+            "seconds": 0.095,
+            "q1": 0.09,
+            "q3": 0.1,
+        },
+    ]
     (axes,) = method_frontier_figure(points, title="t").axes
     assert axes.get_xlabel() == "measured step peak memory (MiB)"
     assert axes.get_ylabel() == "median step time (ms)" and axes.get_title() == "t"
-    norm = [{"label": "x", "family": "tapesac", "memory_share": 0.2, "flop_share": 0.5,
-             "time_share": 0.4, "time_q1": 0.3, "time_q3": 0.5}]
+    norm = [
+        {
+            "label": "x",
+            "family": "tapesac",
+            "memory_share": 0.2,
+            "flop_share": 0.5,
+            "time_share": 0.4,
+            "time_q1": 0.3,
+            "time_q3": 0.5,
+        }
+    ]
     (axes,) = normalised_frontier_figure(norm).axes
     assert "%" in axes.get_xlabel() and "%" in axes.get_ylabel() and axes.get_title()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script")
 def test_gpu_check_script_passes_on_cpu_at_tiny_size(tmp_path: Path) -> None:
-    env = dict(os.environ, GPU_CHECK_DEVICE="cpu", GPU_CHECK_SIZE="tiny", GPU_CHECK_INSTALL="0",
-               OMP_NUM_THREADS="1", PYTHON=sys.executable)
-    out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path / "check")],
-                         env=env, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        GPU_CHECK_DEVICE="cpu",
+        GPU_CHECK_SIZE="tiny",
+        GPU_CHECK_INSTALL="0",
+        OMP_NUM_THREADS="1",
+        PYTHON=sys.executable,
+    )
+    out = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path / "check")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = (tmp_path / "check" / "summary.txt").read_text()
-    for stage in ("0_versions", "2_correctness", "2b_readiness", "3_timing", "4_limit", "5_frontier"):
+    for stage in (
+        "0_versions",
+        "2_correctness",
+        "2b_readiness",
+        "3_timing",
+        "4_limit",
+        "5_frontier",
+    ):
         assert f"{stage}: PASS" in summary
-    assert json.loads((tmp_path / "check" / "2_correctness.json").read_text())["must-only"]["bitwise_equal"]
+    assert json.loads((tmp_path / "check" / "2_correctness.json").read_text())["must-only"][
+        "bitwise_equal"
+    ]
     readiness = json.loads((tmp_path / "check" / "2b_readiness.json").read_text())
     assert readiness["1_leak_bytes"] == 0 and readiness["2_random_custom_op_bitwise"]
-    assert readiness["8_moe_bitwise_deterministic"] and len(set(readiness["3_fragmentation_estimates"])) <= 2
+    assert (
+        readiness["8_moe_bitwise_deterministic"]
+        and len(set(readiness["3_fragmentation_estimates"])) <= 2
+    )
     assert (tmp_path / "check" / "frontier" / "frontier_dense_tiny.json").is_file()

@@ -78,7 +78,10 @@ def test_the_controller_looks_for_hidden_writes_in_its_first_step_only(caplog) -
                 got = step(module, lambda: module(x).sum())
             reports.append(report)
     assert [r.block_traces[0].invisible_writes for r in reports] == [
-        [("aten.sin.default", 0, 0)], [], []]
+        [("aten.sin.default", 0, 0)],
+        [],
+        [],
+    ]
     assert caplog.text.count("out of the dispatcher's sight") == 1
     assert_bitwise(ref, got)
 

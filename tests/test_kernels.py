@@ -42,7 +42,12 @@ class FusedRMSNormGate(torch.autograd.Function):
 
 
 def fused_fake(x: Tensor, w: Tensor, g: Tensor, eps: float) -> tuple[Tensor, ...]:
-    return torch.empty_like(x), torch.empty_like(x), torch.empty_like(g), x.new_empty(*x.shape[:-1], 1)
+    return (
+        torch.empty_like(x),
+        torch.empty_like(x),
+        torch.empty_like(g),
+        x.new_empty(*x.shape[:-1], 1),
+    )
 
 
 fused = register_kernel(
@@ -109,7 +114,10 @@ def grads_of(fn: Any, args: tuple[Any, ...], use_second_output: bool = True) -> 
     generator = torch.Generator().manual_seed(1)
     loss = (outs[0] * torch.randn(outs[0].shape, generator=generator, dtype=outs[0].dtype)).sum()
     if use_second_output:
-        loss = loss + (outs[1] * torch.randn(outs[1].shape, generator=generator, dtype=outs[1].dtype)).sum()
+        loss = (
+            loss
+            + (outs[1] * torch.randn(outs[1].shape, generator=generator, dtype=outs[1].dtype)).sum()
+        )
     tensors = [a for a in args if isinstance(a, Tensor) and a.requires_grad]
     return list(torch.autograd.grad(loss, tensors))
 
@@ -168,7 +176,10 @@ def test_is_one_dispatcher_call(requires_grad: bool) -> None:
         FusedRMSNormGate.apply(*args)
     # Autograd itself detaches an output that backward saves (y here), for the op and for apply alike.
     saved_output_detach = ["aten.detach.default"] if requires_grad else []
-    assert wrapped.names == ["tapesac_test_kernels.fused_rmsnorm_gate.default", *saved_output_detach]
+    assert wrapped.names == [
+        "tapesac_test_kernels.fused_rmsnorm_gate.default",
+        *saved_output_detach,
+    ]
     assert "aten.rsqrt.default" in plain.names
 
 
@@ -215,7 +226,9 @@ def register_fused(name: str, schema: str = FUSED_SCHEMA, **overrides: Any) -> A
         "outputs": 2,
         "ctx_attributes": lambda x, w, g, eps: {"eps": eps},
     }
-    return register_kernel(qualname(name), FusedRMSNormGate, schema=schema, **{**options, **overrides})
+    return register_kernel(
+        qualname(name), FusedRMSNormGate, schema=schema, **{**options, **overrides}
+    )
 
 
 def register_tanh(name: str, **overrides: Any) -> Any:
@@ -223,7 +236,9 @@ def register_tanh(name: str, **overrides: Any) -> Any:
         "fake": lambda x, w, scale: torch.empty_like(x),
         "ctx_attributes": lambda x, w, scale: {"scale": scale},
     }
-    return register_kernel(qualname(name), ScaledTanh, schema=TANH_SCHEMA, **{**options, **overrides})
+    return register_kernel(
+        qualname(name), ScaledTanh, schema=TANH_SCHEMA, **{**options, **overrides}
+    )
 
 
 def test_duplicate_registration_is_refused() -> None:
@@ -234,7 +249,9 @@ def test_duplicate_registration_is_refused() -> None:
 def test_outputs_beyond_schema_returns_is_refused() -> None:
     with pytest.raises(ValueError, match="outputs=3 but the schema has 2 returns"):
         register_fused(
-            "too_many_outputs", "(Tensor x, Tensor w, Tensor g, float eps) -> (Tensor, Tensor)", outputs=3
+            "too_many_outputs",
+            "(Tensor x, Tensor w, Tensor g, float eps) -> (Tensor, Tensor)",
+            outputs=3,
         )
 
 
@@ -249,12 +266,16 @@ def test_schema_without_room_for_ctx_tensors_is_refused() -> None:
     kernel = register_fused(
         "no_ctx_returns", "(Tensor x, Tensor w, Tensor g, float eps) -> (Tensor, Tensor, Tensor)"
     )
-    with pytest.raises(ValueError, match="keeps 2 tensors only on ctx but the schema has room for 1"):
+    with pytest.raises(
+        ValueError, match="keeps 2 tensors only on ctx but the schema has room for 1"
+    ):
         kernel(*fused_inputs())
 
 
 def test_wrong_fake_return_count_is_refused() -> None:
-    kernel = register_tanh("short_fake", fake=lambda x, w, scale: (torch.empty_like(x), torch.empty_like(x)))
+    kernel = register_tanh(
+        "short_fake", fake=lambda x, w, scale: (torch.empty_like(x), torch.empty_like(x))
+    )
     with (
         FakeTensorMode(),
         pytest.raises(ValueError, match="fake returned 2 tensors but the schema declares 1"),
@@ -265,7 +286,8 @@ def test_wrong_fake_return_count_is_refused() -> None:
 def test_attribute_missing_from_ctx_attributes_is_refused() -> None:
     kernel = register_fused("no_eps", ctx_attributes=None)
     with pytest.raises(
-        ValueError, match=re.escape("forward sets ctx.eps = 1e-06, which ctx_attributes does not provide")
+        ValueError,
+        match=re.escape("forward sets ctx.eps = 1e-06, which ctx_attributes does not provide"),
     ):
         kernel(*fused_inputs())
 
@@ -352,10 +374,15 @@ class SortWithIndices(torch.autograd.Function):
         return values, indices
 
     @staticmethod
-    def backward(ctx: Any, grad_values: Tensor | None, grad_indices: Tensor | None) -> Tensor | None:
-        SortWithIndices.received.append(tuple(
-            "none" if g is None else ("zeros" if not g.any() else "grad")
-            for g in (grad_values, grad_indices)))
+    def backward(
+        ctx: Any, grad_values: Tensor | None, grad_indices: Tensor | None
+    ) -> Tensor | None:
+        SortWithIndices.received.append(
+            tuple(
+                "none" if g is None else ("zeros" if not g.any() else "grad")
+                for g in (grad_values, grad_indices)
+            )
+        )
         if grad_values is None:
             return None
         (indices,) = ctx.saved_tensors
@@ -364,9 +391,13 @@ class SortWithIndices(torch.autograd.Function):
 
 def _sort_kernel(name: str, materialize: bool):
     SortWithIndices.materialize = materialize
-    return register_kernel(qualname(name), SortWithIndices, schema="(Tensor x) -> (Tensor, Tensor)",
-                           fake=lambda x: (torch.empty_like(x), torch.empty_like(x, dtype=torch.long)),
-                           outputs=2)
+    return register_kernel(
+        qualname(name),
+        SortWithIndices,
+        schema="(Tensor x) -> (Tensor, Tensor)",
+        fake=lambda x: (torch.empty_like(x), torch.empty_like(x, dtype=torch.long)),
+        outputs=2,
+    )
 
 
 def _received(fn: Any, x: Tensor) -> tuple[list, Tensor, bool]:
@@ -379,7 +410,9 @@ def _received(fn: Any, x: Tensor) -> tuple[list, Tensor, bool]:
 
 
 @pytest.mark.parametrize("materialize", [True, False])
-def test_mark_non_differentiable_and_set_materialize_grads_behave_as_with_apply(materialize) -> None:
+def test_mark_non_differentiable_and_set_materialize_grads_behave_as_with_apply(
+    materialize,
+) -> None:
     kernel = _sort_kernel(f"sort_materialize_{materialize}", materialize)
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
     got = _received(kernel, x)
@@ -412,14 +445,22 @@ class KeepsAPair(torch.autograd.Function):
 
 
 def test_mark_dirty_is_refused_naming_the_fix() -> None:
-    kernel = register_kernel(qualname("adds_in_place"), AddsInPlace, schema="(Tensor x) -> Tensor",
-                             fake=lambda x: torch.empty_like(x))
+    kernel = register_kernel(
+        qualname("adds_in_place"),
+        AddsInPlace,
+        schema="(Tensor x) -> Tensor",
+        fake=lambda x: torch.empty_like(x),
+    )
     with pytest.raises(TypeError, match="called ctx.mark_dirty: return a new tensor instead"):
         kernel(torch.randn(3))
 
 
 def test_a_container_of_tensors_on_ctx_is_refused_naming_the_fix() -> None:
-    kernel = register_kernel(qualname("keeps_a_pair"), KeepsAPair, schema="(Tensor x) -> Tensor",
-                             fake=lambda x: torch.empty_like(x))
+    kernel = register_kernel(
+        qualname("keeps_a_pair"),
+        KeepsAPair,
+        schema="(Tensor x) -> Tensor",
+        fake=lambda x: torch.empty_like(x),
+    )
     with pytest.raises(TypeError, match="ctx.pair to a container of tensors.*its own attribute"):
         kernel(torch.randn(3))

@@ -21,9 +21,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def fit(out: Path, *args: str) -> list[dict]:
     """Run the job on 2 CPU processes; each rank's per-step records."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(ROOT / "tests" / "lightning_app.py"), "--out", str(out),
-               "--logdir", str(out / "runs"), *args]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [
+        sys.executable,
+        str(ROOT / "tests" / "lightning_app.py"),
+        "--out",
+        str(out),
+        "--logdir",
+        str(out / "runs"),
+        *args,
+    ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text())["steps"] for r in range(2)]
@@ -31,8 +42,13 @@ def fit(out: Path, *args: str) -> list[dict]:
 
 def report(run: Path, out: Path) -> str:
     """What `tapesac report RUN --out OUT` prints."""
-    done = subprocess.run([sys.executable, "-m", "tapesac_lightning.cli", "report", str(run),
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "tapesac_lightning.cli", "report", str(run), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -44,9 +60,15 @@ def losses(ranks: list[list[dict]]) -> list[list[float]]:
 SHORT = ("--steps", "10", "--min-len", "96", "--max-len", "96")
 
 
-@pytest.mark.parametrize("variant", [
-    (), ("--accumulate", "2", "--val-every", "4", "--precision", "bf16-mixed"), ("--manual",),
-], ids=["dropout", "accumulate_validate_bf16", "manual_optimization"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        (),
+        ("--accumulate", "2", "--val-every", "4", "--precision", "bf16-mixed"),
+        ("--manual",),
+    ],
+    ids=["dropout", "accumulate_validate_bf16", "manual_optimization"],
+)
 def test_fit_is_bitwise_torch_checkpoint_and_really_uses_tapesac(tmp_path, variant) -> None:
     tapesac = fit(tmp_path / "tapesac", *SHORT, *variant)
     torch_ckpt = fit(tmp_path / "torch", *SHORT, *variant, "--baseline", "torch")
@@ -84,8 +106,11 @@ def test_scalars_read_back_from_tensorboard(tmp_path) -> None:
     assert acc.Scalars("tapesac/measured_speedup")  # once the plan ran beside must-only steps
     assert acc.Scalars("tapesac/memory_limit_bytes")[0].value == 30 * 2**20
     # On Lightning's own step index, beside the module's train_loss.
-    assert [e.step for e in acc.Scalars("tapesac/step_time_ms")] == \
-        [e.step for e in acc.Scalars("train_loss")] == list(range(10))
+    assert (
+        [e.step for e in acc.Scalars("tapesac/step_time_ms")]
+        == [e.step for e in acc.Scalars("train_loss")]
+        == list(range(10))
+    )
     assert acc.Tags()["images"] == ["tapesac/frontier"]
     assert "tapesac/plan/text_summary" in acc.Tags()["tensors"]
     # tapesac report reads the same run back: plans, speedups over the run, figures.
@@ -93,21 +118,36 @@ def test_scalars_read_back_from_tensorboard(tmp_path) -> None:
     plans = acc.Tensors("tapesac/plan/text_summary")
     assert text.count("plan logged at step") == len(plans) > 0
     measured = [e.value for e in acc.Scalars("tapesac/measured_speedup")]
-    assert (f"measured speedup vs must-only, as logged each step: median "
-            f"{statistics.median(measured):.3f}x") in text
+    assert (
+        f"measured speedup vs must-only, as logged each step: median "
+        f"{statistics.median(measured):.3f}x"
+    ) in text
     assert f"{len(measured)} steps)" in text
-    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["frontier.png", "timeline.png"]
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == [
+        "frontier.png",
+        "timeline.png",
+    ]
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
 def test_resume_reuses_the_stored_plan_and_continues_with_identical_losses(tmp_path, full) -> None:
-    common = ("--steps", "12", "--epochs", "2", "--min-len", "96", "--max-len", "96",
-              "--dropout", "0.0") + (("--full-checkpoint",) if full else ())
+    common = (
+        "--steps",
+        "12",
+        "--epochs",
+        "2",
+        "--min-len",
+        "96",
+        "--max-len",
+        "96",
+        "--dropout",
+        "0.0",
+    ) + (("--full-checkpoint",) if full else ())
     whole = fit(tmp_path / "whole", *common, "--checkpoint-dir", str(tmp_path / "ckpt"))
     (first_epoch,) = glob.glob(str(tmp_path / "ckpt" / "epoch=0*"))
     resumed = fit(tmp_path / "resumed", *common, "--resume", first_epoch)
     assert len(resumed[0]) == 6
-    assert losses(resumed) == [l[6:] for l in losses(whole)]
+    assert losses(resumed) == [run[6:] for run in losses(whole)]
     assert [s["mode"] for s in resumed[0]] == ["planned"] * 6  # no warm-up, no profiling
     assert resumed[0][0]["plan"] == whole[0][5]["plan"]
     # tapesac report reads the checkpoint's plan cache.
@@ -119,8 +159,17 @@ def test_resume_reuses_the_stored_plan_and_continues_with_identical_losses(tmp_p
 def test_ranks_with_batches_of_different_lengths_keep_their_plans(tmp_path) -> None:
     # Each rank reads its own batches (64 to 256 tokens per sequence): the ranks agree on the
     # largest count, but each measures its own memory. Their plans must not shrink step by step.
-    ranks = fit(tmp_path, "--steps", "40", "--min-len", "64", "--max-len", "256",
-                "--full-control-every", "0")
+    ranks = fit(
+        tmp_path,
+        "--steps",
+        "40",
+        "--min-len",
+        "64",
+        "--max-len",
+        "256",
+        "--full-control-every",
+        "0",
+    )
     assert [s["tokens"] for s in ranks[0]] != [s["tokens"] for s in ranks[1]]
     plans = [Plan.from_json(s["plan"]) for s in ranks[0] if s["mode"] == "planned"]
     assert len(plans) >= 8 and all(not p.empty for p in plans)
@@ -130,8 +179,19 @@ def test_ranks_with_batches_of_different_lengths_keep_their_plans(tmp_path) -> N
 
 
 def test_a_growing_batch_replans_and_stays_under_the_limit(tmp_path) -> None:
-    ranks = fit(tmp_path, "--steps", "16", "--min-len", "96", "--max-len", "96", "--grow-at", "8",
-                "--memory-limit", "20MiB")
+    ranks = fit(
+        tmp_path,
+        "--steps",
+        "16",
+        "--min-len",
+        "96",
+        "--max-len",
+        "96",
+        "--grow-at",
+        "8",
+        "--memory-limit",
+        "20MiB",
+    )
     steps = ranks[0]
     before = Plan.from_json(steps[7]["plan"])
     after = Plan.from_json(steps[-1]["plan"])
@@ -151,15 +211,21 @@ def test_a_hugging_face_model_is_bitwise_fsdp2_with_torch_checkpoint(tmp_path) -
     assert all(s["blocks"] == 2 for s in tapesac[0] if s["mode"] != "full")  # Qwen3's 2 layers
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(memory_limit=1.5), ValueError, r"must lie in \[0, 1\]"),
-    (dict(memory_limit=1024), ValueError, "at least 1 MiB"),
-    (dict(memory_limit="a lot"), ValueError, "cannot read memory_limit"),
-    (dict(activation_checkpointing_policy="DecoderLayer"), TypeError,
-     "activation_checkpointing_policy must be a set of nn.Module classes"),
-    (dict(auto_wrap_policy={int}), TypeError, "auto_wrap_policy must be"),
-    (dict(regions=3), TypeError, "regions must map module classes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(memory_limit=1.5), ValueError, r"must lie in \[0, 1\]"),
+        (dict(memory_limit=1024), ValueError, "at least 1 MiB"),
+        (dict(memory_limit="a lot"), ValueError, "cannot read memory_limit"),
+        (
+            dict(activation_checkpointing_policy="DecoderLayer"),
+            TypeError,
+            "activation_checkpointing_policy must be a set of nn.Module classes",
+        ),
+        (dict(auto_wrap_policy={int}), TypeError, "auto_wrap_policy must be"),
+        (dict(regions=3), TypeError, "regions must map module classes"),
+    ],
+)
 def test_bad_arguments_fail_at_construction_naming_the_fix(kwargs, error, match) -> None:
     from tapesac_lightning import TapeSACFSDPStrategy
 
@@ -174,14 +240,23 @@ def test_a_policy_matching_no_module_fails_at_setup(tmp_path) -> None:
     from examples.train_lightning import LitDecoder
     from tapesac_lightning import TapeSACFSDPStrategy
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False,
-                         strategy=TapeSACFSDPStrategy(activation_checkpointing_policy={torch.nn.Conv2d}),
-                         enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        strategy=TapeSACFSDPStrategy(activation_checkpointing_policy={torch.nn.Conv2d}),
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     module = LitDecoder(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16))
     try:
-        with pytest.raises(TapeSACError, match=r"policy \{Conv2d\} matches no module of LitDecoder\. "
-                                               r"Fix: name its block classes, e\.g\. \{DecoderLayer\}.*"
-                                               r"TapeSACFSDPStrategy\(activation_checkpointing_policy"):
+        with pytest.raises(
+            TapeSACError,
+            match=r"policy \{Conv2d\} matches no module of LitDecoder\. "
+            r"Fix: name its block classes, e\.g\. \{DecoderLayer\}.*"
+            r"TapeSACFSDPStrategy\(activation_checkpointing_policy",
+        ):
             trainer.fit(module, [torch.zeros(1, 8, dtype=torch.long)])
     finally:
         if torch.distributed.is_initialized():
@@ -207,9 +282,15 @@ def test_a_model_sharded_in_configure_model_gets_tapesac_only_and_options_apply(
         counted.append(batch.shape)
         return {"attention_block": batch.numel()}
 
-    strategy = TapeSACFSDPStrategy("64MiB", activation_checkpointing_policy={DecoderLayer},
-                                   regions={DecoderLayer: "attention_block"}, tokens=tokens,
-                                   warmup_steps=1, profile_steps=1, control_steps=1)
+    strategy = TapeSACFSDPStrategy(
+        "64MiB",
+        activation_checkpointing_policy={DecoderLayer},
+        regions={DecoderLayer: "attention_block"},
+        tokens=tokens,
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+    )
     module = _fit_tiny(tmp_path, SelfSharded, strategy, batches=5, max_steps=5)
     controller = strategy.controller
     assert controller.regions == ["attention_block"] and len(counted) == 5
@@ -245,14 +326,31 @@ def _fit_tiny(tmp_path, module_class, strategy, batches: int, **trainer_args):
 
     from examples.models import ModelConfig
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, strategy=strategy,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path, **trainer_args)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        strategy=strategy,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **trainer_args,
+    )
     torch.manual_seed(0)
-    module = module_class(ModelConfig(hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                                      intermediate_size=64, num_layers=2))
-    data = torch.utils.data.DataLoader([torch.randint(0, 256, (2, 16)) for _ in range(batches)],
-                                       batch_size=None)
+    module = module_class(
+        ModelConfig(
+            hidden_size=32,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            intermediate_size=64,
+            num_layers=2,
+        )
+    )
+    data = torch.utils.data.DataLoader(
+        [torch.randint(0, 256, (2, 16)) for _ in range(batches)], batch_size=None
+    )
     try:
         trainer.fit(module, data)
     finally:

@@ -35,8 +35,8 @@ class Routed(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.proj(x)
-        picked = torch.nonzero(h[:, 0] > 0).flatten()          # dynamic shape: mandatory
-        masked = h[h[:, 1] > 0]                                  # boolean index: mandatory
+        picked = torch.nonzero(h[:, 0] > 0).flatten()  # dynamic shape: mandatory
+        masked = h[h[:, 1] > 0]  # boolean index: mandatory
         counts = torch.tensor([1, 2, 1, 2, 1, 2, 1, 2])
         repeated = h.repeat_interleave(counts, dim=0, output_size=12)  # shape known: replayed
         return (h[picked].exp().sum() + masked.exp().sum() + repeated.exp().sum()) * h
@@ -61,7 +61,7 @@ def _backward_counted(module, x):
     torch.manual_seed(0)
     with tapesac_core.trace() as blocks:
         out = module(x)
-    loss = (out ** 2).sum()
+    loss = (out**2).sum()
     with DynamicCalls() as counter:
         loss.backward()
     return ref, blocks[0], counter
@@ -71,7 +71,9 @@ def _reasons(tape) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for vid, reason in tape.mandatory.items():
         node = tape.values[vid].node
-        out.setdefault(reason, set()).add(tape.nodes[node].name if node >= 0 else tape.values[vid].kind)
+        out.setdefault(reason, set()).add(
+            tape.nodes[node].name if node >= 0 else tape.values[vid].kind
+        )
     return out
 
 
@@ -83,8 +85,10 @@ def test_data_dependent_shapes_are_mandatory_and_backward_never_syncs() -> None:
     tape = block.tape
     reasons = _reasons(tape)
     # torch.tensor([...]) is built outside the dispatcher: a tensor without a recorded producer.
-    assert reasons == {DYNAMIC_SHAPE: {"aten.nonzero.default", "aten.index.Tensor"},
-                       NO_PRODUCER: {"external"}}
+    assert reasons == {
+        DYNAMIC_SHAPE: {"aten.nonzero.default", "aten.index.Tensor"},
+        NO_PRODUCER: {"external"},
+    }
     index_nodes = [n for n in tape.nodes if n.name == "aten.index.Tensor"]
     # h[mask] (boolean) is mandatory, h[picked] (integer) is replayed.
     assert [any(v in tape.mandatory for v in n.outs) for n in index_nodes] == [True, False]

@@ -44,14 +44,18 @@ def _setup(dropout: float):
     cos, sin = rotary_cos_sin(32, config.head_dim, config.rope_theta, x)
     tapesac = copy.deepcopy(stack)
     tapesac_core.checkpoint_modules(tapesac, {DecoderLayer})
-    return {"none": stack, "tapesac": tapesac,
-            "torch": TorchCheckpointed(copy.deepcopy(stack))}, (x, cos, sin)
+    return {"none": stack, "tapesac": tapesac, "torch": TorchCheckpointed(copy.deepcopy(stack))}, (
+        x,
+        cos,
+        sin,
+    )
 
 
 def _train_step(model, args):
     def run():
         torch.manual_seed(1)
         model(*args).square().sum().backward()
+
     return run
 
 
@@ -92,8 +96,9 @@ def test_step_peak_is_no_higher_than_torch_checkpoint(dropout) -> None:
     # (on CUDA each is 16 bytes; on CPU the Mersenne-Twister state is 5 KB).
     with tapesac_core.trace() as blocks:
         models["tapesac"](*args)
-    extra_states = sum(b.tape.rng_bytes for b in blocks) - (CPU_GENERATOR_STATE * len(blocks)
-                                                            if dropout else 0)
+    extra_states = sum(b.tape.rng_bytes for b in blocks) - (
+        CPU_GENERATOR_STATE * len(blocks) if dropout else 0
+    )
     assert peaks["tapesac"].peak - extra_states <= peaks["torch"].peak < peaks["none"].peak
     # Blocks free everything they kept once their backward is done (no reference cycles).
     assert peaks["tapesac"].end == peaks["torch"].end == peaks["none"].end
@@ -117,19 +122,25 @@ class FakeAllocator:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
-        self.stats = {"max_memory_allocated": 700, "memory_allocated": 300,
-                      "max_memory_reserved": 900, "memory_reserved": 800}
+        self.stats = {
+            "max_memory_allocated": 700,
+            "memory_allocated": 300,
+            "max_memory_reserved": 900,
+            "memory_reserved": 800,
+        }
         self.retries = 2
 
     def install(self, monkeypatch) -> None:
         for name, value in self.stats.items():
             monkeypatch.setattr(torch.accelerator, name, lambda device, v=value: v)
         monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda device: (1000, 10_000))
-        monkeypatch.setattr(torch.accelerator, "memory_stats",
-                            lambda device: {"num_alloc_retries": self.retries})
+        monkeypatch.setattr(
+            torch.accelerator, "memory_stats", lambda device: {"num_alloc_retries": self.retries}
+        )
         for name in ("synchronize", "reset_peak_memory_stats"):
-            monkeypatch.setattr(torch.accelerator, name,
-                                lambda device, n=name: self.calls.append(f"{n}({device})"))
+            monkeypatch.setattr(
+                torch.accelerator, name, lambda device, n=name: self.calls.append(f"{n}({device})")
+            )
 
 
 def test_a_device_meter_reads_the_allocator_of_its_device(monkeypatch) -> None:
@@ -142,9 +153,16 @@ def test_a_device_meter_reads_the_allocator_of_its_device(monkeypatch) -> None:
     assert allocator.calls[-1] == "synchronize(cuda:1)"
     # Peak and current are allocated bytes; outside = total − free − reserved now (Eq. 9).
     # Reserved grew by 100 over the 800 reserved at entry; no allocation retried in between.
-    assert reading == MemoryReading(peak=700, current=300, reserved=900, total=10_000, free=1000,
-                                    outside=10_000 - 1000 - 800, reserved_growth=100,
-                                    alloc_retries=0)
+    assert reading == MemoryReading(
+        peak=700,
+        current=300,
+        reserved=900,
+        total=10_000,
+        free=1000,
+        outside=10_000 - 1000 - 800,
+        reserved_growth=100,
+        alloc_retries=0,
+    )
     assert isinstance(memory_meter("cpu"), LiveTensorMeter)
 
 
@@ -166,8 +184,11 @@ def _raise(*args) -> None:
     raise _Interrupted
 
 
-@pytest.mark.parametrize("moe,interrupted", [(False, False), (True, False), (False, True)],
-                         ids=["dense", "moe", "error_inside_a_block"])
+@pytest.mark.parametrize(
+    "moe,interrupted",
+    [(False, False), (True, False), (False, True)],
+    ids=["dense", "moe", "error_inside_a_block"],
+)
 def test_forward_without_backward_frees_every_block_after_gc(moe, interrupted) -> None:
     torch.manual_seed(0)
     model = DecoderLM(ModelConfig(moe=moe, num_layers=2))

@@ -6,15 +6,31 @@ import random
 import pytest
 
 from tapesac_core.plan import Graph
-from tapesac_core.plan.peak import (FORWARD_END, FORWARD_START, RELEASE, UNPACK_END, UNPACK_START,
-                                    Event, Option, RegionMenu, Segment, Timeline, TimelineBlock,
-                                    predict, replay_memory, solve_peak, timeline_of)
+from tapesac_core.plan.peak import (
+    FORWARD_END,
+    FORWARD_START,
+    RELEASE,
+    UNPACK_END,
+    UNPACK_START,
+    Event,
+    Option,
+    RegionMenu,
+    Segment,
+    Timeline,
+    TimelineBlock,
+    predict,
+    replay_memory,
+    solve_peak,
+    timeline_of,
+)
 
 
 def _chain():
     # x -> a (10 B) -> b (20 B) -> c (40 B); backward reads a, b and c, in reverse order.
-    return Graph({"a": (1.0, 10, ["x"]), "b": (2.0, 20, ["a"]), "c": (4.0, 40, ["b"])},
-                 demand=["a", "b", "c"])
+    return Graph(
+        {"a": (1.0, 10, ["x"]), "b": (2.0, 20, ["a"]), "c": (4.0, 40, ["b"])},
+        demand=["a", "b", "c"],
+    )
 
 
 def test_replay_memory_follows_replay_order_and_frees_at_last_read() -> None:
@@ -35,20 +51,39 @@ def test_replay_memory_follows_replay_order_and_frees_at_last_read() -> None:
 
 
 def _timeline(peaks, first_last, own=None):
-    segs = tuple(Segment(peak=p, first=f, last=l, phase="compute" if o is not None else "outside",
-                         own=o, unpack=0 if o is not None else None, label=f"s{k}")
-                 for k, (p, (f, l), o) in enumerate(zip(peaks, first_last, own or [None] * len(peaks))))
-    n = 1 + max(l for _, l in first_last)
-    return Timeline(tokens=1, static=0, segments=segs,
-                    blocks=tuple(TimelineBlock(region="r", index=i, sequence="s") for i in range(n)))
+    segs = tuple(
+        Segment(
+            peak=p,
+            first=f,
+            last=last,
+            phase="compute" if o is not None else "outside",
+            own=o,
+            unpack=0 if o is not None else None,
+            label=f"s{k}",
+        )
+        for k, (p, (f, last), o) in enumerate(zip(peaks, first_last, own or [None] * len(peaks)))
+    )
+    n = 1 + max(last for _, last in first_last)
+    return Timeline(
+        tokens=1,
+        static=0,
+        segments=segs,
+        blocks=tuple(TimelineBlock(region="r", index=i, sequence="s") for i in range(n)),
+    )
 
 
 def test_predict_counts_a_block_only_while_it_is_alive() -> None:
     # Three blocks; the loss segment holds all, block 2's window holds 0..2, block 0's only 0.
-    t = _timeline([100, 130, 120, 110, 90], [(0, 0), (0, 2), (0, 2), (0, 0), (1, 0)],
-                  own=[None, None, 2, 0, None])
-    opts = [Option(bytes=5, gain=1.0, point=1), Option(bytes=7, gain=1.0, point=1),
-            Option(bytes=11, gain=1.0, point=1, compute=(-8,))]
+    t = _timeline(
+        [100, 130, 120, 110, 90],
+        [(0, 0), (0, 2), (0, 2), (0, 0), (1, 0)],
+        own=[None, None, 2, 0, None],
+    )
+    opts = [
+        Option(bytes=5, gain=1.0, point=1),
+        Option(bytes=7, gain=1.0, point=1),
+        Option(bytes=11, gain=1.0, point=1, compute=(-8,)),
+    ]
     p = predict(t, opts)
     assert p.peak == 130 + 5 + 7 + 11 and p.label == "s1"
     # Eq. 8 would charge every byte at the must-only peak too; here block 0's window sees 5 only.
@@ -60,8 +95,12 @@ def test_solve_peak_is_exact_against_brute_force() -> None:
     for trial in range(40):
         n = rng.randint(1, 4)
         # Single micro-batch: forward segments 0..i, the loss, backward windows 0..j.
-        ranges = [(0, i) for i in range(n)] + [(0, n - 1)] + [(0, j) for j in reversed(range(n))] \
+        ranges = (
+            [(0, i) for i in range(n)]
+            + [(0, n - 1)]
+            + [(0, j) for j in reversed(range(n))]
             + [(1, 0)]
+        )
         owns = [None] * (n + 1) + list(reversed(range(n))) + [None]
         peaks = [rng.randint(50, 100) for _ in ranges]
         t = _timeline(peaks, ranges, owns)
@@ -69,15 +108,22 @@ def test_solve_peak_is_exact_against_brute_force() -> None:
         for _ in range(n):
             opts = [Option(bytes=0, gain=0.0, point=0)]
             for p in range(1, rng.randint(1, 4)):
-                opts.append(Option(bytes=opts[-1].bytes + rng.randint(1, 30),
-                                   gain=opts[-1].gain + rng.randint(1, 9),
-                                   point=p, compute=(-rng.randint(0, 20),)))
+                opts.append(
+                    Option(
+                        bytes=opts[-1].bytes + rng.randint(1, 30),
+                        gain=opts[-1].gain + rng.randint(1, 9),
+                        point=p,
+                        compute=(-rng.randint(0, 20),),
+                    )
+                )
             menus.append(opts)
         capacity = max(peaks) + rng.randint(0, 60)
         picks = solve_peak(t, menus, capacity, resolution=capacity)  # 1-byte units: exact
-        best = max((sum(menus[i][c].gain for i, c in enumerate(combo)), combo)
-                   for combo in itertools.product(*[range(len(m)) for m in menus])
-                   if predict(t, [menus[i][c] for i, c in enumerate(combo)]).peak <= capacity)
+        best = max(
+            (sum(menus[i][c].gain for i, c in enumerate(combo)), combo)
+            for combo in itertools.product(*[range(len(m)) for m in menus])
+            if predict(t, [menus[i][c] for i, c in enumerate(combo)]).peak <= capacity
+        )
         got = [menus[i][c] for i, c in enumerate(picks)]
         assert predict(t, got).peak <= capacity
         assert sum(o.gain for o in got) == best[0], trial
@@ -89,14 +135,24 @@ def _windows_timeline(rng: random.Random, groups: int, blocks: int, unpacks: int
     segs, n = [], groups * blocks
     for g in range(groups):
         lo = g * blocks
-        segs += [Segment(peak=rng.randint(50, 100), first=lo, last=i, phase="forward") for i in range(lo, lo + blocks)]
+        segs += [
+            Segment(peak=rng.randint(50, 100), first=lo, last=i, phase="forward")
+            for i in range(lo, lo + blocks)
+        ]
         segs.append(Segment(peak=rng.randint(50, 100), first=lo, last=lo + blocks - 1))
         for j in reversed(range(lo, lo + blocks)):
-            segs += [Segment(peak=rng.randint(50, 100), first=lo, last=j, phase=phase, own=j, unpack=u)
-                     for u in range(unpacks) for phase in ("replay", "compute")]
+            segs += [
+                Segment(peak=rng.randint(50, 100), first=lo, last=j, phase=phase, own=j, unpack=u)
+                for u in range(unpacks)
+                for phase in ("replay", "compute")
+            ]
         segs.append(Segment(peak=rng.randint(30, 60), first=1, last=0))
-    return Timeline(tokens=1, static=0, segments=tuple(segs),
-                    blocks=tuple(TimelineBlock(region="r", index=i, sequence="s") for i in range(n)))
+    return Timeline(
+        tokens=1,
+        static=0,
+        segments=tuple(segs),
+        blocks=tuple(TimelineBlock(region="r", index=i, sequence="s") for i in range(n)),
+    )
 
 
 def test_solve_peak_is_exact_with_replay_deltas_and_micro_batches() -> None:
@@ -111,15 +167,23 @@ def test_solve_peak_is_exact_with_replay_deltas_and_micro_batches() -> None:
             opts = [Option(bytes=0, gain=0.0, point=0)]
             for p in range(1, rng.randint(2, 4)):
                 width = rng.randint(0, unpacks)  # fewer deltas than unpacks: no change past them
-                opts.append(Option(bytes=opts[-1].bytes + rng.randint(1, 30), gain=opts[-1].gain + rng.randint(1, 9),
-                                   point=p, replay=tuple(rng.randint(-40, 5) for _ in range(width)),
-                                   compute=tuple(rng.randint(-40, 5) for _ in range(width))))
+                opts.append(
+                    Option(
+                        bytes=opts[-1].bytes + rng.randint(1, 30),
+                        gain=opts[-1].gain + rng.randint(1, 9),
+                        point=p,
+                        replay=tuple(rng.randint(-40, 5) for _ in range(width)),
+                        compute=tuple(rng.randint(-40, 5) for _ in range(width)),
+                    )
+                )
             menus.append(opts)
         capacity = max(s.peak for s in t.segments) + rng.randint(-30, 60)
         picks = solve_peak(t, menus, capacity, resolution=max(1, capacity))  # 1-byte units: exact
-        fits = [(sum(menus[i][c].gain for i, c in enumerate(combo)), combo)
-                for combo in itertools.product(*[range(len(m)) for m in menus])
-                if predict(t, [menus[i][c] for i, c in enumerate(combo)]).peak <= capacity]
+        fits = [
+            (sum(menus[i][c].gain for i, c in enumerate(combo)), combo)
+            for combo in itertools.product(*[range(len(m)) for m in menus])
+            if predict(t, [menus[i][c] for i, c in enumerate(combo)]).peak <= capacity
+        ]
         if not fits:
             assert picks is None, trial
             continue
@@ -135,17 +199,28 @@ def test_when_no_plan_fits_the_plan_of_the_lowest_predicted_peak_runs() -> None:
     from tapesac_core.solve import _lowest_peak
 
     t = _windows_timeline(random.Random(0), 1, 2, 1)
-    t = Timeline(tokens=1, static=0, blocks=t.blocks, segments=(
-        Segment(peak=90, first=0, last=0, phase="forward"),
-        Segment(peak=100, first=0, last=1, phase="forward"),
-        Segment(peak=100, first=0, last=1),                                   # the loss
-        Segment(peak=150, first=0, last=1, phase="replay", own=1, unpack=0),  # block 1's window
-        Segment(peak=110, first=0, last=0, phase="replay", own=0, unpack=0),  # block 0's window
-        Segment(peak=40, first=1, last=0)))
+    t = Timeline(
+        tokens=1,
+        static=0,
+        blocks=t.blocks,
+        segments=(
+            Segment(peak=90, first=0, last=0, phase="forward"),
+            Segment(peak=100, first=0, last=1, phase="forward"),
+            Segment(peak=100, first=0, last=1),  # the loss
+            Segment(peak=150, first=0, last=1, phase="replay", own=1, unpack=0),  # block 1's window
+            Segment(peak=110, first=0, last=0, phase="replay", own=0, unpack=0),  # block 0's window
+            Segment(peak=40, first=1, last=0),
+        ),
+    )
     zero = Option(bytes=0, gain=0.0, point=0)
-    menus = [[zero, Option(bytes=5, gain=1.0, point=1)],
-             [zero, Option(bytes=10, gain=1.0, point=1, replay=(-40,)),
-              Option(bytes=30, gain=3.0, point=2, replay=(-45,))]]
+    menus = [
+        [zero, Option(bytes=5, gain=1.0, point=1)],
+        [
+            zero,
+            Option(bytes=10, gain=1.0, point=1, replay=(-40,)),
+            Option(bytes=30, gain=3.0, point=2, replay=(-45,)),
+        ],
+    ]
     assert predict(t, [zero, zero]).peak == 150
     assert solve_peak(t, menus, 100) is None  # below every plan's peak
     picks = _lowest_peak(t, menus, 100, resolution=4096)
@@ -175,10 +250,18 @@ def test_a_second_micro_batch_starts_from_freed_memory() -> None:
 
 def test_timeline_of_events_alive_ranges_and_labels() -> None:
     ev = lambda kind, b, peak, vid=None: Event(kind=kind, block=b, peak=peak, current=0, vid=vid)  # noqa: E731
-    events = [ev(FORWARD_START, 0, 10), ev(FORWARD_END, 0, 20), ev(FORWARD_START, 1, 21),
-              ev(FORWARD_END, 1, 30), ev(UNPACK_START, 1, 50, 7), ev(UNPACK_END, 1, 45, 7),
-              ev(RELEASE, 1, 44), ev(UNPACK_START, 0, 40, 3), ev(UNPACK_END, 0, 38, 3),
-              ev(RELEASE, 0, 37)]
+    events = [
+        ev(FORWARD_START, 0, 10),
+        ev(FORWARD_END, 0, 20),
+        ev(FORWARD_START, 1, 21),
+        ev(FORWARD_END, 1, 30),
+        ev(UNPACK_START, 1, 50, 7),
+        ev(UNPACK_END, 1, 45, 7),
+        ev(RELEASE, 1, 44),
+        ev(UNPACK_START, 0, 40, 3),
+        ev(UNPACK_END, 0, 38, 3),
+        ev(RELEASE, 0, 37),
+    ]
     blocks = [TimelineBlock(region="r", index=i, sequence="s") for i in range(2)]
     t = timeline_of(events, blocks, tokens=8, static=5, end_peak=60, names=["L0", "L1"])
     got = [(s.peak, s.first, s.last, s.phase, s.own, s.unpack, s.label) for s in t.segments]
@@ -201,8 +284,14 @@ def test_timeline_of_events_alive_ranges_and_labels() -> None:
 
 def test_region_menu_options_carry_replay_deltas_scaled_to_tokens() -> None:
     g = _chain()
-    menu = RegionMenu(sequence="s", graph=g, bytes=(0, 40), gains=(0.0, 3.0),
-                      saved=(frozenset(), frozenset({1})), scale=2.0)
+    menu = RegionMenu(
+        sequence="s",
+        graph=g,
+        bytes=(0, 40),
+        gains=(0.0, 3.0),
+        saved=(frozenset(), frozenset({1})),
+        scale=2.0,
+    )
     base, saved = menu.options([2, 1, 0])
     assert base.replay == (0, 0, 0) and base.compute == (0, 0, 0)
     assert saved.replay == (-60, -60, 0) and saved.compute == (-60, -60, 0)

@@ -39,15 +39,25 @@ def _step_up(controller, plan) -> int | None:
     plan's granularity), or None when every block already saves everything useful."""
     (region,) = plan.regions
     profile, tokens = controller.profiles[region], plan.regions[region].tokens
-    points = scaled(profile.frontier(controller.config.beam_width, controller.config.max_set_size),
-                    tokens / profile.tokens)
+    points = scaled(
+        profile.frontier(controller.config.beam_width, controller.config.max_set_size),
+        tokens / profile.tokens,
+    )
     timeline = controller.memory.timeline(tokens).scaled(plan.base)
-    menus = menus_of(timeline, region_menus(controller.profiles, {region: points}, {region: tokens}))
-    chosen = [next(i for i, o in enumerate(m) if o.bytes == plan.regions[region].block_bytes[b.index])
-              for m, b in zip(menus, timeline.blocks)]
+    menus = menus_of(
+        timeline, region_menus(controller.profiles, {region: points}, {region: tokens})
+    )
+    chosen = [
+        next(i for i, o in enumerate(m) if o.bytes == plan.regions[region].block_bytes[b.index])
+        for m, b in zip(menus, timeline.blocks)
+    ]
     now = predict(timeline, [m[c] for m, c in zip(menus, chosen)]).peak
-    rises = [predict(timeline, [m[k + (j == i)] for j, (m, k) in enumerate(zip(menus, chosen))]).peak - now
-             for i, c in enumerate(chosen) if c + 1 < len(menus[i])]
+    rises = [
+        predict(timeline, [m[k + (j == i)] for j, (m, k) in enumerate(zip(menus, chosen))]).peak
+        - now
+        for i, c in enumerate(chosen)
+        if c + 1 < len(menus[i])
+    ]
     return min(rises) if rises else None
 
 
@@ -66,8 +76,16 @@ def _run(base, limit, memory_model="peak", vocab=256, steps=5, fresh=False, cont
     control step's measured peak, and the last report (and the controller)."""
     model = copy.deepcopy(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    controller = Controller(model, limit, warmup_steps=1, profile_steps=1, control_steps=1,
-                            control_every=0, memory_model=memory_model, peak_correction=False)
+    controller = Controller(
+        model,
+        limit,
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+        control_every=0,
+        memory_model=memory_model,
+        peak_correction=False,
+    )
     planned, must_only = [], None
     for step in range(steps):
         # The sample (profile) step and the first planned step see the same batch.
@@ -80,7 +98,9 @@ def _run(base, limit, memory_model="peak", vocab=256, steps=5, fresh=False, cont
         elif report.mode == CONTROL:
             must_only = peak
     assert report.mode == PLANNED
-    return (planned, must_only, report, controller) if controller_too else (planned, must_only, report)
+    return (
+        (planned, must_only, report, controller) if controller_too else (planned, must_only, report)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +112,9 @@ def dense():
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.3, 0.6, 1.0])
-def test_predicted_peak_within_3_percent_never_above_the_limit_and_the_capacity_used(dense, fraction,
-                                                                                     caplog):
+def test_predicted_peak_within_3_percent_never_above_the_limit_and_the_capacity_used(
+    dense, fraction, caplog
+):
     base, must_only, everything = dense
     limit = int((must_only + fraction * everything) / 0.98)
     with caplog.at_level("WARNING"):
@@ -105,16 +126,22 @@ def test_predicted_peak_within_3_percent_never_above_the_limit_and_the_capacity_
     measured, predicted = planned[0]
     # Where the peak falls depends on the plan (and so on measured op times): a block's window
     # or the loss, which all saved values reach.
-    assert plan.memory_model == "peak" and (plan.peak_at.startswith("backward window of layers.")
-                                            or plan.peak_at == "between forward and backward (the loss)")
+    assert plan.memory_model == "peak" and (
+        plan.peak_at.startswith("backward window of layers.")
+        or plan.peak_at == "between forward and backward (the loss)"
+    )
     assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
     assert max(p for p, _ in planned) <= limit
     # Every saved value removes replay time (no memory filled with values of zero gain).
     assert all(s.time_removed > 0 for p in plan.regions.values() for s in p.saved)
     # The plan spends the memory the limit gives, unless no block's next frontier point fits
     # (it saves everything useful, or the next step up is too large).
-    assert _uses_its_capacity(controller, plan, measured, measured_must_only), \
-        (measured, measured_must_only, plan.capacity, _step_up(controller, plan))
+    assert _uses_its_capacity(controller, plan, measured, measured_must_only), (
+        measured,
+        measured_must_only,
+        plan.capacity,
+        _step_up(controller, plan),
+    )
 
 
 def test_a_zero_limit_runs_must_only_under_the_peak_aware_model(dense, caplog):
@@ -147,8 +174,9 @@ def test_a_peak_at_the_loss_is_located_and_the_plan_uses_the_memory_beside_it():
     everything = report.plan.saved_bytes
     assert report.plan.peak_at == "between forward and backward (the loss)"
     limit = int((must_only + 0.5 * everything) / 0.98)
-    planned, measured_must_only, report, controller = _run(base, limit, vocab=vocab,
-                                                           controller_too=True)
+    planned, measured_must_only, report, controller = _run(
+        base, limit, vocab=vocab, controller_too=True
+    )
     plan = report.plan
     measured, predicted = planned[0]
     assert plan.peak_at == "between forward and backward (the loss)"
@@ -173,8 +201,15 @@ def test_a_longer_sequence_mid_run_samples_again_and_stays_under_the_limit(dense
     limit = int((must_only + 0.6 * everything) / 0.98)
     model = copy.deepcopy(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    controller = Controller(model, limit, warmup_steps=1, profile_steps=1, control_steps=1,
-                            control_every=0, peak_correction=False)
+    controller = Controller(
+        model,
+        limit,
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+        control_every=0,
+        peak_correction=False,
+    )
     for step in range(3):
         train_step(model, optimizer, _ids(0), controller)
     modes, peaks = [], []
@@ -196,9 +231,18 @@ def _qwen3():
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_dropout=0.1))
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=192,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_dropout=0.1,
+        )
+    )
     model.train()
     tapesac_core.checkpoint_modules(model, {Qwen3DecoderLayer})
     return model
@@ -207,8 +251,15 @@ def _qwen3():
 def _qwen3_run(base, limit):
     model = copy.deepcopy(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    controller = Controller(model, limit, warmup_steps=1, profile_steps=1, control_steps=1,
-                            control_every=0, peak_correction=False)
+    controller = Controller(
+        model,
+        limit,
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+        control_every=0,
+        peak_correction=False,
+    )
     ids = _ids(0, vocab=128)
     planned, must_only = [], None
     for _ in range(5):
@@ -244,8 +295,15 @@ def test_two_micro_batches_in_one_step_the_second_starts_from_freed_memory(dense
     model = copy.deepcopy(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     limit = int((must_only + 0.6 * everything) / 0.98)
-    controller = Controller(model, limit, warmup_steps=1, profile_steps=1, control_steps=1,
-                            control_every=0, peak_correction=False)
+    controller = Controller(
+        model,
+        limit,
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+        control_every=0,
+        peak_correction=False,
+    )
     planned = []
     for _ in range(4):
         with LiveTensorMeter() as meter:
@@ -285,13 +343,19 @@ def test_measuring_the_timeline_leaves_the_step_bitwise_and_sees_every_block():
     timeline = probe.timeline(blocks, end, tokens=ids.numel(), static=0)
     kinds = [e.kind for e in probe.events]
     assert kinds.count("forward_start") == kinds.count("release") == 4
-    assert kinds.count("unpack_start") == kinds.count("unpack_end") == sum(
-        len(b.unpacks) for b in timeline.blocks) > 0
+    assert (
+        kinds.count("unpack_start")
+        == kinds.count("unpack_end")
+        == sum(len(b.unpacks) for b in timeline.blocks)
+        > 0
+    )
     assert timeline.peak == meter.reading().peak  # the segments cover the whole window
 
 
 @pytest.mark.parametrize("fraction", [0.97, 0.5])  # 0.5: no plan reaches that low
-def test_a_limit_below_the_must_only_peak_warns_only_when_no_plan_fits_below_it(dense, caplog, fraction):
+def test_a_limit_below_the_must_only_peak_warns_only_when_no_plan_fits_below_it(
+    dense, caplog, fraction
+):
     """Saving a value also removes the replay temporaries it would cost, so under the peak-aware
     model a limit below the must-only peak may still be met. Whether a plan reaches that low
     depends on the frontier (measured op times); either way the controller must say the truth:
@@ -303,8 +367,15 @@ def test_a_limit_below_the_must_only_peak_warns_only_when_no_plan_fits_below_it(
     limit = int(must_only * fraction)
     # The default 2% margin: the first planned step can read up to ~1% above its prediction
     # (within the model's 3%), so with margin 0 a plan that fills the capacity may cross the limit.
-    controller = Controller(model, limit, warmup_steps=1, profile_steps=1, control_steps=1,
-                            control_every=0, peak_correction=False)
+    controller = Controller(
+        model,
+        limit,
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+        control_every=0,
+        peak_correction=False,
+    )
     planned = []
     with caplog.at_level("WARNING"):
         for _ in range(5):
@@ -321,5 +392,6 @@ def test_a_limit_below_the_must_only_peak_warns_only_when_no_plan_fits_below_it(
     else:  # the plan of the lowest predicted peak runs, never above must-only's
         assert caplog.text.count("no plan fits") == 1
         assert plan.predicted_peak <= plan.base and max(planned) <= 1.02 * must_only  # the margin
-        assert ("has the lowest predicted peak" if plan.saved_bytes else "nothing more is saved") \
-            in plan.explain()
+        assert (
+            "has the lowest predicted peak" if plan.saved_bytes else "nothing more is saved"
+        ) in plan.explain()

@@ -7,18 +7,21 @@ import pytest
 from tapesac_core.plan import PRIMARY_FACTOR, SECONDARY_FACTOR, bucket, upper_edge
 
 
-@pytest.mark.parametrize(("tokens", "factor", "q", "edge"), [
-    (1, PRIMARY_FACTOR, 0, 1),
-    (2, PRIMARY_FACTOR, 7, 2),
-    (1000, PRIMARY_FACTOR, 72, 1051),
-    (4096, PRIMARY_FACTOR, 87, 4390),
-    (100_000, PRIMARY_FACTOR, 120, 101_979),
-    (1, SECONDARY_FACTOR, 0, 1),
-    (1000, SECONDARY_FACTOR, 30, 1009),
-    (4096, SECONDARY_FACTOR, 37, 4814),
-    (8, 2.0, 3, 15),  # an exact power starts its bucket
-    (7, 2.0, 2, 7),
-])
+@pytest.mark.parametrize(
+    ("tokens", "factor", "q", "edge"),
+    [
+        (1, PRIMARY_FACTOR, 0, 1),
+        (2, PRIMARY_FACTOR, 7, 2),
+        (1000, PRIMARY_FACTOR, 72, 1051),
+        (4096, PRIMARY_FACTOR, 87, 4390),
+        (100_000, PRIMARY_FACTOR, 120, 101_979),
+        (1, SECONDARY_FACTOR, 0, 1),
+        (1000, SECONDARY_FACTOR, 30, 1009),
+        (4096, SECONDARY_FACTOR, 37, 4814),
+        (8, 2.0, 3, 15),  # an exact power starts its bucket
+        (7, 2.0, 2, 7),
+    ],
+)
 def test_bucket_and_upper_edge(tokens, factor, q, edge):
     assert bucket(tokens, factor) == q
     assert upper_edge(q, factor) == edge
@@ -33,13 +36,16 @@ def test_every_count_lies_between_the_edges_of_its_bucket(factor):
         assert bucket(upper_edge(q, factor), factor) == q
 
 
-@pytest.mark.parametrize(("tokens", "factor", "message"), [
-    (0, 1.1, "tokens must be an int >= 1"),
-    (2.5, 1.1, "tokens must be an int >= 1"),
-    (True, 1.1, "tokens must be an int >= 1"),
-    (10, 1.0, "factor must be a finite number > 1"),
-    (10, float("inf"), "factor must be a finite number > 1"),
-])
+@pytest.mark.parametrize(
+    ("tokens", "factor", "message"),
+    [
+        (0, 1.1, "tokens must be an int >= 1"),
+        (2.5, 1.1, "tokens must be an int >= 1"),
+        (True, 1.1, "tokens must be an int >= 1"),
+        (10, 1.0, "factor must be a finite number > 1"),
+        (10, float("inf"), "factor must be a finite number > 1"),
+    ],
+)
 def test_bucket_rejects_bad_input(tokens, factor, message):
     with pytest.raises(ValueError, match=message):
         bucket(tokens, factor)

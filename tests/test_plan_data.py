@@ -10,14 +10,30 @@ from tapesac_core.units import GiB, MiB
 
 
 def _plan() -> Plan:
-    saved = (Saved(coord=("aten.mm.default", 0, 0), module="self_attn.q_proj", bytes=3 * MiB,
-                   time_removed=0.0021),)
-    region = RegionPlan(sequence="abc-90", tokens=4096, saved=saved,
-                        blocks=(frozenset(), frozenset({("aten.mm.default", 0, 0)})),
-                        block_bytes=(0, 3 * MiB))
-    return Plan(model="DecoderLayer", regions={"DecoderLayer": region}, capacity=20 * GiB,
-                base=12 * GiB, saved_bytes=3 * MiB, predicted_speedup=1.08,
-                predicted_speedup_vs_full=1.21)
+    saved = (
+        Saved(
+            coord=("aten.mm.default", 0, 0),
+            module="self_attn.q_proj",
+            bytes=3 * MiB,
+            time_removed=0.0021,
+        ),
+    )
+    region = RegionPlan(
+        sequence="abc-90",
+        tokens=4096,
+        saved=saved,
+        blocks=(frozenset(), frozenset({("aten.mm.default", 0, 0)})),
+        block_bytes=(0, 3 * MiB),
+    )
+    return Plan(
+        model="DecoderLayer",
+        regions={"DecoderLayer": region},
+        capacity=20 * GiB,
+        base=12 * GiB,
+        saved_bytes=3 * MiB,
+        predicted_speedup=1.08,
+        predicted_speedup_vs_full=1.21,
+    )
 
 
 def test_plan_json_round_trip() -> None:
@@ -25,15 +41,20 @@ def test_plan_json_round_trip() -> None:
     text = plan.to_json()
     assert json.loads(text)["version"] == 2
     assert Plan.from_json(text, model="DecoderLayer", regions={"DecoderLayer": "abc-90"}) == plan
-    assert plan.coordinates() == {"DecoderLayer": [frozenset(), frozenset({("aten.mm.default", 0, 0)})]}
+    assert plan.coordinates() == {
+        "DecoderLayer": [frozenset(), frozenset({("aten.mm.default", 0, 0)})]
+    }
     assert plan.budgets() == {"DecoderLayer": [0, 3 * MiB]}
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(model="OtherLayer"), "comes from another model"),
-    (dict(regions={"DecoderLayer": "def-91"}), "op sequence changed"),
-    (dict(regions={"DecoderLayer": "abc-90", "MoE": "x"}), "region set"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(model="OtherLayer"), "comes from another model"),
+        (dict(regions={"DecoderLayer": "def-91"}), "op sequence changed"),
+        (dict(regions={"DecoderLayer": "abc-90", "MoE": "x"}), "region set"),
+    ],
+)
 def test_a_plan_from_another_model_or_region_set_is_refused(change, match) -> None:
     kwargs = dict(model="DecoderLayer", regions={"DecoderLayer": "abc-90"}) | change
     with pytest.raises(ValueError, match=match):
@@ -59,34 +80,61 @@ def test_explain_is_a_table_with_bytes_time_and_speedups() -> None:
 
 def test_explain_keeps_columns_aligned_and_shows_an_ops_time_once() -> None:
     long_op = "aten._scaled_dot_product_flash_attention_for_cpu.default"
-    saved = (Saved(coord=(long_op, 0, 0), module="self_attn", bytes=100 * 1024, time_removed=0.0012),
-             Saved(coord=(long_op, 0, 1), module="self_attn", bytes=6 * 1024, time_removed=0.0012),
-             Saved(coord=("aten.mm.default", 3, 0), module="mlp.very_long_module_name.down_proj",
-                   bytes=MiB, time_removed=0.0004))
+    saved = (
+        Saved(coord=(long_op, 0, 0), module="self_attn", bytes=100 * 1024, time_removed=0.0012),
+        Saved(coord=(long_op, 0, 1), module="self_attn", bytes=6 * 1024, time_removed=0.0012),
+        Saved(
+            coord=("aten.mm.default", 3, 0),
+            module="mlp.very_long_module_name.down_proj",
+            bytes=MiB,
+            time_removed=0.0004,
+        ),
+    )
     region = RegionPlan(sequence="s", tokens=512, saved=saved, blocks=(frozenset(),))
-    plan = Plan(model="m", regions={"DecoderLayer": region}, capacity=GiB, base=MiB,
-                saved_bytes=MiB, predicted_speedup=1.0, predicted_speedup_vs_full=1.0)
+    plan = Plan(
+        model="m",
+        regions={"DecoderLayer": region},
+        capacity=GiB,
+        base=MiB,
+        saved_bytes=MiB,
+        predicted_speedup=1.0,
+        predicted_speedup_vs_full=1.0,
+    )
     table = [line for line in plan.explain().splitlines() if line.startswith("  ")]
     assert len(table) == 4 and len({len(line) for line in table}) == 1
     assert [line.split()[-1] for line in table] == ["removed", "ms", "op)", "ms"]
     assert table[1].count("1.200 ms") == 1 and "(same op)" in table[2]
 
 
-@pytest.mark.parametrize("value, expected", [
-    (0.9, MemoryLimit(fraction=0.9)), (0.0, MemoryLimit(fraction=0.0)), (1.0, MemoryLimit(fraction=1.0)),
-    ("20GiB", MemoryLimit(bytes=20 * GiB)), ("800MB", MemoryLimit(bytes=800_000_000)),
-    (" 1.5 TiB", MemoryLimit(bytes=int(1.5 * 2**40))), (MiB, MemoryLimit(bytes=MiB)),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (0.9, MemoryLimit(fraction=0.9)),
+        (0.0, MemoryLimit(fraction=0.0)),
+        (1.0, MemoryLimit(fraction=1.0)),
+        ("20GiB", MemoryLimit(bytes=20 * GiB)),
+        ("800MB", MemoryLimit(bytes=800_000_000)),
+        (" 1.5 TiB", MemoryLimit(bytes=int(1.5 * 2**40))),
+        (MiB, MemoryLimit(bytes=MiB)),
+    ],
+)
 def test_memory_limits_parse(value, expected) -> None:
     assert parse_memory_limit(value) == expected
 
 
-@pytest.mark.parametrize("value, error, match", [
-    (1.5, ValueError, r"must lie in \[0, 1\]"), (-0.1, ValueError, r"must lie in \[0, 1\]"),
-    (1, ValueError, "at least 1 MiB"), (MiB - 1, ValueError, "at least 1 MiB"),
-    ("lots", ValueError, "cannot read memory_limit 'lots'"), ("20 parsecs", ValueError, "cannot read"),
-    (True, TypeError, "memory_limit"), ([1], TypeError, "memory_limit"),
-])
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (1.5, ValueError, r"must lie in \[0, 1\]"),
+        (-0.1, ValueError, r"must lie in \[0, 1\]"),
+        (1, ValueError, "at least 1 MiB"),
+        (MiB - 1, ValueError, "at least 1 MiB"),
+        ("lots", ValueError, "cannot read memory_limit 'lots'"),
+        ("20 parsecs", ValueError, "cannot read"),
+        (True, TypeError, "memory_limit"),
+        ([1], TypeError, "memory_limit"),
+    ],
+)
 def test_bad_memory_limits_name_the_fix(value, error, match) -> None:
     with pytest.raises(error, match=match):
         parse_memory_limit(value)
@@ -110,10 +158,18 @@ def test_a_version_1_plan_still_reads_for_reports_and_explain_names_the_peak() -
     old = Plan.from_json(json.dumps({**data, "version": 1}))
     assert old.version == 1 and old.memory_model == "sum" and old.predicted_peak == 0
     assert "predicted step peak" not in old.explain()
-    plan = Plan(**{**vars(_plan()), "memory_model": "peak", "predicted_peak": 13 * GiB,
-                   "peak_at": "backward window of layers.3", "static": 10 * GiB})
+    plan = Plan(
+        **{
+            **vars(_plan()),
+            "memory_model": "peak",
+            "predicted_peak": 13 * GiB,
+            "peak_at": "backward window of layers.3",
+            "static": 10 * GiB,
+        }
+    )
     assert Plan.from_json(plan.to_json()) == plan
-    assert ("predicted step peak 13.00 GiB (peak-aware timeline model), at backward window of "
-            "layers.3") in plan.explain()
+    assert (
+        "predicted step peak 13.00 GiB (peak-aware timeline model), at backward window of layers.3"
+    ) in plan.explain()
     # At a step whose must-only peak is 11 GiB (the plan's is 12): 10 + 3 * (1 / 2) GiB.
     assert plan.peak_at_tokens(11 * GiB) == int(11.5 * GiB)

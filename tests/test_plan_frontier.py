@@ -114,8 +114,13 @@ def check_points(graph: PlanGraph, points: list[Point]) -> None:
 def test_beam_matches_exhaustive_search_on_random_graphs():
     gaps = {"default": [], "beam": []}
 
-    @settings(max_examples=300, derandomize=True, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    @settings(
+        max_examples=300,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
     @given(plan_graphs())
     def check(graph: PlanGraph) -> None:
         exact = exact_frontier(graph)
@@ -143,7 +148,10 @@ def test_frontier_rejects_bad_parameters():
 
 
 def test_gap_measures_excess_time_at_each_budget():
-    exact = [Point(bytes=0, time=10.0, saved=frozenset()), Point(bytes=5, time=4.0, saved=frozenset("a"))]
+    exact = [
+        Point(bytes=0, time=10.0, saved=frozenset()),
+        Point(bytes=5, time=4.0, saved=frozenset("a")),
+    ]
     approx = [exact[0], Point(bytes=6, time=4.0, saved=frozenset("b"))]
     assert gap(exact, exact) == 0
     assert gap(approx, exact) == 1.5  # at 5 bytes: 10 against 4

@@ -13,8 +13,12 @@ from tapesac_core.plan import KnapsackResult, Point, RegionFrontier, solve_knaps
 
 
 def region(blocks: int, *points: tuple[int, float]) -> RegionFrontier:
-    return RegionFrontier(points=tuple(Point(bytes=b, time=t, saved=frozenset({f"s{b}"} if b else ()))
-                                       for b, t in points), blocks=blocks)
+    return RegionFrontier(
+        points=tuple(
+            Point(bytes=b, time=t, saved=frozenset({f"s{b}"} if b else ())) for b, t in points
+        ),
+        blocks=blocks,
+    )
 
 
 ATTN = region(2, (0, 10.0), (4, 6.0), (8, 1.0))
@@ -47,10 +51,12 @@ def test_larger_sets_go_to_later_blocks():
 @st.composite
 def instances(draw: st.DrawFn) -> tuple[dict[str, RegionFrontier], int, int]:
     regions = {}
-    for name in ("a", "b", "c")[:draw(st.integers(1, 3))]:
+    for name in ("a", "b", "c")[: draw(st.integers(1, 3))]:
         sizes = sorted(draw(st.sets(st.integers(1, 40), max_size=3)))
-        times = sorted(draw(st.sets(st.integers(0, 50), min_size=len(sizes) + 1,
-                                    max_size=len(sizes) + 1)), reverse=True)
+        times = sorted(
+            draw(st.sets(st.integers(0, 50), min_size=len(sizes) + 1, max_size=len(sizes) + 1)),
+            reverse=True,
+        )
         regions[name] = region(draw(st.integers(0, 2)), *zip([0, *sizes], map(float, times)))
     capacity = draw(st.integers(0, 100))
     return regions, capacity, draw(st.sampled_from([1, 3, 7, 16, 100]))
@@ -82,12 +88,15 @@ def test_knapsack_is_exact_on_rounded_weights_and_fits_true_bytes(instance):
         assert list(picks) == sorted(picks)
 
 
-@pytest.mark.parametrize(("points", "blocks", "message"), [
-    ([(1, 5.0)], 1, "start with a 0-byte point"),
-    ([(0, 5.0), (4, 3.0), (4, 2.0)], 1, "rise in bytes"),
-    ([(0, 5.0), (4, 6.0)], 1, "fall in time"),
-    ([(0, 5.0)], -1, "blocks must be >= 0"),
-])
+@pytest.mark.parametrize(
+    ("points", "blocks", "message"),
+    [
+        ([(1, 5.0)], 1, "start with a 0-byte point"),
+        ([(0, 5.0), (4, 3.0), (4, 2.0)], 1, "rise in bytes"),
+        ([(0, 5.0), (4, 6.0)], 1, "fall in time"),
+        ([(0, 5.0)], -1, "blocks must be >= 0"),
+    ],
+)
 def test_region_frontier_validation(points, blocks, message):
     with pytest.raises(ValueError, match=message):
         region(blocks, *points)

@@ -8,8 +8,16 @@ import math
 import pytest
 from plan_graphs import worked_example
 
-from tapesac_core.plan import (Graph, PlanGraph, block_nodes, block_time, candidates,
-                               replay_nodes, replay_time, saved_bytes)
+from tapesac_core.plan import (
+    Graph,
+    PlanGraph,
+    block_nodes,
+    block_time,
+    candidates,
+    replay_nodes,
+    replay_time,
+    saved_bytes,
+)
 
 
 def ids(graph: PlanGraph, *names: str) -> frozenset[int]:
@@ -73,7 +81,10 @@ def test_nodes_count_once_however_many_outputs_are_needed():
 def test_candidates_are_values_multi_output_groups_and_storage_groups():
     g = split_matmul()
     assert candidates(g) == [
-        ids(g, "qg"), ids(g, "q"), ids(g, "gate"), ids(g, "q_copy"),
+        ids(g, "qg"),
+        ids(g, "q"),
+        ids(g, "gate"),
+        ids(g, "q_copy"),
         ids(g, "q", "gate"),  # the outputs of split
         ids(g, "qg", "q", "gate"),  # the values on qg's storage
     ]
@@ -103,17 +114,20 @@ def test_plan_graph_is_frozen():
         g.demand = frozenset()  # type: ignore[misc]
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"node_deps": ((), (3,), (1,), (2,), (4,))}, "before a node produces it"),
-    ({"node_outs": ((0,), (0,), (2,), (3,), (4,))}, "is produced by nodes 0 and 1"),
-    ({"node_outs": ((0,), (1,), (2,), (3,), ())}, "neither produced nor available"),
-    ({"value_names": ("x1", "x1", "x3", "x4", "x5")}, "unique"),
-    ({"demand": frozenset({9})}, "demand holds a value id"),
-    ({"value_storage": (0, 1, 2, 3, 7)}, "storage id outside"),
-    ({"storage_bytes": (10, 6, 4, 8, -5)}, "non-negative"),
-    ({"node_time": (8.0, 5.0, 9.0, 3.0, float("nan"))}, "finite"),
-    ({"node_time": (8.0,)}, "one entry per node"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"node_deps": ((), (3,), (1,), (2,), (4,))}, "before a node produces it"),
+        ({"node_outs": ((0,), (0,), (2,), (3,), (4,))}, "is produced by nodes 0 and 1"),
+        ({"node_outs": ((0,), (1,), (2,), (3,), ())}, "neither produced nor available"),
+        ({"value_names": ("x1", "x1", "x3", "x4", "x5")}, "unique"),
+        ({"demand": frozenset({9})}, "demand holds a value id"),
+        ({"value_storage": (0, 1, 2, 3, 7)}, "storage id outside"),
+        ({"storage_bytes": (10, 6, 4, 8, -5)}, "non-negative"),
+        ({"node_time": (8.0, 5.0, 9.0, 3.0, float("nan"))}, "finite"),
+        ({"node_time": (8.0,)}, "one entry per node"),
+    ],
+)
 def test_invalid_graphs_raise_clear_errors(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(worked_example(), **change)

@@ -32,8 +32,12 @@ class SlowSin(torch.autograd.Function):
         return grad * x.cos()
 
 
-slow_sin = register_kernel("tapesac_test_delay::slow_sin", SlowSin, schema="(Tensor x) -> Tensor",
-                           fake=lambda x: torch.empty_like(x))
+slow_sin = register_kernel(
+    "tapesac_test_delay::slow_sin",
+    SlowSin,
+    schema="(Tensor x) -> Tensor",
+    fake=lambda x: torch.empty_like(x),
+)
 
 
 class Costly(torch.nn.Module):
@@ -62,8 +66,16 @@ def _plan_with_delay(delay: float) -> tuple[dict[str, float], set]:
     tapesac_core.checkpoint_modules(model, {Costly})
     meter = FakeMeter(base=GiB, per_token=0)
     one_storage = TOKENS * WIDTH * 4
-    controller = Controller(model, GiB + int(1.5 * one_storage), meter=meter, margin=0.0,
-                            warmup_steps=1, profile_steps=2, control_steps=1, control_every=0)
+    controller = Controller(
+        model,
+        GiB + int(1.5 * one_storage),
+        meter=meter,
+        margin=0.0,
+        warmup_steps=1,
+        profile_steps=2,
+        control_steps=1,
+        control_every=0,
+    )
     x = torch.randn(TOKENS, WIDTH)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: op times do not depend on what other processes run
@@ -75,8 +87,11 @@ def _plan_with_delay(delay: float) -> tuple[dict[str, float], set]:
         torch.set_num_threads(threads)
     assert report.mode == PLANNED
     profile = controller.profiles["Costly"]
-    times = {n.name: profile.node_time[n.index] for n in profile.tape.nodes
-             if n.index in profile.node_time}  # the nodes replay can run
+    times = {
+        n.name: profile.node_time[n.index]
+        for n in profile.tape.nodes
+        if n.index in profile.node_time
+    }  # the nodes replay can run
     (coords,) = report.plan.regions["Costly"].blocks
     return times, coords
 
@@ -101,14 +116,30 @@ def test_blocks_with_data_dependent_op_sequences_keep_the_plan_by_anchored_coord
     from support import assert_bitwise, assert_replayed_as_predicted, step
 
     torch.manual_seed(0)
-    config = ModelConfig(moe=True, skip_empty_experts=True, num_experts=8, top_k=1,
-                         hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                         intermediate_size=64, moe_intermediate_size=32)
+    config = ModelConfig(
+        moe=True,
+        skip_empty_experts=True,
+        num_experts=8,
+        top_k=1,
+        hidden_size=32,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+    )
     plain = torch.nn.ModuleList(MoEDecoderLayer(config) for _ in range(4))
     layers = copy.deepcopy(plain)
     tapesac_core.checkpoint_modules(layers, {MoEDecoderLayer})
-    controller = Controller(layers, GiB, meter=FakeMeter(base=0, per_token=0), warmup_steps=1,
-                            profile_steps=1, control_steps=1, control_every=0)
+    controller = Controller(
+        layers,
+        GiB,
+        meter=FakeMeter(base=0, per_token=0),
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+        control_every=0,
+    )
     g = torch.Generator().manual_seed(0)
     changed = kept = 0
     for _ in range(8):
@@ -154,9 +185,18 @@ TO_EXPERTS_0_AND_1 = torch.stack([_TOKENS * 0, _TOKENS * 0 + 1], dim=1)  # exper
 def _routed_moe(skip_empty_experts: bool) -> tuple[torch.nn.Module, torch.nn.Module, tuple]:
     """A 4-expert top-2 MoE layer, the same layer checkpointed, and its inputs (16 tokens)."""
     torch.manual_seed(0)
-    config = ModelConfig(moe=True, skip_empty_experts=skip_empty_experts, num_experts=4,
-                         top_k=2, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                         moe_intermediate_size=64, dropout=0.0)
+    config = ModelConfig(
+        moe=True,
+        skip_empty_experts=skip_empty_experts,
+        num_experts=4,
+        top_k=2,
+        hidden_size=32,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        moe_intermediate_size=64,
+        dropout=0.0,
+    )
     plain = MoEDecoderLayer(config)
     block = tapesac_core.checkpoint_module(copy.deepcopy(plain))
     x = torch.randn(1, 16, 32)
@@ -173,14 +213,27 @@ def _one_region_plan(tape: tapesac_core.Tape, saved: set[int], **region: object)
     """A solved-plan stand-in saving ``saved`` in the one block of ``tape``'s region."""
     from tapesac_core.plan.plan import Plan, RegionPlan
 
-    return Plan(model="m", capacity=0, base=0, saved_bytes=0, predicted_speedup=1.0,
-                predicted_speedup_vs_full=1.0, regions={tape.region: RegionPlan(
-                    sequence=tape.fingerprint, blocks=(frozenset(map(tape.coord, saved)),),
-                    tokens=16, **region)})
+    return Plan(
+        model="m",
+        capacity=0,
+        base=0,
+        saved_bytes=0,
+        predicted_speedup=1.0,
+        predicted_speedup_vs_full=1.0,
+        regions={
+            tape.region: RegionPlan(
+                sequence=tape.fingerprint,
+                blocks=(frozenset(map(tape.coord, saved)),),
+                tokens=16,
+                **region,
+            )
+        },
+    )
 
 
-def _forward_bytes(block: torch.nn.Module, plan, args: tuple
-                   ) -> tuple[int, tapesac_core.BlockTrace]:
+def _forward_bytes(
+    block: torch.nn.Module, plan, args: tuple
+) -> tuple[int, tapesac_core.BlockTrace]:
     """Live bytes (measured) the block's forward leaves for backward under ``plan``; its trace."""
     from support import assert_replayed_as_predicted
 
@@ -201,8 +254,9 @@ def test_a_planned_value_that_outgrows_its_block_budget_is_replayed_instead() ->
     plain, block, args = _routed_moe(skip_empty_experts=False)
     _fixed_routing(block.mlp, ROUND_ROBIN)
     tape = _reference_tape(block, args)
-    (up,) = [n for n in tape.nodes
-             if n.module == "mlp.experts.0.up_proj" and n.name == "aten.mm.default"]
+    (up,) = [
+        n for n in tape.nodes if n.module == "mlp.experts.0.up_proj" and n.name == "aten.mm.default"
+    ]
     budget = tape.saved_bytes(up.outs)
     assert budget == 8 * 64 * 4  # expert 0's up projection of its 8 tokens, fp32
     plan = _one_region_plan(tape, set(up.outs), block_bytes=(budget,))
@@ -239,24 +293,30 @@ def test_anchored_coordinates_keep_the_values_of_submodules_whose_ops_did_not_ch
 
     # The query projection and the shared expert run the same ops however tokens are routed;
     # the router's softmax is issued by the MoE module itself, whose loop over experts changes.
-    chosen = {value("self_attn.q_proj", "aten.mm.default"),
-              value("mlp.shared_expert.up_proj", "aten.mm.default"),
-              value("mlp", "aten._softmax.default")}
+    chosen = {
+        value("self_attn.q_proj", "aten.mm.default"),
+        value("mlp.shared_expert.up_proj", "aten.mm.default"),
+        value("mlp", "aten._softmax.default"),
+    }
     anchors = frozenset(tape.anchor(v) for v in chosen)
-    plan = _one_region_plan(tape, chosen, anchors=(anchors,),
-                            modules={m: tape.module_fingerprints[m] for m, *_ in anchors})
+    plan = _one_region_plan(
+        tape,
+        chosen,
+        anchors=(anchors,),
+        modules={m: tape.module_fingerprints[m] for m, *_ in anchors},
+    )
     _fixed_routing(block.mlp, TO_EXPERTS_0_AND_1)
     must_only, _ = _forward_bytes(block, {}, args)
     kept, trace = _forward_bytes(block, plan, args)
     drifted = trace.tape
     assert trace.sequence_changed and drifted.fingerprint != tape.fingerprint
-    assert {drifted.anchor(v) for v in drifted.planned} == {
-        a for a in anchors if a[0] != "mlp"}
+    assert {drifted.anchor(v) for v in drifted.planned} == {a for a in anchors if a[0] != "mlp"}
     assert kept - must_only == drifted.saved_bytes(drifted.planned) == 2 * 16 * 64 * 4
     _fixed_routing(plain.mlp, TO_EXPERTS_0_AND_1)
     with tapesac_core.use_plan(plan):
-        assert_bitwise(step(plain, lambda: plain(*args).sum()),
-                       step(block, lambda: block(*args).sum()))
+        assert_bitwise(
+            step(plain, lambda: plain(*args).sum()), step(block, lambda: block(*args).sum())
+        )
 
 
 class _CastBlock(torch.nn.Module):
@@ -284,9 +344,11 @@ def test_values_that_do_not_grow_with_tokens_are_not_scaled_in_the_plan() -> Non
     tape = profile.tape
     casts = tape.token_independent
     # The weight and bias casts to bf16 and the transposed weight: from parameters alone.
-    assert sorted(tape.coord(v) for v in casts) == [("aten._to_copy.default", 0, 0),
-                                                    ("aten._to_copy.default", 1, 0),
-                                                    ("aten.t.default", 0, 0)]
+    assert sorted(tape.coord(v) for v in casts) == [
+        ("aten._to_copy.default", 0, 0),
+        ("aten._to_copy.default", 1, 0),
+        ("aten.t.default", 0, 0),
+    ]
     points = profile.frontier(beam_width=8, max_set_size=8)
     with_weight = [p for p in points if profile.graph.value_ids(p.saved) & casts]
     assert with_weight  # some save sets keep the weight cast

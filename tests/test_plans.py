@@ -21,8 +21,12 @@ def _forward_end_bytes(c, plan) -> tuple[int, tapesac_core.BlockTrace]:
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "inplace"])
-@settings(max_examples=10, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_random_plan_is_exact_and_takes_effect(kind, data) -> None:
     c = case(kind)
@@ -35,8 +39,7 @@ def test_random_plan_is_exact_and_takes_effect(kind, data) -> None:
     tape = b.tape
     assert tape.op_sequence() == c.must_only.op_sequence()
     assert tape.planned == {tape.find(coord) for coord in chosen}
-    assert b.saved == {v for v in tape.needed_sources(tape.planned)
-                       if tape.values[v].kind == "op"}
+    assert b.saved == {v for v in tape.needed_sources(tape.planned) if tape.values[v].kind == "op"}
     assert_replayed_as_predicted(blocks)
 
     # Measured: what forward leaves allocated is the block's output, its saved values and RNG states.
@@ -44,8 +47,9 @@ def test_random_plan_is_exact_and_takes_effect(kind, data) -> None:
     assert traced.saved == b.saved
     assert end == tape.bytes_of(b.saved | tape.outputs) + tape.rng_bytes
     must_end, must = _forward_end_bytes(c, {})
-    assert end - must_end == (tape.bytes_of(b.saved | tape.outputs)
-                              - tape.bytes_of(must.saved | tape.outputs))
+    assert end - must_end == (
+        tape.bytes_of(b.saved | tape.outputs) - tape.bytes_of(must.saved | tape.outputs)
+    )
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "inplace"])

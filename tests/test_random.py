@@ -52,8 +52,11 @@ def test_random_ops_replay_bitwise_and_leave_generators_where_they_were() -> Non
     # On CPU, attention with dropout takes the math path: its dropout is a bernoulli_ too.
     assert random_nodes == {"aten.rand_like.default", "aten.bernoulli_.float"}
     assert sum(n.rng is not None for n in tape.nodes) == 4
-    user = [n.rng[0] for n in tape.nodes if n.name == "aten.bernoulli_.float" and
-            n.kwargs.get("generator") is not None]
+    user = [
+        n.rng[0]
+        for n in tape.nodes
+        if n.name == "aten.bernoulli_.float" and n.kwargs.get("generator") is not None
+    ]
     # The dispatcher hands over a new wrapper of the same generator.
     assert [g.initial_seed() for g in user] == [7]
     replayed = {tape.nodes[i].name for i in blocks[0].replayed}
@@ -98,13 +101,28 @@ def _two_returns(x, _):
 
 _RANDOM_KERNELS = {
     # Taken as random by its schema: a dropout probability above 0.
-    "dropout_p": (FusedDropout, tapesac_core.register_kernel(
-        "tapesac_test_random::fused_dropout", FusedDropout,
-        schema="(Tensor x, float dropout_p) -> (Tensor, Tensor)", fake=_two_returns), 0.5),
+    "dropout_p": (
+        FusedDropout,
+        tapesac_core.register_kernel(
+            "tapesac_test_random::fused_dropout",
+            FusedDropout,
+            schema="(Tensor x, float dropout_p) -> (Tensor, Tensor)",
+            fake=_two_returns,
+        ),
+        0.5,
+    ),
     # Declared random at registration.
-    "random=True": (_FusedNoise, tapesac_core.register_kernel(
-        "tapesac_test_random::fused_noise", _FusedNoise,
-        schema="(Tensor x, float scale) -> (Tensor, Tensor)", fake=_two_returns, random=True), 0.5),
+    "random=True": (
+        _FusedNoise,
+        tapesac_core.register_kernel(
+            "tapesac_test_random::fused_noise",
+            _FusedNoise,
+            schema="(Tensor x, float scale) -> (Tensor, Tensor)",
+            fake=_two_returns,
+            random=True,
+        ),
+        0.5,
+    ),
 }
 
 

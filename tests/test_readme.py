@@ -17,8 +17,14 @@ def _snippet(after: str) -> str:
 
 def test_the_plain_pytorch_snippet_runs_and_prints_a_plan() -> None:
     code = _snippet("In plain PyTorch (runs as is")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     first, *table = done.stdout.splitlines()
     assert first.split()[0] in {"planned", "control"}
@@ -27,6 +33,7 @@ def test_the_plain_pytorch_snippet_runs_and_prints_a_plan() -> None:
 
 def test_the_lightning_snippet_parses_and_its_imports_resolve() -> None:
     tree = ast.parse(_snippet("With Lightning, one line"))
-    imports = ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))],
-                         type_ignores=[])
+    imports = ast.Module(
+        body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], type_ignores=[]
+    )
     exec(compile(imports, "README", "exec"), {})

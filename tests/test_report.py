@@ -9,7 +9,7 @@ from tapesac_core.units import MiB
 def _steps() -> list[dict]:
     a, b = [1], [2]
     return [
-        dict(mode="warmup", bucket=a, time=9.0, peak=None),       # first step: left out
+        dict(mode="warmup", bucket=a, time=9.0, peak=None),  # first step: left out
         dict(mode="warmup", bucket=a, time=1.0, peak=None),
         dict(mode="profile", bucket=a, time=3.0, peak=10 * MiB),
         dict(mode="control", bucket=a, time=1.2, peak=None),
@@ -17,7 +17,7 @@ def _steps() -> list[dict]:
         dict(mode="planned", bucket=a, time=0.8, peak=12 * MiB, predicted=1.2),  # metered: left out
         dict(mode="planned", bucket=a, time=1.0, peak=None, predicted=1.2),
         dict(mode="planned", bucket=a, time=0.5, peak=None, predicted=1.2),
-        dict(mode="planned", bucket=b, time=2.0, peak=None, predicted=1.1),   # no control in b
+        dict(mode="planned", bucket=b, time=2.0, peak=None, predicted=1.1),  # no control in b
         dict(mode="control", bucket=b, time=2.2, peak=None),
         dict(mode="planned", bucket=b, time=1.1, peak=None, predicted=1.1),
     ]
@@ -39,14 +39,23 @@ def test_measured_speedup_pairs_planned_steps_with_controls_of_their_bucket() ->
 def test_run_summary_states_counts_speedups_peak_and_headroom() -> None:
     text = run_summary(_steps(), limit=20 * MiB, plan=None, headroom=(10 * MiB, 30 * MiB))
     lines = text.splitlines()
-    assert lines[0] == ("TapeSAC: 11 steps: 5 planned, 2 must-only control, 1 full-checkpointing "
-                        "control, 3 warm-up/profiling/sampling")
-    assert lines[1].startswith("measured speedup vs must-only: 1.550x median over 4 planned steps (IQR 1.100-2.050)")
+    assert lines[0] == (
+        "TapeSAC: 11 steps: 5 planned, 2 must-only control, 1 full-checkpointing "
+        "control, 3 warm-up/profiling/sampling"
+    )
+    assert lines[1].startswith(
+        "measured speedup vs must-only: 1.550x median over 4 planned steps (IQR 1.100-2.050)"
+    )
     assert lines[1].endswith("against 3 interleaved control steps of their buckets")
-    assert lines[2].startswith("measured speedup vs full checkpointing (torch.utils.checkpoint): "
-                               "2.250x median over 2 planned steps")
+    assert lines[2].startswith(
+        "measured speedup vs full checkpointing (torch.utils.checkpoint): "
+        "2.250x median over 2 planned steps"
+    )
     assert lines[3] == "predicted speedup vs must-only: 1.200x median over 5 planned steps"
-    assert lines[4].startswith("peak memory 12.00 MiB (max over 2 metered steps) against the "
-                               "limit 20.00 MiB")
-    assert lines[5].startswith("the limit sits 50% of the way from the must-only peak 10.00 MiB "
-                               "to the peak with everything useful saved 30.00 MiB")
+    assert lines[4].startswith(
+        "peak memory 12.00 MiB (max over 2 metered steps) against the limit 20.00 MiB"
+    )
+    assert lines[5].startswith(
+        "the limit sits 50% of the way from the must-only peak 10.00 MiB "
+        "to the peak with everything useful saved 30.00 MiB"
+    )

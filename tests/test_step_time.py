@@ -27,8 +27,13 @@ seconds = st.floats(min_value=0.0, max_value=1e4, allow_nan=False, allow_infinit
 
 
 @settings(max_examples=300, deadline=None)
-@given(step=seconds, replay=seconds, a=st.floats(0.0, 1.0), b=st.floats(0.0, 1.0),
-       over=st.floats(1.0, 100.0))
+@given(
+    step=seconds,
+    replay=seconds,
+    a=st.floats(0.0, 1.0),
+    b=st.floats(0.0, 1.0),
+    over=st.floats(1.0, 100.0),
+)
 def test_predicted_speedup_is_finite_bounded_at_least_one_and_monotone(step, replay, a, b, over):
     # Steps shorter than the modelled replay are included (replay drawn independently of step).
     model = StepTime.of_step(step, replay)
@@ -59,10 +64,16 @@ def test_outside_replay_is_a_median_per_token_so_one_disturbed_step_cannot_set_i
 
 # ------------------------------------------------------------------ profiles (pure)
 
+
 def _profile(node_time, tokens=10, forward_time=None):
-    return RegionProfile(region="r", tape=SimpleNamespace(fingerprint="seq"), tokens=tokens,
-                         node_time=node_time, forward_time=forward_time or dict(node_time),
-                         shares_reference=(True,))
+    return RegionProfile(
+        region="r",
+        tape=SimpleNamespace(fingerprint="seq"),
+        tokens=tokens,
+        node_time=node_time,
+        forward_time=forward_time or dict(node_time),
+        shares_reference=(True,),
+    )
 
 
 def test_merging_unequal_token_counts_scales_then_keeps_each_nodes_shorter_time():
@@ -75,11 +86,16 @@ def test_merging_unequal_token_counts_scales_then_keeps_each_nodes_shorter_time(
 
 
 @settings(max_examples=200, deadline=None)
-@given(times=st.lists(st.floats(1e-6, 1.0), min_size=1, max_size=20),
-       first=st.integers(1, 4096), last=st.integers(1, 4096), slow=st.floats(1.0, 1e3),
-       disturbed_last=st.booleans())
-def test_one_disturbed_profiling_step_cannot_set_a_nodes_time(times, first, last, slow,
-                                                               disturbed_last):
+@given(
+    times=st.lists(st.floats(1e-6, 1.0), min_size=1, max_size=20),
+    first=st.integers(1, 4096),
+    last=st.integers(1, 4096),
+    slow=st.floats(1.0, 1e3),
+    disturbed_last=st.booleans(),
+)
+def test_one_disturbed_profiling_step_cannot_set_a_nodes_time(
+    times, first, last, slow, disturbed_last
+):
     # Times linear in tokens (the model's assumption); either step slowed down by ``slow``.
     per_token = dict(enumerate(times))
     a = {i: t * first for i, t in per_token.items()}
@@ -95,9 +111,13 @@ def test_one_disturbed_profiling_step_cannot_set_a_nodes_time(times, first, last
 def test_profiled_replay_far_from_the_measured_wall_time_is_scaled_to_it(caplog):
     profile = _profile({0: 1.0, 1: 3.0, 2: 5.0}, tokens=10)
     # Four blocks replayed nodes 0 and 1 (4 s modelled at 10 tokens); one was disturbed.
-    walls = [ReplayWall("seq", (0, 1), 0.4, 10), ReplayWall("seq", (0, 1), 0.2, 5),
-             ReplayWall("seq", (0, 1), 0.4, 10), ReplayWall("seq", (0, 1), 30.0, 10),
-             ReplayWall("other", (0,), 99.0, 10)]
+    walls = [
+        ReplayWall("seq", (0, 1), 0.4, 10),
+        ReplayWall("seq", (0, 1), 0.2, 5),
+        ReplayWall("seq", (0, 1), 0.4, 10),
+        ReplayWall("seq", (0, 1), 30.0, 10),
+        ReplayWall("other", (0,), 99.0, 10),
+    ]
     with caplog.at_level(logging.INFO, logger="tapesac_core.profile"):
         scaled = calibrated(profile, walls, tolerance=0.2)
     assert scaled.node_time == pytest.approx({0: 0.1, 1: 0.3, 2: 0.5})
@@ -109,6 +129,7 @@ def test_profiled_replay_far_from_the_measured_wall_time_is_scaled_to_it(caplog)
 
 
 # ------------------------------------------------------------------ the issue's repro
+
 
 def test_a_step_time_shorter_than_the_profiled_replay_gives_a_bounded_speedup():
     """Issue 11's repro: a must-only step time of 0.9x the profiled replay made the prediction
@@ -122,9 +143,15 @@ def test_a_step_time_shorter_than_the_profiled_replay_gives_a_bounded_speedup():
     replay = modelled_replay(c.profiles, edges)
     figures = {}
     for f in (0.9, 1.01, 2.0, 4.0):
-        plan = solve_plan(c.profiles, edges, model=c.model_key, capacity=report.plan.capacity,
-                          base=report.plan.base, config=c.config,
-                          must_only_step_time=f * p.blocks * p.must_only_replay_time)
+        plan = solve_plan(
+            c.profiles,
+            edges,
+            model=c.model_key,
+            capacity=report.plan.capacity,
+            base=report.plan.base,
+            config=c.config,
+            must_only_step_time=f * p.blocks * p.must_only_replay_time,
+        )
         assert plan.regions == report.plan.regions
         assert 1.0 < plan.predicted_speedup <= 2.0
         assert plan.replay_time == pytest.approx(replay)
@@ -134,6 +161,7 @@ def test_a_step_time_shorter_than_the_profiled_replay_gives_a_bounded_speedup():
 
 
 # ------------------------------------------------------------------ injected clock, controller
+
 
 class Layer(torch.nn.Module):
     def __init__(self, d: int = 64) -> None:
@@ -159,9 +187,17 @@ def _controlled(monkeypatch, tokens, inflate=lambda step: 1.0, slow_planned=1.0,
     factor = [1.0]
     monkeypatch.setattr(NodeTimer, "stop", lambda self, start: factor[0] * (clock.read() - start))
     one = 64 * 64 * 4
-    c = Controller(model, GiB + int(2.5 * one), meter=FakeMeter(base=GiB, per_token=0),
-                   margin=0.0, near_limit=1.0, warmup_steps=2, profile_steps=2,
-                   control_steps=1, **{"control_every": 0, **settings})
+    c = Controller(
+        model,
+        GiB + int(2.5 * one),
+        meter=FakeMeter(base=GiB, per_token=0),
+        margin=0.0,
+        near_limit=1.0,
+        warmup_steps=2,
+        profile_steps=2,
+        control_steps=1,
+        **{"control_every": 0, **settings},
+    )
     reports = []
     for i, n in enumerate(tokens):
         factor[0] = inflate(i)
@@ -188,11 +224,13 @@ def test_node_times_inflated_tenfold_in_every_profiling_step_keep_plan_and_speed
 
 @pytest.mark.parametrize("tolerance", [0.2, 1e6])  # 1e6: without the wall-time check
 def test_the_last_profiling_step_inflated_with_unequal_token_counts_keeps_plan_and_speedup(
-        monkeypatch, tolerance):
+    monkeypatch, tolerance
+):
     steps = [64, 64, 64, 48, 64, 64]  # the profiling steps ran 64 and 48 tokens
     quiet, q = _controlled(monkeypatch, steps, replay_tolerance=tolerance)
-    busy, b = _controlled(monkeypatch, steps, inflate=lambda i: 10.0 if i == 3 else 1.0,
-                          replay_tolerance=tolerance)
+    busy, b = _controlled(
+        monkeypatch, steps, inflate=lambda i: 10.0 if i == 3 else 1.0, replay_tolerance=tolerance
+    )
     assert [r.mode for r in b][2:] == ["profile", "profile", "planned", "planned"]
     assert not q[-1].plan.empty and q[-1].predicted_speedup > 1.05
     assert b[-1].plan.coordinates() == q[-1].plan.coordinates()
@@ -214,7 +252,7 @@ def test_measured_far_from_predicted_for_three_control_windows_profiles_again(mo
         c, reports = _controlled(monkeypatch, [64] * (n + 1), slow_planned=2.0, control_every=2)
     modes = [r.mode for r in reports]
     controls = [i for i, m in enumerate(modes) if m == CONTROL]
-    assert modes[controls[2] + 1] == PROFILE and PROFILE not in modes[5:controls[2] + 1]
+    assert modes[controls[2] + 1] == PROFILE and PROFILE not in modes[5 : controls[2] + 1]
     assert "profiling again" in caplog.text and "measured" in caplog.text
     _, quiet = _controlled(monkeypatch, [64] * (n + 1), control_every=2)
     assert PROFILE not in [r.mode for r in quiet][5:]
@@ -230,6 +268,7 @@ def test_explain_shows_predicted_and_measured_speedups(monkeypatch):
 
 # ------------------------------------------------------------------ checkpoints
 
+
 def test_a_version_1_state_is_solved_again_with_an_info_log(caplog):
     model, meter, c = _setup(64 * MiB + 2 * MiB)
     for _ in range(4):
@@ -242,6 +281,7 @@ def test_a_version_1_state_is_solved_again_with_an_info_log(caplog):
     with caplog.at_level(logging.INFO, logger="tapesac_core.controller"):
         fresh.load_state_dict(state)
     assert not fresh.plans and "solved again" in caplog.text
-    assert fresh.must_only_steps == [(k, fresh._edges(k), s)
-                                     for k, v in c.must_only_times.items() for s in v]
+    assert fresh.must_only_steps == [
+        (k, fresh._edges(k), s) for k, v in c.must_only_times.items() for s in v
+    ]
     assert _run(model2, meter2, fresh, 32).mode == PROFILE

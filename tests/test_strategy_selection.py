@@ -71,7 +71,9 @@ def test_a_policy_chooses_the_blocks_and_auto_wrap_policy_what_is_sharded() -> N
     paths, sharded, _ = _applied(activation_checkpointing_policy={Layer}, auto_wrap_policy={Head})
     assert paths == ["layers.0", "layers.1", "layers.2", "mixed.0"]
     assert sharded == ["", "mixed.1", "head"]
-    paths, sharded, _ = _applied(activation_checkpointing_policy=lambda m: isinstance(m, Head),
-                                 auto_wrap_policy=lambda m: isinstance(m, Layer))
+    paths, sharded, _ = _applied(
+        activation_checkpointing_policy=lambda m: isinstance(m, Head),
+        auto_wrap_policy=lambda m: isinstance(m, Layer),
+    )
     assert paths == ["mixed.1", "head"]
     assert sharded == ["", "layers.0", "layers.1", "layers.2", "mixed.0"]

@@ -34,8 +34,15 @@ def _peak_of_step(model, optimizer, ids, controller=None):
 def _run(base, limit, steps=6, seq=64):
     model = copy.deepcopy(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    controller = Controller(model, limit, warmup_steps=1, profile_steps=2, control_steps=1,
-                            control_every=0, memory_model="sum")
+    controller = Controller(
+        model,
+        limit,
+        warmup_steps=1,
+        profile_steps=2,
+        control_steps=1,
+        control_every=0,
+        memory_model="sum",
+    )
     peaks = []
     for step in range(steps):
         peak, report = _peak_of_step(model, optimizer, _ids(step, seq), controller)
@@ -59,8 +66,12 @@ def test_plans_are_distinct_use_their_capacity_and_never_exceed_the_limit(sweep)
     must_only, full, runs = sweep
     saved = [report.plan.saved_bytes for _, report, _, _ in runs]
     assert all(s > 0 for s in saved)
-    assert len({frozenset(map(frozenset, report.plan.coordinates()["DecoderLayer"]))
-                for _, report, _, _ in runs}) == len(runs)
+    assert len(
+        {
+            frozenset(map(frozenset, report.plan.coordinates()["DecoderLayer"]))
+            for _, report, _, _ in runs
+        }
+    ) == len(runs)
     for limit, report, peaks, _ in runs:
         budget = report.plan.capacity - report.plan.base
         assert report.plan.saved_bytes <= budget
@@ -72,10 +83,18 @@ def test_more_memory_never_predicts_a_slower_step(sweep) -> None:
     must_only, full, runs = sweep
     _, report, _, controller = runs[0]
     edges = {"DecoderLayer": report.plan.regions["DecoderLayer"].tokens}
-    predicted = [solve_plan(controller.profiles, edges, model="m", capacity=must_only + extra,
-                            base=must_only, must_only_step_time=1.0,
-                            config=controller.config).predicted_speedup
-                 for extra in range(0, full + full // 8, full // 64)]
+    predicted = [
+        solve_plan(
+            controller.profiles,
+            edges,
+            model="m",
+            capacity=must_only + extra,
+            base=must_only,
+            must_only_step_time=1.0,
+            config=controller.config,
+        ).predicted_speedup
+        for extra in range(0, full + full // 8, full // 64)
+    ]
     assert predicted == sorted(predicted) and predicted[0] == 1.0 < predicted[-1]
 
 
@@ -84,8 +103,15 @@ def test_a_longer_sequence_mid_run_replans_and_stays_under_the_limit(sweep) -> N
     limit = int((must_only + 0.9 * full) / (1 - 0.02))
     model = copy.deepcopy(_model())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    controller = Controller(model, limit, warmup_steps=1, profile_steps=1, control_steps=1,
-                            control_every=0, memory_model="sum")
+    controller = Controller(
+        model,
+        limit,
+        warmup_steps=1,
+        profile_steps=1,
+        control_steps=1,
+        control_every=0,
+        memory_model="sum",
+    )
     for step in range(4):
         _, report = _peak_of_step(model, optimizer, _ids(step), controller)
     old = report.plan

@@ -62,12 +62,15 @@ def units_of(graph: PlanGraph) -> Units:
         stores = tuple(sorted({graph.value_storage[v] for v in group}))
         widened.setdefault(tuple(sorted(v for s in stores for v in by_storage[s])), stores)
     sizes = tuple(sum(graph.storage_bytes[s] for s in st) for st in widened.values())
-    return Units(values=tuple(widened), stores=tuple(widened.values()),
-                 value_bits=tuple(bits(u) for u in widened),
-                 bytes=sizes,
-                 multi=frozenset(u for u, st in enumerate(widened.values()) if len(st) > 1),
-                 by_bytes=tuple(sorted(range(len(sizes)), key=sizes.__getitem__)),
-                 touching=_touching(widened.values()))
+    return Units(
+        values=tuple(widened),
+        stores=tuple(widened.values()),
+        value_bits=tuple(bits(u) for u in widened),
+        bytes=sizes,
+        multi=frozenset(u for u, st in enumerate(widened.values()) if len(st) > 1),
+        by_bytes=tuple(sorted(range(len(sizes)), key=sizes.__getitem__)),
+        touching=_touching(widened.values()),
+    )
 
 
 def _touching(stores: Iterable[tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
@@ -78,15 +81,23 @@ def _touching(stores: Iterable[tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
     return {s: tuple(us) for s, us in touching.items()}
 
 
-def beam_search(graph: PlanGraph, units: Units, width: int, rounds: int
-                ) -> tuple[list[Built], int, int]:
+def beam_search(
+    graph: PlanGraph, units: Units, width: int, rounds: int
+) -> tuple[list[Built], int, int]:
     """The empty set and each round's non-dominated sets, built; the number of sets
     scored and of tape walks run."""
     stop = graph.available_bits
     run = replay_bits(graph, stop)
     walks = tuple(kill(graph, stop, run, u) for u in units.values)
-    root = _Set(saved=(), stop=stop, run=run, shared=units.multi, bytes=0,
-                time=nodes_time(graph, run), walks=walks)
+    root = _Set(
+        saved=(),
+        stop=stop,
+        run=run,
+        shared=units.multi,
+        bytes=0,
+        time=nodes_time(graph, run),
+        walks=walks,
+    )
     built: list[Built] = [(0, root.time, (), root.run)]
     beam, scored, walked = [root], 1, len(walks)
     for _ in range(rounds):
@@ -96,8 +107,11 @@ def beam_search(graph: PlanGraph, units: Units, width: int, rounds: int
         if not best:
             break
         built += [_build(graph, units, beam[i], u) for _, _, i, u in best]
-        picks = (_spread(best, width) if len(best) >= width
-                 else _layers(units, beam, list(chain.from_iterable(offers)), width))
+        picks = (
+            _spread(best, width)
+            if len(best) >= width
+            else _layers(units, beam, list(chain.from_iterable(offers)), width)
+        )
         grown = [_extend(graph, units, beam, o) for o in picks]
         beam = [child for child, _ in grown]
         walked += sum(redone for _, redone in grown)
@@ -116,11 +130,17 @@ def front(items: list[_Item]) -> list[_Item]:
 def _offers(graph: PlanGraph, units: Units, s: _Set, index: int) -> list[_Offer]:
     """Every unit that shortens the replay of `s` (the beam's set `index`), by bytes."""
     walks, size, time = s.walks, s.bytes, s.time
-    offers = [(size + units.bytes[u], time - walks[u].gain, index, u)
-              for u in units.by_bytes if walks[u].gain > 0 and u not in s.shared]
+    offers = [
+        (size + units.bytes[u], time - walks[u].gain, index, u)
+        for u in units.by_bytes
+        if walks[u].gain > 0 and u not in s.shared
+    ]
     # A unit that shares a kept storage or spans several: its bytes are not its own.
-    return offers + [(_build(graph, units, s, u)[0], time - walks[u].gain, index, u)
-                     for u in sorted(s.shared) if walks[u].gain > 0]
+    return offers + [
+        (_build(graph, units, s, u)[0], time - walks[u].gain, index, u)
+        for u in sorted(s.shared)
+        if walks[u].gain > 0
+    ]
 
 
 def _layers(units: Units, beam: list[_Set], offers: list[_Offer], width: int) -> list[_Offer]:
@@ -186,7 +206,13 @@ def _extend(graph: PlanGraph, units: Units, beam: list[_Set], offer: _Offer) -> 
             redone += 1
         walks.append(w)
     kept = {graph.value_storage[v] for v in saved}
-    child = _Set(saved=saved, stop=stop, run=run,
-                 shared=units.multi.union(*(units.touching[st] for st in kept)),
-                 bytes=size, time=time, walks=tuple(walks))
+    child = _Set(
+        saved=saved,
+        stop=stop,
+        run=run,
+        shared=units.multi.union(*(units.touching[st] for st in kept)),
+        bytes=size,
+        time=time,
+        walks=tuple(walks),
+    )
     return child, redone

@@ -17,7 +17,7 @@ def bucket(tokens: int, factor: float) -> int:
     # The logarithm can land one off near a power; the powers decide.
     while factor ** (q + 1) <= tokens:
         q += 1
-    while q > 0 and factor ** q > tokens:
+    while q > 0 and factor**q > tokens:
         q -= 1
     return q
 
@@ -32,5 +32,6 @@ def upper_edge(q: int, factor: float) -> int:
 
 def _check_factor(factor: float) -> None:
     if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 1):
-        raise ValueError(f"factor must be a finite number > 1 (1.1 primary, 1.25 secondary), "
-                         f"got {factor!r}")
+        raise ValueError(
+            f"factor must be a finite number > 1 (1.1 primary, 1.25 secondary), got {factor!r}"
+        )

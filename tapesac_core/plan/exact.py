@@ -17,8 +17,10 @@ def exact_frontier(graph: PlanGraph) -> list[Point]:
     0 bytes (the empty set, unless saving 0-byte values removes time)."""
     values = [v for group in candidates(graph) if len(group) == 1 for v in group]
     if len(values) > EXACT_LIMIT:
-        raise ValueError(f"the graph has {len(values)} candidate values; exact_frontier "
-                         f"enumerates at most {EXACT_LIMIT}: use frontier() instead")
+        raise ValueError(
+            f"the graph has {len(values)} candidate values; exact_frontier "
+            f"enumerates at most {EXACT_LIMIT}: use frontier() instead"
+        )
     sets, _ = enumerate_sets(graph, latest_first(graph, [(v,) for v in values]))
     return pareto(make_point(graph, saved, run) for saved, run in sets)
 
@@ -29,8 +31,9 @@ def latest_first(graph: PlanGraph, groups: Iterable[Sequence[int]]) -> list[tupl
     return sorted((tuple(g) for g in groups), key=lambda g: (-max(graph.producer[v] for v in g), g))
 
 
-def enumerate_sets(graph: PlanGraph, groups: Sequence[Sequence[int]]
-                   ) -> tuple[list[tuple[tuple[int, ...], int]], int]:
+def enumerate_sets(
+    graph: PlanGraph, groups: Sequence[Sequence[int]]
+) -> tuple[list[tuple[tuple[int, ...], int]], int]:
     """Every union of `groups` that could be Pareto-optimal, as (values, replay bitset),
     and how many sets were evaluated.
 

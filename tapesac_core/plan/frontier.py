@@ -25,8 +25,9 @@ def frontier(graph: PlanGraph, beam_width: int = 24, max_set_size: int = 12) -> 
     return list(solve_frontier(graph, beam_width=beam_width, max_set_size=max_set_size).points)
 
 
-def solve_frontier(graph: PlanGraph, *, beam_width: int = 24, max_set_size: int = 12,
-                   exact_units: int = 10) -> FrontierResult:
+def solve_frontier(
+    graph: PlanGraph, *, beam_width: int = 24, max_set_size: int = 12, exact_units: int = 10
+) -> FrontierResult:
     """`frontier` with its search statistics.
 
     Beam search from the empty set, each round adding one candidate group to every set

@@ -26,8 +26,9 @@ class RegionFrontier:
         if not self.points or self.points[0].bytes != 0:
             raise ValueError("a region frontier must start with a 0-byte point (the empty set)")
         if any(a.bytes >= b.bytes or a.time <= b.time for a, b in pairwise(self.points)):
-            raise ValueError("region frontier points must rise in bytes and fall in time: "
-                             "pass frontier()'s list")
+            raise ValueError(
+                "region frontier points must rise in bytes and fall in time: pass frontier()'s list"
+            )
         if self.blocks < 0:
             raise ValueError(f"blocks must be >= 0, got {self.blocks}")
 
@@ -45,8 +46,9 @@ class KnapsackResult:
     gain: float
 
 
-def solve_knapsack(regions: Mapping[str, RegionFrontier], capacity: int,
-                   resolution: int = 1024) -> KnapsackResult:
+def solve_knapsack(
+    regions: Mapping[str, RegionFrontier], capacity: int, resolution: int = 1024
+) -> KnapsackResult:
     """Pick one point per block, maximizing total gain within `capacity` bytes.
 
     Exact by dynamic programming over `resolution` capacity units, each block's bytes
@@ -75,7 +77,7 @@ def solve_knapsack(regions: Mapping[str, RegionFrontier], capacity: int,
     chosen = {name: [0] * regions[name].blocks for name in names}
     for name in names:
         mine = sorted(i for (owner, _), i in zip(order, picks) if owner == name)
-        chosen[name][len(chosen[name]) - len(mine):] = mine
+        chosen[name][len(chosen[name]) - len(mine) :] = mine
     return _result(regions, chosen)
 
 
@@ -103,15 +105,20 @@ def _backtrack(layers: list[list[float]], menus: list[list[_Choice]]) -> list[in
     c, picks = len(layers[0]) - 1, []
     for j in range(len(menus), 0, -1):
         prev, cur = layers[j - 1], layers[j]
-        weight, _, index = next(m for m in menus[j - 1]
-                                if m[0] <= c and prev[c - m[0]] + m[1] == cur[c])
+        weight, _, index = next(
+            m for m in menus[j - 1] if m[0] <= c and prev[c - m[0]] + m[1] == cur[c]
+        )
         picks.append(index)
         c -= weight
     return picks[::-1]
 
 
-def _result(regions: Mapping[str, RegionFrontier], chosen: Mapping[str, list[int]]) -> KnapsackResult:
+def _result(
+    regions: Mapping[str, RegionFrontier], chosen: Mapping[str, list[int]]
+) -> KnapsackResult:
     points = [(regions[name], i) for name, picks in chosen.items() for i in picks]
-    return KnapsackResult(choices={name: tuple(picks) for name, picks in chosen.items()},
-                          bytes=sum(r.points[i].bytes for r, i in points),
-                          gain=math.fsum(r.gain(i) for r, i in points))
+    return KnapsackResult(
+        choices={name: tuple(picks) for name, picks in chosen.items()},
+        bytes=sum(r.points[i].bytes for r, i in points),
+        gain=math.fsum(r.gain(i) for r, i in points),
+    )

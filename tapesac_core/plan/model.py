@@ -53,8 +53,9 @@ class PlanGraph:
             "dep_bits": tuple(bits(deps) for deps in self.node_deps),
             "out_bits": tuple(bits(outs) for outs in self.node_outs),
             "reader_bits": tuple(readers),
-            "pred_bits": tuple(bits(producer[d] for d in deps if producer[d] >= 0)
-                               for deps in self.node_deps),
+            "pred_bits": tuple(
+                bits(producer[d] for d in deps if producer[d] >= 0) for deps in self.node_deps
+            ),
             "demand_bits": bits(self.demand),
             "available_bits": bits(self.available),
             "held_storages": frozenset(self.value_storage[v] for v in self.available),
@@ -95,23 +96,33 @@ def _check(g: PlanGraph) -> tuple[int, ...]:
             if not 0 <= d < n_values:
                 raise ValueError(f"node {n} reads value id {d}, outside value_names")
             if d not in g.available and not 0 <= producer[d] < n:
-                raise ValueError(f"node {n} reads {g.value_names[d]!r} before a node produces "
-                                 "it: list nodes in tape order or mark the value available")
+                raise ValueError(
+                    f"node {n} reads {g.value_names[d]!r} before a node produces "
+                    "it: list nodes in tape order or mark the value available"
+                )
         for v in g.node_outs[n]:
             if not 0 <= v < n_values:
                 raise ValueError(f"node {n} produces value id {v}, outside value_names")
             if producer[v] >= 0:
-                raise ValueError(f"{g.value_names[v]!r} is produced by nodes {producer[v]} and {n}:"
-                                 " give every node output its own value id")
+                raise ValueError(
+                    f"{g.value_names[v]!r} is produced by nodes {producer[v]} and {n}:"
+                    " give every node output its own value id"
+                )
             producer[v] = n
-    orphans = [g.value_names[v] for v in range(n_values) if producer[v] < 0 and v not in g.available]
+    orphans = [
+        g.value_names[v] for v in range(n_values) if producer[v] < 0 and v not in g.available
+    ]
     if orphans:
-        raise ValueError(f"values {orphans} are neither produced nor available: mark them available")
+        raise ValueError(
+            f"values {orphans} are neither produced nor available: mark them available"
+        )
     return tuple(producer)
 
 
-def Graph(ops: Mapping[str, tuple[float, int, Sequence[str]]],  # noqa: N802 - a constructor-like front
-          demand: Iterable[str]) -> PlanGraph:
+def Graph(
+    ops: Mapping[str, tuple[float, int, Sequence[str]]],  # noqa: N802 - a constructor-like front
+    demand: Iterable[str],
+) -> PlanGraph:
     """A PlanGraph from `{name: (time, bytes, [input names])}` in topological order.
 
     Each op has one output in its own storage; names that are not ops are leaves
@@ -122,8 +133,10 @@ def Graph(ops: Mapping[str, tuple[float, int, Sequence[str]]],  # noqa: N802 - a
     for index, (name, (_, _, deps)) in enumerate(ops.items()):
         for d in deps:
             if d in ops and ids[d] >= index:
-                raise ValueError(f"op {name!r} reads {d!r}, which is not defined before it: "
-                                 "list ops in topological order")
+                raise ValueError(
+                    f"op {name!r} reads {d!r}, which is not defined before it: "
+                    "list ops in topological order"
+                )
             if d not in ids:
                 ids[d] = len(ids)
                 leaves.append(d)
@@ -147,8 +160,9 @@ def Graph(ops: Mapping[str, tuple[float, int, Sequence[str]]],  # noqa: N802 - a
 def _checked(graph: PlanGraph, saved: Iterable[int]) -> list[int]:
     saved = list(saved)
     if any(not 0 <= v < len(graph.value_names) for v in saved):
-        raise ValueError("saved holds a value id outside value_names: pass value ids, "
-                         "or graph.value_ids(names)")
+        raise ValueError(
+            "saved holds a value id outside value_names: pass value ids, or graph.value_ids(names)"
+        )
     return saved
 
 
@@ -217,8 +231,11 @@ def candidates(graph: PlanGraph) -> list[frozenset[int]]:
     """What may be saved: each candidate value, the candidate outputs of a multi-output
     node together, and the candidate values sharing one storage together."""
     free = graph.available_bits
-    values = [v for v in range(len(graph.value_names))
-              if not free >> v & 1 and graph.value_storage[v] not in graph.held_storages]
+    values = [
+        v
+        for v in range(len(graph.value_names))
+        if not free >> v & 1 and graph.value_storage[v] not in graph.held_storages
+    ]
     by_storage: dict[int, list[int]] = {}
     for v in values:
         by_storage.setdefault(graph.value_storage[v], []).append(v)

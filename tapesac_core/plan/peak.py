@@ -26,13 +26,18 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .model import PlanGraph
-
 import numpy as np
+
+from .model import PlanGraph
 
 # Event kinds the sample step records, and the phase of the segment each one starts.
 FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE = (
-    "forward_start", "forward_end", "unpack_start", "unpack_end", "release")
+    "forward_start",
+    "forward_end",
+    "unpack_start",
+    "unpack_end",
+    "release",
+)
 FORWARD, REPLAY, COMPUTE, OUTSIDE = "forward", "replay", "compute", "outside"
 
 
@@ -42,11 +47,11 @@ class Event:
     segment this event closes) and the bytes in use now."""
 
     kind: str
-    block: int                 # index of the block in forward order within the step
+    block: int  # index of the block in forward order within the step
     peak: int
     current: int
-    vid: int | None = None     # the value unpacked (UNPACK_START / UNPACK_END)
-    node: int | None = None    # the autograd node that unpacked it (its id, while it runs)
+    vid: int | None = None  # the value unpacked (UNPACK_START / UNPACK_END)
+    node: int | None = None  # the autograd node that unpacked it (its id, while it runs)
 
     def __post_init__(self) -> None:
         if self.kind not in (FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE):
@@ -101,7 +106,9 @@ class Timeline:
             raise ValueError("a timeline needs tokens >= 1, static >= 0 and at least one segment")
         for s in self.segments:
             if s.first <= s.last and not (0 <= s.first and s.last < len(self.blocks)):
-                raise ValueError(f"segment {s} names blocks outside the timeline's {len(self.blocks)}")
+                raise ValueError(
+                    f"segment {s} names blocks outside the timeline's {len(self.blocks)}"
+                )
             if s.own is not None and not 0 <= s.own < len(self.blocks):
                 raise ValueError(f"segment {s} replays a block outside the timeline")
 
@@ -114,15 +121,32 @@ class Timeline:
         segment adds to the static memory scales with it (sizes scale with tokens, §3.4.1)."""
         grow = self.peak - self.static
         factor = (base - self.static) / grow if grow > 0 else 1.0
-        segments = tuple(Segment(peak=round(self.static + (s.peak - self.static) * factor),
-                                 first=s.first, last=s.last, phase=s.phase, own=s.own,
-                                 unpack=s.unpack, label=s.label) for s in self.segments)
-        return Timeline(tokens=self.tokens, static=self.static, segments=segments,
-                        blocks=self.blocks)
+        segments = tuple(
+            Segment(
+                peak=round(self.static + (s.peak - self.static) * factor),
+                first=s.first,
+                last=s.last,
+                phase=s.phase,
+                own=s.own,
+                unpack=s.unpack,
+                label=s.label,
+            )
+            for s in self.segments
+        )
+        return Timeline(
+            tokens=self.tokens, static=self.static, segments=segments, blocks=self.blocks
+        )
 
 
-def timeline_of(events: Sequence[Event], blocks: Sequence[TimelineBlock], *, tokens: int,
-                static: int, end_peak: int, names: Sequence[str] | None = None) -> Timeline:
+def timeline_of(
+    events: Sequence[Event],
+    blocks: Sequence[TimelineBlock],
+    *,
+    tokens: int,
+    static: int,
+    end_peak: int,
+    names: Sequence[str] | None = None,
+) -> Timeline:
     """The timeline of a sample step from its events in order; ``end_peak`` is the peak between
     the last event and the end of the step. A block's saved values count from its forward start
     until its release (to the end of the step if it was never released); alive sets are widened
@@ -146,7 +170,9 @@ def timeline_of(events: Sequence[Event], blocks: Sequence[TimelineBlock], *, tok
             positions.append(unpack_pos[e.block] - 1 if e.kind == UNPACK_END else None)
     names = list(names) if names is not None else [f"block {i}" for i in range(n)]
     last_forward = max((k for k, e in enumerate(events) if e.kind == FORWARD_END), default=-1)
-    first_unpack = min((k for k, e in enumerate(events) if e.kind == UNPACK_START), default=len(events))
+    first_unpack = min(
+        (k for k, e in enumerate(events) if e.kind == UNPACK_START), default=len(events)
+    )
     segments = []
     for k in range(len(events) + 1):
         # Segment k lies between event k-1 and event k.
@@ -173,8 +199,11 @@ def timeline_of(events: Sequence[Event], blocks: Sequence[TimelineBlock], *, tok
             label = f"backward, after {names[opener.block]} freed its values"
         else:
             label = f"forward, after {names[opener.block]}"
-        segments.append(Segment(peak=peak, first=first, last=last, phase=phase, own=own,
-                                unpack=unpack, label=label))
+        segments.append(
+            Segment(
+                peak=peak, first=first, last=last, phase=phase, own=own, unpack=unpack, label=label
+            )
+        )
     return Timeline(tokens=tokens, static=static, segments=tuple(segments), blocks=tuple(blocks))
 
 
@@ -190,8 +219,13 @@ class ReplayMemory:
     compute: tuple[int, ...]
 
 
-def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int],
-                  taken: Iterable[int] = (), groups: Sequence[int] = ()) -> ReplayMemory:
+def replay_memory(
+    graph: PlanGraph,
+    saved: Iterable[int],
+    unpacks: Sequence[int],
+    taken: Iterable[int] = (),
+    groups: Sequence[int] = (),
+) -> ReplayMemory:
     """Simulate replay (as ``replay.Replay`` runs it) for the unpacks of one backward window.
 
     Available without replay: the graph's available values, ``saved`` and ``taken`` (values
@@ -235,8 +269,11 @@ def replay_memory(graph: PlanGraph, saved: Iterable[int], unpacks: Sequence[int]
     node_mark, value_mark = [0] * len(deps_of), [0] * len(storage)
     walks = 0
     # One autograd node call per groups entry: autograd's holds end where a new one starts.
-    starts = [True] * len(unpacks) if not groups else \
-        [k == 0 or groups[k] != groups[k - 1] for k in range(len(unpacks))]
+    starts = (
+        [True] * len(unpacks)
+        if not groups
+        else [k == 0 or groups[k] != groups[k - 1] for k in range(len(unpacks))]
+    )
     replay, compute = [], []
     grabbed: dict[int, int] = {}  # storage -> bytes autograd holds for the current node
     # The loop below runs once per frontier point and unpack: names stay local (no closures),
@@ -317,7 +354,11 @@ class Option:
 
     def delta(self, segment: Segment) -> int:
         deltas = self.replay if segment.phase == REPLAY else self.compute
-        return deltas[segment.unpack] if segment.unpack is not None and segment.unpack < len(deltas) else 0
+        return (
+            deltas[segment.unpack]
+            if segment.unpack is not None and segment.unpack < len(deltas)
+            else 0
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -332,7 +373,9 @@ class Prediction:
 def predict(timeline: Timeline, options: Sequence[Option]) -> Prediction:
     """The step peak when block ``i`` takes ``options[i]`` (one per timeline block)."""
     if len(options) != len(timeline.blocks):
-        raise ValueError(f"one option per block: {len(timeline.blocks)} blocks, {len(options)} options")
+        raise ValueError(
+            f"one option per block: {len(timeline.blocks)} blocks, {len(options)} options"
+        )
     prefix = [0]
     for o in options:
         prefix.append(prefix[-1] + o.bytes)
@@ -346,8 +389,9 @@ def predict(timeline: Timeline, options: Sequence[Option]) -> Prediction:
     return Prediction(peak=best, segment=where, label=timeline.segments[where].label)
 
 
-def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: int,
-               resolution: int = 4096) -> tuple[int, ...] | None:
+def solve_peak(
+    timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: int, resolution: int = 4096
+) -> tuple[int, ...] | None:
     """Per block, the index into its menu maximising total gain with the predicted peak within
     ``capacity``; None when even the first option of every menu (must-only, 0 bytes) exceeds it.
 
@@ -376,8 +420,10 @@ def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: 
     if (checked[~alive] > capacity).any():
         return None
     spans = alive & (seg.first < seg.last)
-    opens = np.cumsum(np.bincount(seg.first[spans] + 1, minlength=n + 1)
-                      - np.bincount(seg.last[spans] + 1, minlength=n + 1))
+    opens = np.cumsum(
+        np.bincount(seg.first[spans] + 1, minlength=n + 1)
+        - np.bincount(seg.last[spans] + 1, minlength=n + 1)
+    )
     joined = opens[:n] > 0  # block i shares a segment with block i - 1
     lowest = int(seg.peak[alive].min()) if alive.any() else capacity
     unit = max(1, -(-max(1, capacity - lowest) // resolution))
@@ -393,7 +439,7 @@ def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: 
             # A new group: the earlier blocks' bytes are freed; continue from the best state.
             reset = int(np.argmax(layer))
             layer = _start(units, layer[reset])
-        mine = order[bounds[i]:bounds[i + 1]]
+        mine = order[bounds[i] : bounds[i + 1]]
         tops = _tops(seg, checked, mine, i, deltas)
         choices = []
         for option, top in zip(menus[i], tops):
@@ -409,7 +455,7 @@ def solve_peak(timeline: Timeline, menus: Sequence[Sequence[Option]], capacity: 
         for w, g, limit in choices:
             stop = min(limit, high + w)
             if stop >= w:
-                np.maximum(cur[w:stop + 1], layer[:stop + 1 - w] + g, out=cur[w:stop + 1])
+                np.maximum(cur[w : stop + 1], layer[: stop + 1 - w] + g, out=cur[w : stop + 1])
         history.append((layer, choices, reset))
         layer = cur
         if _high(layer) < 0:
@@ -461,9 +507,20 @@ _PHASES = {REPLAY: 0, COMPUTE: 1}
 
 def _columns(timeline: Timeline) -> _Columns:
     phases = _PHASES
-    rows = np.array([(s.peak, s.first, s.last, -1 if s.own is None or s.unpack is None else s.own,
-                      phases.get(s.phase, -1), -1 if s.unpack is None else s.unpack)
-                     for s in timeline.segments], dtype=np.int64).reshape(-1, 6)
+    rows = np.array(
+        [
+            (
+                s.peak,
+                s.first,
+                s.last,
+                -1 if s.own is None or s.unpack is None else s.own,
+                phases.get(s.phase, -1),
+                -1 if s.unpack is None else s.unpack,
+            )
+            for s in timeline.segments
+        ],
+        dtype=np.int64,
+    ).reshape(-1, 6)
     peak, first, last, own, phase, unpack = rows.T.copy()
     own[phase < 0] = -1
     return _Columns(peak=peak, first=first, last=last, own=own, phase=phase, unpack=unpack)
@@ -485,7 +542,7 @@ class _Deltas:
             rows = [o.replay if phase == 0 else o.compute for o in menu]
             m = np.zeros((len(menu), max(map(len, rows), default=0)), dtype=np.int64)
             for r, d in enumerate(rows):
-                m[r, :len(d)] = d
+                m[r, : len(d)] = d
             self.matrices[key] = m
         if m.shape[1] < width:  # an unpack beyond the simulated ones: no change there
             m = np.pad(m, ((0, 0), (0, width - m.shape[1])))
@@ -495,8 +552,9 @@ class _Deltas:
         return int(self.matrix(block, phase, unpack + 1)[:, unpack].max())
 
 
-def _tops(seg: _Columns, checked: np.ndarray, mine: np.ndarray, block: int,
-          deltas: _Deltas) -> list[int | None]:
+def _tops(
+    seg: _Columns, checked: np.ndarray, mine: np.ndarray, block: int, deltas: _Deltas
+) -> list[int | None]:
     """Per option of ``block``'s menu, the highest segment checked at it (None: none is): its own
     replay segments moved by the option's deltas, every other one as it is (``checked``)."""
     own = seg.own[mine] == block
@@ -524,11 +582,15 @@ def menus_of(timeline: Timeline, regions: Mapping[str, RegionMenu]) -> list[list
         if region is None:
             menus.append([Option(bytes=0, gain=0.0, point=0)])
             continue
-        key = (b.region, b.unpacks, b.taken, b.groups) if b.sequence == region.sequence \
+        key = (
+            (b.region, b.unpacks, b.taken, b.groups)
+            if b.sequence == region.sequence
             else (b.region,)
+        )
         if key not in cache:
-            cache[key] = region.options(b.unpacks, b.taken, b.groups) if len(key) > 1 \
-                else region.options()
+            cache[key] = (
+                region.options(b.unpacks, b.taken, b.groups) if len(key) > 1 else region.options()
+            )
         menus.append(cache[key])
     return menus
 
@@ -546,21 +608,39 @@ class RegionMenu:
     scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (len(self.bytes) == len(self.gains) == len(self.saved)) or not self.bytes \
-                or self.bytes[0] != 0:
-            raise ValueError("a region menu needs one bytes, gain and set per point, the first at 0 bytes")
+        if (
+            not (len(self.bytes) == len(self.gains) == len(self.saved))
+            or not self.bytes
+            or self.bytes[0] != 0
+        ):
+            raise ValueError(
+                "a region menu needs one bytes, gain and set per point, the first at 0 bytes"
+            )
 
-    def options(self, unpacks: Sequence[int] = (), taken: Iterable[int] = (),
-                groups: Sequence[int] = ()) -> list[Option]:
+    def options(
+        self, unpacks: Sequence[int] = (), taken: Iterable[int] = (), groups: Sequence[int] = ()
+    ) -> list[Option]:
         """Every point as an option; with ``unpacks``, each with its replay-byte deltas."""
         if not unpacks:
-            return [Option(bytes=b, gain=g, point=i) for i, (b, g) in enumerate(zip(self.bytes, self.gains))]
+            return [
+                Option(bytes=b, gain=g, point=i)
+                for i, (b, g) in enumerate(zip(self.bytes, self.gains))
+            ]
         base = replay_memory(self.graph, (), unpacks, taken, groups)
         out = []
         for i, (b, g, s) in enumerate(zip(self.bytes, self.gains, self.saved)):
             mem = base if not s else replay_memory(self.graph, s, unpacks, taken, groups)
-            out.append(Option(
-                bytes=b, gain=g, point=i,
-                replay=tuple(math.ceil((x - y) * self.scale) for x, y in zip(mem.replay, base.replay)),
-                compute=tuple(math.ceil((x - y) * self.scale) for x, y in zip(mem.compute, base.compute))))
+            out.append(
+                Option(
+                    bytes=b,
+                    gain=g,
+                    point=i,
+                    replay=tuple(
+                        math.ceil((x - y) * self.scale) for x, y in zip(mem.replay, base.replay)
+                    ),
+                    compute=tuple(
+                        math.ceil((x - y) * self.scale) for x, y in zip(mem.compute, base.compute)
+                    ),
+                )
+            )
         return out

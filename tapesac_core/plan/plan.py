@@ -28,12 +28,12 @@ class Saved:
 class RegionPlan:
     """What one region type saves: a coordinate set per block, in forward order."""
 
-    sequence: str                     # fingerprint of the reference op sequence
+    sequence: str  # fingerprint of the reference op sequence
     blocks: tuple[frozenset[Coord], ...]
-    tokens: int                       # token count the sizes are for (the bucket's upper edge)
-    saved: tuple[Saved, ...] = ()     # the largest set, described for explain()
-    note: str = ""                    # e.g. why some blocks run must-only
-    block_bytes: tuple[int, ...] = () # bytes each block's set may keep (the knapsack's weights)
+    tokens: int  # token count the sizes are for (the bucket's upper edge)
+    saved: tuple[Saved, ...] = ()  # the largest set, described for explain()
+    note: str = ""  # e.g. why some blocks run must-only
+    block_bytes: tuple[int, ...] = ()  # bytes each block's set may keep (the knapsack's weights)
     anchors: tuple[frozenset[Anchor], ...] = ()  # each block's set anchored on submodules
     modules: Mapping[str, str] = field(default_factory=dict)  # their op digests in the reference
 
@@ -42,21 +42,21 @@ class RegionPlan:
 class Plan:
     """A plan for one token bucket, with its predictions."""
 
-    model: str                                   # fingerprint of the model's region types
+    model: str  # fingerprint of the model's region types
     regions: Mapping[str, RegionPlan]
-    capacity: int                                # bytes the step may use (Eq. 9)
-    base: int                                    # must-only step peak at the bucket's tokens
-    saved_bytes: int                             # bytes the plan keeps beyond S0, all blocks
-    predicted_speedup: float                     # vs must-only
-    predicted_speedup_vs_full: float             # vs torch's block recomputation of everything
+    capacity: int  # bytes the step may use (Eq. 9)
+    base: int  # must-only step peak at the bucket's tokens
+    saved_bytes: int  # bytes the plan keeps beyond S0, all blocks
+    predicted_speedup: float  # vs must-only
+    predicted_speedup_vs_full: float  # vs torch's block recomputation of everything
     version: int = PLAN_VERSION
     notes: tuple[str, ...] = field(default_factory=tuple)
-    step_time: float = 0.0                       # modelled must-only step, seconds (0: unknown)
-    replay_time: float = 0.0                     # its modelled replay, seconds
-    memory_model: str = "sum"                    # "sum" (Eq. 8) or "peak" (the timeline model)
-    predicted_peak: int = 0                      # the step peak the memory model predicts (0: unknown)
-    peak_at: str = ""                            # where in the step it falls
-    static: int = 0                              # of the peak, what does not scale with tokens
+    step_time: float = 0.0  # modelled must-only step, seconds (0: unknown)
+    replay_time: float = 0.0  # its modelled replay, seconds
+    memory_model: str = "sum"  # "sum" (Eq. 8) or "peak" (the timeline model)
+    predicted_peak: int = 0  # the step peak the memory model predicts (0: unknown)
+    peak_at: str = ""  # where in the step it falls
+    static: int = 0  # of the peak, what does not scale with tokens
 
     def peak_at_tokens(self, base: int) -> int:
         """The predicted peak for a step of the bucket whose must-only peak is ``base`` (the plan
@@ -65,7 +65,9 @@ class Plan:
         grow = self.base - self.static
         if not self.predicted_peak or grow <= 0:
             return self.predicted_peak
-        return round(self.static + (self.predicted_peak - self.static) * (base - self.static) / grow)
+        return round(
+            self.static + (self.predicted_peak - self.static) * (base - self.static) / grow
+        )
 
     def coordinates(self) -> dict[str, list[frozenset[Coord]]]:
         """The form ``use_plan`` takes: per region, one coordinate set per block."""
@@ -91,56 +93,105 @@ class Plan:
 
     def to_json(self) -> str:
         """Versioned JSON (never pickle)."""
-        return json.dumps({
-            "version": self.version, "model": self.model, "capacity": self.capacity,
-            "base": self.base, "saved_bytes": self.saved_bytes,
-            "predicted_speedup": self.predicted_speedup,
-            "predicted_speedup_vs_full": self.predicted_speedup_vs_full, "notes": list(self.notes),
-            "step_time": self.step_time, "replay_time": self.replay_time,
-            "memory_model": self.memory_model, "predicted_peak": self.predicted_peak,
-            "peak_at": self.peak_at, "static": self.static,
-            "regions": {r: {"sequence": p.sequence, "tokens": p.tokens, "note": p.note,
-                            "blocks": [sorted(map(list, b)) for b in p.blocks],
-                            "block_bytes": list(p.block_bytes),
-                            "anchors": [sorted(map(list, b)) for b in p.anchors],
-                            "modules": dict(p.modules),
-                            "saved": [{"coord": list(s.coord), "module": s.module, "bytes": s.bytes,
-                                       "time_removed": s.time_removed} for s in p.saved]}
-                        for r, p in self.regions.items()},
-        }, sort_keys=True)
+        return json.dumps(
+            {
+                "version": self.version,
+                "model": self.model,
+                "capacity": self.capacity,
+                "base": self.base,
+                "saved_bytes": self.saved_bytes,
+                "predicted_speedup": self.predicted_speedup,
+                "predicted_speedup_vs_full": self.predicted_speedup_vs_full,
+                "notes": list(self.notes),
+                "step_time": self.step_time,
+                "replay_time": self.replay_time,
+                "memory_model": self.memory_model,
+                "predicted_peak": self.predicted_peak,
+                "peak_at": self.peak_at,
+                "static": self.static,
+                "regions": {
+                    r: {
+                        "sequence": p.sequence,
+                        "tokens": p.tokens,
+                        "note": p.note,
+                        "blocks": [sorted(map(list, b)) for b in p.blocks],
+                        "block_bytes": list(p.block_bytes),
+                        "anchors": [sorted(map(list, b)) for b in p.anchors],
+                        "modules": dict(p.modules),
+                        "saved": [
+                            {
+                                "coord": list(s.coord),
+                                "module": s.module,
+                                "bytes": s.bytes,
+                                "time_removed": s.time_removed,
+                            }
+                            for s in p.saved
+                        ],
+                    }
+                    for r, p in self.regions.items()
+                },
+            },
+            sort_keys=True,
+        )
 
     @classmethod
-    def from_json(cls, text: str, *, model: str | None = None,
-                  regions: Mapping[str, str] | None = None) -> Plan:
+    def from_json(
+        cls, text: str, *, model: str | None = None, regions: Mapping[str, str] | None = None
+    ) -> Plan:
         """Read a plan; ``model``/``regions`` (name -> op-sequence fingerprint) check it fits."""
         data = json.loads(text)
         if data.get("version") not in _READABLE:
-            raise ValueError(f"plan file has version {data.get('version')!r}; this TapeSAC reads "
-                             f"version {PLAN_VERSION}. Solve the plan again (delete the plan cache)")
+            raise ValueError(
+                f"plan file has version {data.get('version')!r}; this TapeSAC reads "
+                f"version {PLAN_VERSION}. Solve the plan again (delete the plan cache)"
+            )
         if model is not None and data["model"] != model:
-            raise ValueError(f"plan was solved for model {data['model']!r}, not {model!r}: it "
-                             "comes from another model. Solve the plan again")
+            raise ValueError(
+                f"plan was solved for model {data['model']!r}, not {model!r}: it "
+                "comes from another model. Solve the plan again"
+            )
         plan = cls(
-            model=data["model"], capacity=data["capacity"], base=data["base"],
-            saved_bytes=data["saved_bytes"], predicted_speedup=data["predicted_speedup"],
+            model=data["model"],
+            capacity=data["capacity"],
+            base=data["base"],
+            saved_bytes=data["saved_bytes"],
+            predicted_speedup=data["predicted_speedup"],
             predicted_speedup_vs_full=data["predicted_speedup_vs_full"],
-            notes=tuple(data["notes"]), step_time=float(data.get("step_time", 0.0)),
-            replay_time=float(data.get("replay_time", 0.0)), version=data["version"],
+            notes=tuple(data["notes"]),
+            step_time=float(data.get("step_time", 0.0)),
+            replay_time=float(data.get("replay_time", 0.0)),
+            version=data["version"],
             memory_model=str(data.get("memory_model", "sum")),
-            predicted_peak=int(data.get("predicted_peak", 0)), peak_at=str(data.get("peak_at", "")),
+            predicted_peak=int(data.get("predicted_peak", 0)),
+            peak_at=str(data.get("peak_at", "")),
             static=int(data.get("static", 0)),
-            regions={r: RegionPlan(
-                sequence=p["sequence"], tokens=p["tokens"], note=p["note"],
-                blocks=tuple(frozenset(_coord(c) for c in b) for b in p["blocks"]),
-                block_bytes=tuple(int(b) for b in p.get("block_bytes", ())),
-                anchors=tuple(frozenset(_anchor(a) for a in b) for b in p.get("anchors", ())),
-                modules=dict(p.get("modules", {})),
-                saved=tuple(Saved(coord=_coord(s["coord"]), module=s["module"], bytes=s["bytes"],
-                                  time_removed=s["time_removed"]) for s in p["saved"]))
-                for r, p in data["regions"].items()})
+            regions={
+                r: RegionPlan(
+                    sequence=p["sequence"],
+                    tokens=p["tokens"],
+                    note=p["note"],
+                    blocks=tuple(frozenset(_coord(c) for c in b) for b in p["blocks"]),
+                    block_bytes=tuple(int(b) for b in p.get("block_bytes", ())),
+                    anchors=tuple(frozenset(_anchor(a) for a in b) for b in p.get("anchors", ())),
+                    modules=dict(p.get("modules", {})),
+                    saved=tuple(
+                        Saved(
+                            coord=_coord(s["coord"]),
+                            module=s["module"],
+                            bytes=s["bytes"],
+                            time_removed=s["time_removed"],
+                        )
+                        for s in p["saved"]
+                    ),
+                )
+                for r, p in data["regions"].items()
+            },
+        )
         if regions is not None and plan.sequences() != dict(regions):
-            raise ValueError(f"plan covers regions {plan.sequences()}, the model has {dict(regions)}: "
-                             "the region set or a block's op sequence changed. Solve the plan again")
+            raise ValueError(
+                f"plan covers regions {plan.sequences()}, the model has {dict(regions)}: "
+                "the region set or a block's op sequence changed. Solve the plan again"
+            )
         return plan
 
     def explain(self, measured_speedup: float | None = None) -> str:
@@ -150,22 +201,37 @@ class Plan:
         and ``measured_speedup`` (the controller's, must-only vs planned steps of the bucket)
         when given."""
         tokens = ", ".join(f"{p.tokens} ({r})" for r, p in sorted(self.regions.items()))
-        measured = "" if measured_speedup is None else f"; measured {measured_speedup:.3f}x vs must-only"
-        model = (f"; must-only step modelled {self.step_time * 1e3:.3f} ms, of which replay "
-                 f"{self.replay_time * 1e3:.3f} ms" if self.step_time > 0 else "")
-        lines = [f"TapeSAC plan for up to {tokens} tokens: capacity {format_bytes(self.capacity)}, "
-                 f"must-only peak {format_bytes(self.base)}, saves {format_bytes(self.saved_bytes)} "
-                 f"more; predicted speedup {self.predicted_speedup:.3f}x vs must-only, "
-                 f"{self.predicted_speedup_vs_full:.3f}x vs full recomputation{measured}{model}"]
+        measured = (
+            "" if measured_speedup is None else f"; measured {measured_speedup:.3f}x vs must-only"
+        )
+        model = (
+            f"; must-only step modelled {self.step_time * 1e3:.3f} ms, of which replay "
+            f"{self.replay_time * 1e3:.3f} ms"
+            if self.step_time > 0
+            else ""
+        )
+        lines = [
+            f"TapeSAC plan for up to {tokens} tokens: capacity {format_bytes(self.capacity)}, "
+            f"must-only peak {format_bytes(self.base)}, saves {format_bytes(self.saved_bytes)} "
+            f"more; predicted speedup {self.predicted_speedup:.3f}x vs must-only, "
+            f"{self.predicted_speedup_vs_full:.3f}x vs full recomputation{measured}{model}"
+        ]
         if self.predicted_peak:
-            how = ("Eq. 8: every saved byte at once" if self.memory_model == "sum"
-                   else "peak-aware timeline model")
-            lines.append(f"predicted step peak {format_bytes(self.predicted_peak)} ({how}), "
-                         f"at {self.peak_at or 'the start of backward'}")
+            how = (
+                "Eq. 8: every saved byte at once"
+                if self.memory_model == "sum"
+                else "peak-aware timeline model"
+            )
+            lines.append(
+                f"predicted step peak {format_bytes(self.predicted_peak)} ({how}), "
+                f"at {self.peak_at or 'the start of backward'}"
+            )
         for region, p in sorted(self.regions.items()):
             sizes = [len(b) for b in p.blocks]
-            lines.append(f"region {region} ({len(p.blocks)} blocks at {p.tokens} tokens; values "
-                         f"saved per block: {sizes})" + (f" - {p.note}" if p.note else ""))
+            lines.append(
+                f"region {region} ({len(p.blocks)} blocks at {p.tokens} tokens; values "
+                f"saved per block: {sizes})" + (f" - {p.note}" if p.note else "")
+            )
             lines.extend(_table(p.saved))
         lines.extend(self.notes)
         return "\n".join(lines)
@@ -178,15 +244,22 @@ def _table(saved: tuple[Saved, ...]) -> list[str]:
     rows, previous = [], None
     for s in saved:
         op_call = s.coord[:2]
-        time = ("(same op)" if op_call == previous
-                else f"{s.time_removed * 1e3:.3f} ms")
-        rows.append((f"{s.coord[0]} #{s.coord[1]} out {s.coord[2]}", s.module or "-",
-                     format_bytes(s.bytes), time))
+        time = "(same op)" if op_call == previous else f"{s.time_removed * 1e3:.3f} ms"
+        rows.append(
+            (
+                f"{s.coord[0]} #{s.coord[1]} out {s.coord[2]}",
+                s.module or "-",
+                format_bytes(s.bytes),
+                time,
+            )
+        )
         previous = op_call
     header = ("coordinate", "module", "bytes", "time removed")
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(4)]
-    return [f"  {c:{widths[0]}s}  {m:{widths[1]}s}  {b:>{widths[2]}s}  {t:>{widths[3]}s}"
-            for c, m, b, t in (header, *rows)]
+    return [
+        f"  {c:{widths[0]}s}  {m:{widths[1]}s}  {b:>{widths[2]}s}  {t:>{widths[3]}s}"
+        for c, m, b, t in (header, *rows)
+    ]
 
 
 def _anchor(a: list) -> Anchor:
@@ -195,5 +268,3 @@ def _anchor(a: list) -> Anchor:
 
 def _coord(c: list) -> Coord:
     return (str(c[0]), int(c[1]), int(c[2]))
-
-

@@ -34,8 +34,11 @@ def trim(graph: PlanGraph, saved: Iterable[int], run: int) -> list[int]:
 def make_point(graph: PlanGraph, saved: Iterable[int], run: int) -> Point:
     """The point of save set `saved`, whose replay runs the nodes in `run`, trimmed."""
     kept = trim(graph, saved, run)
-    return Point(bytes=storages_bytes(graph, kept), time=nodes_time(graph, run),
-                 saved=frozenset(graph.value_names[v] for v in kept))
+    return Point(
+        bytes=storages_bytes(graph, kept),
+        time=nodes_time(graph, run),
+        saved=frozenset(graph.value_names[v] for v in kept),
+    )
 
 
 def pareto(points: Iterable[Point]) -> list[Point]:

@@ -37,8 +37,11 @@ def _moves(graph: PlanGraph, units: Units, built: Built) -> tuple[list[Built], i
     moves, attempts = [], 0
     for store, values in by_storage.items():
         dropped, revived = _drop(graph, built, values)
-        near = {graph.value_storage[v] for n in members(revived)
-                for v in graph.node_deps[n] + graph.node_outs[n]} - {store}
+        near = {
+            graph.value_storage[v]
+            for n in members(revived)
+            for v in graph.node_deps[n] + graph.node_outs[n]
+        } - {store}
         adds = sorted({u for s in near for u in units.touching.get(s, ())})
         moves += [dropped] + [m for u in adds if (m := _add(graph, dropped, units.values[u]))]
         attempts += 1 + len(adds)
