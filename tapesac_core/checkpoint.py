@@ -8,7 +8,9 @@ values it unpacks. Loss and gradients are bitwise those of running without check
 When grad is disabled a block runs plainly. In eval mode with grad enabled it is still
 checkpointed. Raises ``TapeSACError`` for a block nested in another (at wrap time when a module is
 wrapped inside or around a wrapped one, else at its forward), a block run during a backward
-pass (reentrant checkpointing), ``torch.utils.checkpoint`` around a block, ``fully_shard`` on a
+pass (reentrant checkpointing), ``torch.utils.checkpoint`` around a block or inside one (Hugging
+Face's ``gradient_checkpointing`` flag on a block, a wrapper on a submodule, saved-tensor hooks
+pushed inside: checked as each submodule is entered), ``fully_shard`` on a
 module inside a block (at wrap time or at its forward), double backward, and in-place writes into
 block inputs, parameters or buffers.
 
@@ -224,6 +226,58 @@ def _refuse_outer_torch_checkpoint(name: str) -> None:
         )
 
 
+def _refuse_hf_checkpointing(module: torch.nn.Module, name: str) -> None:
+    """Hugging Face's ``GradientCheckpointingLayer`` runs torch.utils.checkpoint inside its own
+    forward while its ``gradient_checkpointing`` flag is on: autograd would hand every saved
+    tensor to torch's hooks, not TapeSAC's, and the block would save and replay nothing."""
+    if module.training and getattr(module, "gradient_checkpointing", False) is True:
+        raise TapeSACError(
+            f"block {name!r} has Hugging Face activation checkpointing on (its "
+            "gradient_checkpointing flag): torch.utils.checkpoint would run inside the TapeSAC "
+            "block, which would then save and replay nothing. Fix: turn it off, "
+            "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
+            "transformers 5), or gradient_checkpointing=False in the Trainer's arguments; "
+            "TapeSAC replaces it"
+        )
+
+
+def _refuse_inner_saved_tensor_hooks(block: Block, submodule: str) -> None:
+    """Saved-tensor hooks pushed inside a recording block (torch.utils.checkpoint or a wrapper
+    of it, activation offloading) take every tensor autograd saves there away from the tape's
+    pack hook: the block would silently save and replay nothing of it."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None or getattr(hooks[0], "__func__", None) is Recorder.pack:
+        return
+    origin = getattr(hooks[0], "__module__", "") or ""
+    what = (
+        "torch.utils.checkpoint (or a wrapper of it, e.g. checkpoint_wrapper)"
+        if origin == "torch.utils.checkpoint"
+        else f"saved-tensor hooks of {origin or 'unknown origin'} (e.g. save_on_cpu offloading)"
+    )
+    raise TapeSACError(
+        f"{what} runs inside TapeSAC block {block.name!r} (around {block.name}.{submodule}): "
+        "autograd would hand the tensors it saves there to those hooks, and TapeSAC would save "
+        "and replay nothing of them. Fix: remove that checkpoint (or hooks) inside the block; "
+        "TapeSAC already checkpoints it"
+    )
+
+
+def _refuse_recompute_in_backward(submodule: str, module: torch.nn.Module) -> None:
+    """A submodule of a block running with grad during backward: a reentrant checkpoint inside
+    the block recomputes it (its forward ran under no_grad, where no saved-tensor hooks show).
+    torch's non-reentrant recompute (full-checkpointing control steps) runs under its hooks."""
+    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() == -1:
+        return
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None or getattr(hooks[0], "__module__", "") != "torch.utils.checkpoint":
+        raise TapeSACError(
+            f"{module._tapesac_inside}.{submodule} ran during backward: a reentrant checkpoint "
+            "(torch.utils.checkpoint(use_reentrant=True)) inside TapeSAC block "
+            f"{module._tapesac_inside!r} recomputes it. Fix: remove that checkpoint; TapeSAC "
+            "already checkpoints the block"
+        )
+
+
 @contextmanager
 def _autocast_weight_cache_disabled() -> Iterator[None]:
     """Autocast caches casts of parameters: a cached cast never reaches the dispatcher again, so
@@ -257,6 +311,8 @@ def _run_block(
             f"block {name!r} ran during a backward pass (reentrant checkpointing, e.g. "
             "torch.utils.checkpoint(use_reentrant=True) around it). Fix: remove the outer checkpoint"
         )
+    if module is not None:
+        _refuse_hf_checkpointing(module, name)
     _refuse_outer_torch_checkpoint(name)
     if module is not None:
         _refuse_sharded_inside(module, name)
@@ -438,7 +494,10 @@ def _track_submodules(module: torch.nn.Module, name: str) -> None:
 def _enter_submodule(name: str, module: torch.nn.Module, args: Any) -> None:
     block = _RECORDING.get()
     if block is not None:
+        _refuse_inner_saved_tensor_hooks(block, name)
         block.enter_module(name)
+    else:
+        _refuse_recompute_in_backward(name, module)
 
 
 def _exit_submodule(module: torch.nn.Module, args: Any, output: Any) -> None:

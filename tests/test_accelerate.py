@@ -37,7 +37,12 @@ def config(tmp: Path, tapesac: bool = True, **changes) -> Path:
     return path
 
 
-def launch(yaml_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def launch(
+    yaml_path: Path,
+    *args: str,
+    check: bool = True,
+    script: tuple[str, ...] = ("-m", "examples.train_accelerate"),
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != SETTINGS_ENV}
     env.update(
         PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])]),
@@ -50,8 +55,7 @@ def launch(yaml_path: Path, *args: str, check: bool = True) -> subprocess.Comple
         "launch",
         "--config_file",
         str(yaml_path),
-        "-m",
-        "examples.train_accelerate",
+        *script,
         *args,
     ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -277,3 +281,33 @@ def test_without_settings_it_is_plain_accelerate(monkeypatch, fresh_accelerate_s
     assert accelerator.tapesac_plugin is None and accelerator.tapesac_controller is None
     assert not any(hasattr(m, "_tapesac") for m in model.modules())
     assert not model._forward_pre_hooks
+
+
+HF_CHECKPOINTED = """
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from tapesac_lightning import TapeSACAccelerator
+
+accelerator = TapeSACAccelerator()
+config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+model = Qwen3ForCausalLM(config)
+model.gradient_checkpointing_enable()  # Hugging Face's own: torch's checkpoint in each layer
+optimizer = torch.optim.AdamW(model.parameters())
+model, optimizer = accelerator.prepare(model, optimizer)
+ids = torch.randint(0, 64, (2, 16))
+accelerator.backward(model(input_ids=ids, labels=ids).loss)
+"""
+
+
+def test_hugging_face_checkpointing_inside_the_blocks_stops_the_run_naming_the_fix(
+    tmp_path,
+) -> None:
+    script = tmp_path / "hf_checkpointed.py"
+    script.write_text(HF_CHECKPOINTED)
+    yaml_path = config(tmp_path, fsdp_transformer_layer_cls_to_wrap="Qwen3DecoderLayer")
+    done = launch(yaml_path, check=False, script=(str(script),))
+    assert done.returncode != 0
+    assert "has Hugging Face activation checkpointing on" in done.stderr, done.stderr[-3000:]
+    assert "gradient_checkpointing_disable()" in done.stderr

@@ -357,3 +357,42 @@ def _fit_tiny(tmp_path, module_class, strategy, batches: int, **trainer_args):
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return module
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+def test_hugging_face_checkpointing_inside_the_blocks_is_an_error_naming_the_fix(tmp_path) -> None:
+    import lightning.pytorch as pl
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    from examples.train_lightning import LitHuggingFace
+    from tapesac_lightning import TapeSACFSDPStrategy
+
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    model = Qwen3ForCausalLM(config)
+    model.gradient_checkpointing_enable()  # Hugging Face's own: torch's checkpoint in each layer
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        strategy=TapeSACFSDPStrategy(activation_checkpointing_policy={Qwen3DecoderLayer}),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
+    try:
+        with pytest.raises(TapeSACError, match="has Hugging Face activation checkpointing on"):
+            data = torch.utils.data.DataLoader([torch.randint(0, 64, (2, 16))], batch_size=None)
+            trainer.fit(LitHuggingFace(model), data)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
