@@ -510,7 +510,7 @@ def plan_tapesac(
             break
     if report.mode != PLANNED:
         raise RuntimeError("the probe controller never planned")
-    key, tokens = report.bucket, report.tokens
+    tokens = report.tokens
     static = controller.memory.samples[-1].static
     everything = report.plan.saved_bytes
     info = {
@@ -521,11 +521,8 @@ def plan_tapesac(
     }
     plans = {}
     for name, limit in targets(everything).items():
-        controller.config = dataclasses.replace(
-            controller.config, memory_limit=max(limit + static, MiB)
-        )
-        controller._forget_plans()
-        plans[name] = (limit, controller._plan(key, tokens))
+        controller.replan(memory_limit=max(limit + static, MiB))
+        plans[name] = (limit, controller.plan_for(tokens))
     return plans, info
 
 

@@ -106,7 +106,7 @@ def main() -> None:
                 "saved": plan.saved_bytes,
                 "predicted_peak": plan.predicted_peak,
                 "predicted_speedup": plan.predicted_speedup,
-                "measured_speedup": run.controller._measured(run.report.bucket),
+                "measured_speedup": run.report.measured_speedup,
                 "recomputed_gflop": (statistics.median(run.flops) - plain_flops) / 1e9,
                 "planned_step_ms": 1e3 * statistics.median(run.planned),
                 "planned_step_iqr_ms": 1e3 * iqr(run.planned),

@@ -212,6 +212,24 @@ class Controller:
         """The memory limit in bytes on this device (or host, on CPU)."""
         return self.config.memory_limit.of(self._device_total())
 
+    def replan(self, memory_limit: float | int | str | None = None) -> None:
+        """Forget every plan, under a new ``memory_limit`` if given: each bucket is solved again
+        at its next planned step (or ``plan_for``), from the profiles already taken."""
+        if memory_limit is not None:
+            self.config = dataclasses.replace(self.config, memory_limit=memory_limit)
+        self._forget_plans()
+
+    def plan_for(self, tokens: int | Mapping[str, int]) -> Plan:
+        """The plan of the bucket of ``tokens`` (as ``step`` takes them), solved now if not
+        cached. Needs the profiles of a run that reached a planned step; on every rank at once
+        under torch.distributed."""
+        if not self.profiles:
+            raise TapeSACError(
+                "plan_for needs profiled blocks: run steps until one is planned first"
+            )
+        per_region = self._agree_tokens(self._per_region(tokens))
+        return self._plan(self._bucket(per_region), per_region)
+
     # ------------------------------------------------------------------ one step
 
     @contextmanager

@@ -555,3 +555,21 @@ def test_a_state_of_an_older_version_is_solved_again_with_an_info_log(caplog) ->
     modes = [_run(model2, meter2, fresh, 32).mode for _ in range(3)]
     assert modes == [PROFILE, PLANNED, PLANNED]  # profiled again, then the bucket is solved anew
     assert fresh.plan.version == 2 and fresh.plan.predicted_peak > 0
+
+
+def test_replan_under_a_new_limit_solves_each_bucket_again_from_the_same_profiles() -> None:
+    # The fake must-only peak is 64 MiB + 64 tokens x 4 KiB; saving everything takes ~240 KiB.
+    model, meter, c = _setup(64 * MiB + 256 * KiB + 100 * KiB, margin=0.0)
+    with pytest.raises(tapesac_core.TapeSACError, match="plan_for needs profiled blocks"):
+        c.plan_for(64)
+    for _ in range(4):
+        report = _run(model, meter, c, 32)
+    assert report.mode == PLANNED and c.plan_for(64) is report.plan  # the cached plan
+    profiles = dict(c.profiles)
+    c.replan(memory_limit=GiB)
+    assert not c.plans and c.limit_bytes() == GiB
+    generous = c.plan_for(64)
+    assert generous.capacity > report.plan.capacity
+    assert generous.saved_bytes > report.plan.saved_bytes and c.profiles == profiles
+    c.replan()  # the same limit: solved again, to the same plan
+    assert c.plan_for(64).to_json() == generous.to_json()
