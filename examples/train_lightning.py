@@ -169,8 +169,8 @@ def summary(controller: Controller, records: list[dict[str, Any]]) -> str:
     headroom = None
     if report is not None and report.bucket in controller.plans:
         frontier = controller.step_frontier(report.bucket)
-        low = frontier["must_only"][0]
-        headroom = (low, low + sum(max(x for x, _ in c) - low for c in frontier["curves"].values()))
+        low = frontier.must_only[0]
+        headroom = (low, low + sum(max(x for x, _ in c) - low for c in frontier.curves.values()))
     plan = controller.plans.get(report.bucket) if report is not None else None
     return run_summary(
         records,

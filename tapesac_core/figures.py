@@ -10,11 +10,14 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .units import MiB
+
+if TYPE_CHECKING:
+    from .step_frontier import StepFrontier
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,13 +44,13 @@ class MeasuredPoint:
 
 
 def frontier_figure(
-    frontier: Mapping[str, Any], measured: Sequence[MeasuredPoint] = (), title: str = "TapeSAC plan"
+    frontier: StepFrontier, measured: Sequence[MeasuredPoint] = (), title: str = "TapeSAC plan"
 ) -> Any:
     """Predicted step time against predicted step peak: one curve per region type, the chosen
     plan, must-only, full recomputation and the capacity; measured steps drawn on top (a
     measured point without a metered peak sits at its mode's predicted peak)."""
     figure, axes = _axes()
-    for region, curve in frontier["curves"].items():
+    for region, curve in frontier.curves.items():
         xs, ys = zip(*curve)
         axes.plot(
             np.array(xs) / MiB,
@@ -63,9 +66,9 @@ def frontier_figure(
         ("chosen", "chosen plan (predicted)", "*", "tab:red"),
     )
     for key, label, marker, color in marks:
-        x, y = frontier[key]
-        if key == "chosen" and frontier.get("peak_at"):
-            label = f"chosen plan (predicted; peak at {frontier['peak_at']})"
+        x, y = getattr(frontier, key)
+        if key == "chosen" and frontier.peak_at:
+            label = f"chosen plan (predicted; peak at {frontier.peak_at})"
         axes.plot(
             x / MiB,
             y * 1e3,
@@ -76,15 +79,15 @@ def frontier_figure(
             label=label,
         )
     axes.axvline(
-        frontier["capacity"] / MiB,
+        frontier.capacity / MiB,
         color="tab:orange",
         linestyle="--",
         label="capacity (limit after margins)",
     )
     predicted_peak = {
-        "planned": frontier["chosen"][0],
-        "must-only": frontier["must_only"][0],
-        "full": frontier["full"][0],
+        "planned": frontier.chosen[0],
+        "must-only": frontier.must_only[0],
+        "full": frontier.full[0],
     }
     colors = {"planned": "tab:red", "must-only": "tab:blue", "full": "black"}
     for point in measured:

@@ -61,6 +61,13 @@ def physical_memory() -> tuple[int, int]:
     return page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def device_memory(device: torch.device) -> int:
+    """Total memory of ``device`` in bytes: the host's physical memory for the CPU."""
+    if device.type == "cpu":
+        return physical_memory()[0]
+    return torch.accelerator.get_memory_info(device)[1]
+
+
 def alloc_retries(device: torch.device) -> int:
     """Allocations the caching allocator had to retry after freeing its cache, since the start.
 

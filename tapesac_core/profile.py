@@ -10,8 +10,10 @@ import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .block import BlockTrace
+from .memory import MemoryReading
 from .plan import PlanGraph, Point, solve_frontier
 from .plan.peak import Timeline
 from .plan.tape_graph import graph_of
@@ -196,6 +198,12 @@ def calibrated(
     )
 
 
+def step_fragmentation(reading: MemoryReading) -> int:
+    """Reserved minus allocated at a sample step's peak, when the step itself set the reserved
+    high-water mark; 0 when it fit in memory an earlier step reserved (nothing measured)."""
+    return max(0, reading.reserved - reading.peak) if reading.reserved_growth > 0 else 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemorySample:
     """The must-only step's memory at a token count (Eq. 8's base and Eq. 9's measured terms)."""
@@ -206,6 +214,17 @@ class MemorySample:
     outside: int = 0  # device memory outside PyTorch's caching allocator
     fragmentation: int = 0  # reserved minus allocated at the peak
 
+    @classmethod
+    def of(cls, reading: MemoryReading, tokens: int, static: int) -> MemorySample:
+        """A metered must-only step at ``tokens``; ``static``: in use when it started."""
+        return cls(
+            tokens=tokens,
+            peak=reading.peak,
+            static=static,
+            outside=reading.outside,
+            fragmentation=step_fragmentation(reading),
+        )
+
 
 @dataclass
 class MemoryModel:
@@ -215,6 +234,24 @@ class MemoryModel:
     extra_fragmentation: int = 0  # raised when observed peaks come near the limit
     model_error: int = 0  # raised when a metered step exceeded its predicted peak
     timelines: dict[int, Timeline] = field(default_factory=dict)  # per sampled token count
+
+    def state_dict(self) -> dict[str, Any]:
+        """Samples and corrections (timelines are not kept: a new bucket profiles again)."""
+        return {
+            "samples": [vars(s) for s in self.samples],
+            "extra_fragmentation": self.extra_fragmentation,
+            "model_error": self.model_error,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> MemoryModel:
+        model = cls(
+            extra_fragmentation=state["extra_fragmentation"],
+            model_error=int(state.get("model_error", 0)),  # absent before version 3
+        )
+        for s in state["samples"]:
+            model.add(MemorySample(**s))
+        return model
 
     def add_timeline(self, timeline: Timeline) -> None:
         """The memory timeline of a must-only sample step (the peak-aware model's input)."""

@@ -8,6 +8,7 @@ from typing import Any
 
 from tapesac_core import Controller, StepReport
 from tapesac_core.figures import MeasuredPoint, frontier_figure, image_array
+from tapesac_core.step_report import StepMode
 
 SCALARS = (
     "tapesac/step_time_ms",
@@ -38,13 +39,12 @@ def step_metrics(report: StepReport) -> dict[str, float]:
     return {name: float(v) for name, v in zip(SCALARS, values) if v is not None}
 
 
-_LABELS = {
-    "planned": "planned",
-    "control": "must-only",
-    "warmup": "must-only",
-    "profile": "must-only",
-    "sample": "must-only",
-}
+def _label(mode: StepMode) -> str | None:
+    """The figure's label of a step's measured peak: planned or must-only (full-checkpointing
+    steps are not metered)."""
+    if mode == StepMode.PLANNED:
+        return "planned"
+    return "must-only" if mode.must_only else None
 
 
 class Publisher:
@@ -69,12 +69,9 @@ class Publisher:
         log_scalars(step_metrics(report), step)
         # A rank's peak is its own batch's: drawn against the bucket only if that batch had the
         # bucket's (agreed, largest) token count.
-        if (
-            report.peak is not None
-            and report.mode in _LABELS
-            and report.local_tokens in ({}, report.tokens)
-        ):
-            self._peaks[report.bucket, _LABELS[report.mode]] = report.peak
+        label = _label(report.mode)
+        if report.peak is not None and label and report.local_tokens in ({}, report.tokens):
+            self._peaks[report.bucket, label] = report.peak
         self._last = report
         plan = report.plan
         if plan is None or plan.to_json() in self._logged_plans:
@@ -110,14 +107,15 @@ class Publisher:
     def figure(self, controller: Controller, key: tuple[int, ...]) -> Any:
         """The bucket's predicted frontier and its measured must-only, full-checkpointing and
         planned steps."""
+        times = controller.times.of(key)
         measured = [
-            MeasuredPoint.of(label, times, self._peaks.get((key, label)))
-            for label, times in (
-                ("must-only", controller.must_only_times.get(key)),
-                ("full", controller.full_times.get(key)),
-                ("planned", controller.planned_times.get(key)),
+            MeasuredPoint.of(label, seconds, self._peaks.get((key, label)))
+            for label, seconds in (
+                ("must-only", times.must_only),
+                ("full", times.full),
+                ("planned", times.planned),
             )
-            if times
+            if seconds
         ]
         tokens = ", ".join(f"{n} ({r})" for r, n in controller.bucket_tokens(key).items())
         return frontier_figure(

@@ -78,16 +78,8 @@ def _setup(limit, meter=None, **settings):
     )
     tapesac_core.checkpoint_modules(model, {DecoderLayer})
     meter = meter or FakeMeter()
-    controller = Controller(
-        model,
-        limit,
-        meter=meter,
-        warmup_steps=1,
-        profile_steps=1,
-        control_steps=1,
-        control_every=0,
-        **settings,
-    )
+    settings = dict(warmup_steps=1, profile_steps=1, control_steps=1, control_every=0) | settings
+    controller = Controller(model, limit, meter=meter, **settings)
     return model, meter, controller
 
 
@@ -340,10 +332,10 @@ def test_full_checkpointing_control_steps_run_torch_checkpoint_on_every_block_an
     later = reports[5]
     assert later.measured_reason is None
     assert later.measured_speedup == pytest.approx(
-        c.must_only_times[later.bucket][0] / c.planned_times[later.bucket][0]
+        c.times.must_only[later.bucket][0] / c.times.planned[later.bucket][0]
     )
     assert later.measured_speedup_vs_full == pytest.approx(
-        c.full_times[later.bucket][0] / c.planned_times[later.bucket][0]
+        c.times.full[later.bucket][0] / c.times.planned[later.bucket][0]
     )
 
 
@@ -429,13 +421,12 @@ def test_a_zero_memory_limit_runs_must_only_in_planned_steps(caplog) -> None:
 
 
 def test_a_control_step_runs_every_control_every_planned_steps() -> None:
-    model, meter, c = _setup(64 * MiB + 2 * MiB)
-    c.config = dataclasses.replace(c.config, control_every=3)
+    model, meter, c = _setup(64 * MiB + 2 * MiB, control_every=3)
     modes = [_run(model, meter, c, 32).mode for _ in range(11)]
     assert modes == [WARMUP, PROFILE, CONTROL] + [PLANNED] * 3 + [CONTROL] + [PLANNED] * 3 + [
         CONTROL
     ]
-    assert len(c.must_only_times[(bucket(64, 1.1),)]) == 3  # the three control steps' times
+    assert len(c.times.must_only[(bucket(64, 1.1),)]) == 3  # the three control steps' times
 
 
 def test_secondary_regions_bucket_their_largest_count_so_far_with_their_own_factor() -> None:

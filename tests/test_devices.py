@@ -51,13 +51,13 @@ def nccl_on_two_ranks(monkeypatch):
 
 def test_collectives_take_tensors_on_the_controllers_device(nccl_on_two_ranks) -> None:
     c = Controller(_model(), 0.5, device=CUDA1)
-    assert c._reduce_max([3, 5]) == [3, 5]
+    assert c.ranks.largest([3, 5]) == [3, 5]
 
     def fail():
         raise RuntimeError("no plan")
 
     with pytest.raises(TapeSACError, match="no plan"):  # rank 0 tells the others, then raises
-        c._broadcast(fail)
+        c.ranks.plan_of_rank_0(fail, c.model_key)
     assert nccl_on_two_ranks == [("tensor", CUDA1), ("all_reduce",), ("broadcast", CUDA1)]
 
 

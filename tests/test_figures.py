@@ -4,18 +4,21 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from tapesac_core.controller import StepReport
 from tapesac_core.figures import MeasuredPoint, frontier_figure, image_array
+from tapesac_core.measured_times import BucketTimes
+from tapesac_core.step_frontier import StepFrontier
+from tapesac_core.step_report import StepMode, StepReport
 from tapesac_core.units import MiB
 from tapesac_lightning.logging import Publisher
 
-FRONTIER = {
-    "curves": {"DecoderLayer": [(10 * MiB, 0.100), (12 * MiB, 0.095), (15 * MiB, 0.090)]},
-    "must_only": (10 * MiB, 0.100),
-    "full": (10 * MiB, 0.104),
-    "chosen": (15 * MiB, 0.090),
-    "capacity": 16 * MiB,
-}
+FRONTIER = StepFrontier(
+    curves={"DecoderLayer": [(10 * MiB, 0.100), (12 * MiB, 0.095), (15 * MiB, 0.090)]},
+    must_only=(10 * MiB, 0.100),
+    full=(10 * MiB, 0.104),
+    chosen=(15 * MiB, 0.090),
+    peak_at="",
+    capacity=16 * MiB,
+)
 
 
 def test_measured_point_is_the_median_with_quartiles_and_count() -> None:
@@ -76,9 +79,9 @@ def test_publisher_logs_scalars_every_step_and_each_new_plan_once() -> None:
     plan = SimpleNamespace(to_json=lambda: "plan-1", explain=lambda measured=None: "table")
     controller = SimpleNamespace(
         plans={(5,): plan},
-        must_only_times={(5,): [0.1, 0.11]},
-        planned_times={(5,): [0.09]},
-        full_times={},
+        times=SimpleNamespace(
+            of=lambda key: BucketTimes(must_only=(0.1, 0.11), full=(), planned=(0.09,))
+        ),
         bucket_tokens=lambda key: {"DecoderLayer": 512},
         step_frontier=lambda key: FRONTIER,
     )
@@ -86,7 +89,7 @@ def test_publisher_logs_scalars_every_step_and_each_new_plan_once() -> None:
     for step, mode in enumerate(["control", "planned", "planned"]):
         report = StepReport(
             step=step,
-            mode=mode,
+            mode=StepMode(mode),
             tokens={"DecoderLayer": 500},
             bucket=(5,),
             plan=plan if mode == "planned" else None,

@@ -139,7 +139,7 @@ def test_a_step_time_shorter_than_the_profiled_replay_gives_a_bounded_speedup():
         report = _run(model, meter, c, 32)
     assert report.mode == PLANNED and not report.plan.empty
     (p,) = c.profiles.values()
-    edges = c._edges(report.bucket)
+    edges = c.bucket_tokens(report.bucket)
     replay = modelled_replay(c.profiles, edges)
     figures = {}
     for f in (0.9, 1.01, 2.0, 4.0):
@@ -248,7 +248,7 @@ def test_predicted_speedup_matches_the_virtual_clock_measurement(monkeypatch):
 def test_measured_far_from_predicted_for_three_control_windows_profiles_again(monkeypatch, caplog):
     # control_every=2: planned, planned, control ... each control step closes a window.
     n = 6 + 3 * 3
-    with caplog.at_level(logging.INFO, logger="tapesac_core.controller"):
+    with caplog.at_level(logging.INFO, logger="tapesac_core"):
         c, reports = _controlled(monkeypatch, [64] * (n + 1), slow_planned=2.0, control_every=2)
     modes = [r.mode for r in reports]
     controls = [i for i, m in enumerate(modes) if m == CONTROL]
@@ -281,7 +281,7 @@ def test_a_version_1_state_is_solved_again_with_an_info_log(caplog):
     with caplog.at_level(logging.INFO, logger="tapesac_core.controller"):
         fresh.load_state_dict(state)
     assert not fresh.plans and "solved again" in caplog.text
-    assert fresh.must_only_steps == [
-        (k, fresh._edges(k), s) for k, v in c.must_only_times.items() for s in v
+    assert fresh.times.must_only_steps == [
+        (k, fresh.bucket_tokens(k), s) for k, v in c.times.must_only.items() for s in v
     ]
     assert _run(model2, meter2, fresh, 32).mode == PROFILE

@@ -1,0 +1,79 @@
+"""The kinds of controller step and what one step did: the seam between the controller and
+whatever logs, reports or plots its steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .block import BlockTrace
+from .plan.plan import Plan
+
+Bucket = tuple[int, ...]  # one bucket index per region type, in the controller's region order
+
+
+def bucket_name(key: Bucket) -> str:
+    """A bucket as a state dict's key: ``"43,12"``."""
+    return ",".join(map(str, key))
+
+
+def bucket_of(name: str) -> Bucket:
+    """The bucket ``bucket_name`` wrote."""
+    return tuple(int(x) for x in name.split(","))
+
+
+class StepMode(str, Enum):
+    """What a controller step runs. A ``str`` enum: it compares equal to, and is written to JSON
+    and logs as, its value (``"planned"``)."""
+
+    WARMUP = "warmup"  # must-only, before anything is measured
+    PROFILE = "profile"  # must-only, every op of every block timed
+    SAMPLE = "sample"  # must-only, metered: the step's memory at new token counts
+    CONTROL = "control"  # must-only, timed: what planned steps' speedups are measured against
+    PLANNED = "planned"  # the bucket's plan
+    FULL = "full"  # every block under torch.utils.checkpoint (opt-in: full_control_every)
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def must_only(self) -> bool:
+        """Whether the step's blocks save only what backward must keep."""
+        return self not in (StepMode.PLANNED, StepMode.FULL)
+
+
+@dataclass(kw_only=True)
+class StepReport:
+    """What one step did, for logs: its mode, plan, time, memory and replay counts."""
+
+    step: int
+    mode: StepMode
+    tokens: dict[str, int]  # agreed by all ranks (the largest): they set the bucket
+    bucket: Bucket
+    plan: Plan | None = None
+    time: float = 0.0  # seconds, synchronised with the device
+    peak: int | None = None  # bytes, when the step was metered
+    limit: int = 0  # the memory limit in bytes
+    saved_bytes: int = 0  # bytes blocks kept beyond S0 (all blocks, all micro-batches)
+    replayed_nodes: int = 0
+    over_budget: int = 0  # planned values not kept: over their block's bytes
+    blocks: int = 0
+    predicted_speedup: float | None = None
+    measured_speedup: float | None = None  # vs must-only control steps of the bucket
+    measured_speedup_vs_full: float | None = None  # vs full-checkpointing control steps
+    measured_reason: str | None = None  # why measured_speedup is None
+    torch_checkpointed: int = 0  # blocks run under torch.utils.checkpoint (full steps)
+    predicted_peak: int | None = None  # bytes the plan's memory model predicts for the step
+    local_tokens: dict[str, int] = field(default_factory=dict)  # this rank's own batch
+    block_traces: list[BlockTrace] = field(default_factory=list, repr=False)
+
+    def count_blocks(self, blocks: list[BlockTrace]) -> None:
+        """The step's blocks: how many, what they replayed, kept beyond S0 and could not keep."""
+        self.block_traces = blocks
+        self.blocks = len(blocks)
+        self.replayed_nodes = sum(len(b.replayed) for b in blocks)
+        self.over_budget = sum(b.over_budget for b in blocks)
+        self.saved_bytes = sum(
+            b.tape.bytes_of(b.saved) - b.tape.bytes_of(b.saved & set(b.tape.mandatory))
+            for b in blocks
+        )

@@ -1,0 +1,183 @@
+"""The controller's parts on their own: no model, no device, no process group."""
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tapesac_core import TapeSACConfig, TapeSACError
+from tapesac_core.budget import Correction, MemoryBudget, step_footprint
+from tapesac_core.measured_times import SpeedupWatch, StepTimes
+from tapesac_core.memory import MemoryReading
+from tapesac_core.plan import bucket, upper_edge
+from tapesac_core.profile import MemoryModel, MemorySample
+from tapesac_core.ranks import RankAgreement
+from tapesac_core.step_report import StepMode, bucket_name, bucket_of
+from tapesac_core.token_buckets import TokenBuckets
+from tapesac_core.units import GiB, MiB
+
+
+def _reading(peak: int, **changes) -> MemoryReading:
+    fields = dict(peak=peak, current=0, reserved=peak, total=64 * GiB, free=32 * GiB) | changes
+    return MemoryReading(**fields)
+
+
+# ---------------------------------------------------------------------- StepMode
+
+
+def test_step_modes_read_and_write_as_their_values() -> None:
+    assert StepMode("planned") is StepMode.PLANNED and StepMode.PLANNED == "planned"
+    assert f"{StepMode.CONTROL}" == str(StepMode.CONTROL) == "control"
+    assert json.dumps({"mode": StepMode.FULL}) == '{"mode": "full"}'
+    assert [m for m in StepMode if m.must_only] == [
+        StepMode.WARMUP,
+        StepMode.PROFILE,
+        StepMode.SAMPLE,
+        StepMode.CONTROL,
+    ]
+    assert bucket_of(bucket_name((43, 7))) == (43, 7) and bucket_name((5,)) == "5"
+
+
+# ---------------------------------------------------------------------- TokenBuckets
+
+
+def test_token_buckets_read_counts_per_region_and_key_them() -> None:
+    config = TapeSACConfig(memory_limit=0.5, secondary_regions={"vision"})
+    buckets = TokenBuckets(["attention", "vision"], config)
+    assert buckets.per_region(100) == {"attention": 100, "vision": 100}
+    assert buckets.per_region({"vision": 7, "*": 50}) == {"attention": 50, "vision": 7}
+    assert buckets.primary({"attention": 50, "vision": 700}) == 50  # vision is secondary
+    key = buckets.key({"attention": 100, "vision": 40})
+    assert key == (bucket(100, 1.1), bucket(40, 1.25))
+    # A secondary region keeps its largest count so far; the primary follows the step.
+    assert buckets.key({"attention": 60, "vision": 10}) == (bucket(60, 1.1), bucket(40, 1.25))
+    assert buckets.edges(key) == {
+        "attention": upper_edge(bucket(100, 1.1), 1.1),
+        "vision": upper_edge(bucket(40, 1.25), 1.25),
+    }
+
+
+@pytest.mark.parametrize(
+    "tokens, match",
+    [
+        ({"mlp": 3, "*": 1}, r"unknown region types \['mlp'\]"),
+        ({"attention": 3}, r"tokens miss region types \['vision'\]"),
+        (0, "token counts must be >= 1"),
+    ],
+)
+def test_bad_token_counts_are_errors_naming_the_regions(tokens, match) -> None:
+    buckets = TokenBuckets(["attention", "vision"], TapeSACConfig(memory_limit=0.5))
+    with pytest.raises(TapeSACError, match=match):
+        buckets.per_region(tokens)
+
+
+# ---------------------------------------------------------------------- MemoryBudget
+
+
+def _budget(limit="100MiB", **settings) -> tuple[MemoryBudget, MemoryModel]:
+    memory = MemoryModel()
+    memory.add(MemorySample(tokens=64, peak=40 * MiB, outside=3 * MiB, fragmentation=2 * MiB))
+    return MemoryBudget(TapeSACConfig(memory_limit=limit, **settings), lambda: GiB), memory
+
+
+def test_capacity_is_the_limit_less_outside_margin_fragmentation_and_model_error() -> None:
+    budget, memory = _budget(margin=0.02)
+    memory.extra_fragmentation, memory.model_error = MiB, 4 * MiB
+    assert budget.limit_bytes() == 100 * MiB
+    assert budget.margin_bytes() == pytest.approx(2 * MiB)  # of the absolute limit
+    assert budget.capacity(memory) == int(100 * MiB - 3 * MiB - 2 * MiB - 3 * MiB - 4 * MiB)
+    fraction, _ = _budget(0.5, margin=0.02)
+    assert fraction.limit_bytes() == GiB // 2
+    assert fraction.margin_bytes() == pytest.approx(0.02 * GiB)  # of the device's memory
+
+
+def test_a_step_above_its_prediction_asks_for_the_unexplained_error_only(caplog) -> None:
+    budget, memory = _budget(margin=0.02)
+    with caplog.at_level(logging.INFO, logger="tapesac_core.budget"):
+        asked = budget.check(_reading(50 * MiB), 45 * MiB, memory, "peak")
+    assert asked == Correction(model_error=5 * MiB) and "above the predicted" in caplog.text
+    assert budget.check(_reading(46 * MiB), 45 * MiB, memory, "peak") == Correction()  # margin
+    assert MemoryBudget.apply(asked, memory) and memory.model_error == 5 * MiB
+    # The same error again is what the model already corrects: nothing more is asked.
+    assert not budget.check(_reading(50 * MiB), 45 * MiB, memory, "peak")
+    assert not MemoryBudget.apply(Correction(), memory) and memory.model_error == 5 * MiB
+    off, memory = _budget(margin=0.02, peak_correction=False)
+    assert not off.check(_reading(90 * MiB), 45 * MiB, memory, "peak").model_error
+
+
+def test_a_step_near_the_limit_asks_for_more_fragmentation_judged_on_its_own_use(caplog) -> None:
+    budget, memory = _budget()  # near_limit 0.99 of 100 MiB; measured fragmentation 2 MiB
+    near = _reading(97 * MiB + MiB // 2)
+    assert step_footprint(near, memory.measured_fragmentation) == 99 * MiB + MiB // 2
+    assert not budget.check(_reading(96 * MiB), None, memory, "peak")  # 98 MiB used
+    with caplog.at_level(logging.WARNING, logger="tapesac_core.budget"):
+        asked = budget.check(near, None, memory, "peak")
+    assert asked == Correction(fragmentation=MiB)  # at least 1% of the limit
+    assert "step peak 99.50 MiB (0 allocation retries) is within 1% of the limit 100.00 MiB" in (
+        caplog.text
+    )
+    # Reserved memory an earlier step left behind says nothing about this step.
+    assert not budget.check(_reading(50 * MiB, reserved=99 * MiB), None, memory, "peak")
+    retried = budget.check(_reading(50 * MiB, alloc_retries=2), None, memory, "peak")
+    assert retried.fragmentation == MiB
+    must_only, memory = _budget(0.0)
+    assert not must_only.check(_reading(GiB), None, memory, "peak")
+
+
+def test_no_plan_fitting_is_said_once_per_limit(caplog) -> None:
+    budget, _ = _budget()
+    plan = SimpleNamespace(memory_model="peak", base=90 * MiB, empty=True, predicted_peak=90 * MiB)
+    with caplog.at_level(logging.INFO, logger="tapesac_core.budget"):
+        budget.say_unfit(plan, 80 * MiB, {"DecoderLayer": 512})
+        budget.say_unfit(plan, 80 * MiB, {"DecoderLayer": 512})
+    assert caplog.text.count("no plan fits the 80.00 MiB the memory limit 100.00 MiB") == 1
+    assert "running must-only (nothing more saved), predicted at 90.00 MiB" in caplog.text
+
+
+# ---------------------------------------------------------------------- StepTimes
+
+
+def test_step_times_measure_speedups_per_bucket_and_say_what_is_missing() -> None:
+    times, key = StepTimes(), (5,)
+    assert "no plan yet" in times.unmeasured_reason(key, planned=False)
+    times.add_must_only(key, {"r": 10}, 0.2)
+    assert "no planned step timed" in times.unmeasured_reason(key, planned=True)
+    times.add_planned(key, None)  # metered: counted, not timed
+    assert times.planned_since_control(key) == 1 and times.speedup(key) is None
+    for seconds in (0.1, 0.12, 0.08):
+        times.add_planned(key, seconds)
+    times.add_full(key, 0.3)
+    assert times.speedup(key) == pytest.approx(2.0) and times.unmeasured_reason(key, True) is None
+    assert times.speedup(key, vs_full=True) == pytest.approx(3.0)
+    assert times.planned_since_control(key) == 4 and times.planned_since_full(key) == 0
+    assert times.of(key).planned == (0.1, 0.12, 0.08) and times.of((6,)).planned == ()
+    restored = StepTimes()
+    restored.load_state_dict(times.state_dict(), edges=lambda k: {"r": 10})
+    assert restored.state_dict() == times.state_dict()
+    times.forget_planned()
+    assert times.speedup(key) is None
+
+
+def test_speedup_watch_profiles_again_after_windows_in_a_row_at_most_twice() -> None:
+    watch = SpeedupWatch(band=0.1, windows=2, max_reprofiles=2)
+    plan = SimpleNamespace(predicted_speedup=1.2, explain=lambda measured_speedup: "table")
+    key = (5,)
+    assert not watch.profile_again(key, None, plan)
+    assert not watch.profile_again(key, 1.0, plan)  # off by 17%: one window
+    assert not watch.profile_again(key, 1.25, plan)  # within the band: the run is broken
+    answers = [watch.profile_again(key, 1.0, plan) for _ in range(8)]
+    assert answers == [False, True, False, True, False, False, False, False]
+    assert watch.reprofiles == 2
+
+
+# ---------------------------------------------------------------------- RankAgreement
+
+
+def test_without_a_process_group_every_rank_agrees_with_itself() -> None:
+    ranks = RankAgreement(None, torch.device("cpu"))
+    assert not ranks.distributed
+    assert ranks.largest([3, 1]) == [3, 1] and ranks.smallest(-4) == -4
+    plan = SimpleNamespace(name="solved")
+    assert ranks.plan_of_rank_0(lambda: plan, "model") is plan
