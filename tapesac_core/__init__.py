@@ -1,22 +1,37 @@
-"""TapeSAC core: tensor-level record and replay of checkpointed blocks, and the planner."""
+"""TapeSAC core: tensor-level record and replay of checkpointed blocks, and the planner.
 
-from .block import BlockTrace
-from .checkpoint import (
-    BlockConfig,
-    checkpoint,
-    checkpoint_module,
-    checkpoint_modules,
-    record,
-    trace,
-    use_plan,
-)
-from .config import MemoryLimit, TapeSACConfig, parse_memory_limit
-from .controller import Controller, StepReport
-from .errors import TapeSACError
-from .kernels import register_kernel
-from .memory import MemoryReading, memory_meter, profile_memory
-from .plan.plan import Plan
-from .tape import Coord, Tape
+The public names load on first use (PEP 562), so that ``tapesac_core.plan`` imports without torch
+(the planner is pure Python) and ``import tapesac_core`` costs nothing until a name is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
+
+# The module each public name comes from.
+_EXPORTS = {
+    ".block": ("BlockTrace",),
+    ".checkpoint": (
+        "BlockConfig",
+        "checkpoint",
+        "checkpoint_module",
+        "checkpoint_modules",
+        "record",
+        "trace",
+        "use_plan",
+    ),
+    ".config": ("MemoryLimit", "TapeSACConfig", "parse_memory_limit"),
+    ".controller": ("Controller", "StepReport"),
+    ".errors": ("TapeSACError",),
+    ".kernels": ("register_kernel",),
+    ".memory": ("MemoryReading", "memory_meter", "profile_memory"),
+    ".plan.plan": ("Plan",),
+    ".tape": ("Coord", "Tape"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "BlockConfig",
@@ -41,3 +56,36 @@ __all__ = [
     "trace",
     "use_plan",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name from its module, else a submodule (``tapesac_core.replay``), as the eager
+    imports made every submodule an attribute."""
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
+        globals()[name] = value
+        return value
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """Keeps ``tapesac_core.checkpoint`` the function. Importing the submodule of that name (the
+    controller and the integrations do) binds the submodule here; the eager
+    ``from .checkpoint import checkpoint`` used to rebind the function after it."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "checkpoint" and isinstance(value, types.ModuleType):
+            value = value.checkpoint
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

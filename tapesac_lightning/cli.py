@@ -16,18 +16,30 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import yaml
-from accelerate.commands.config import default_config_file
-from accelerate.commands.launch import launch_command, launch_command_parser
-from accelerate.commands.utils import CustomArgumentParser
-
 from tapesac_core import TapeSACError
 
-from .accelerate import SETTINGS_ENV, TapeSACPlugin, check_fsdp2, split_config
+from . import needs_extra
 
 
 def launch(args: argparse.Namespace) -> None:
-    """Validate and export the ``tapesac_*`` settings, then run ``accelerate launch`` on the rest."""
+    """Validate and export the ``tapesac_*`` settings, then run ``accelerate launch`` on the rest.
+    Accelerate parses the arguments here, not in ``parser()``, so that the other commands run
+    without it."""
+    with needs_extra("accelerate", "tapesac launch", "yaml"):
+        import yaml
+        from accelerate.commands.config import default_config_file
+        from accelerate.commands.launch import launch_command, launch_command_parser
+
+        from .accelerate import SETTINGS_ENV, TapeSACPlugin, check_fsdp2, split_config
+    # Accelerate's parser class: its actions record which options were given, which its launcher
+    # reads to decide what the config file fills in.
+    accelerate_parser = launch_command_parser()
+    accelerate_parser.prog = "tapesac launch"
+    accelerate_parser.description = (
+        "Accelerate's `accelerate launch` (same arguments), with the "
+        "tapesac_* keys of the config's fsdp_config carried to the workers"
+    )
+    args = accelerate_parser.parse_args(args.args)
     path = args.config_file or default_config_file
     with open(path, encoding="utf-8") as f:
         config = yaml.safe_load(f) or {}
@@ -100,28 +112,20 @@ def bench(args: argparse.Namespace) -> None:
     module.main(args.args, prog="tapesac bench")
 
 
-def _list_launch(commands: argparse._SubParsersAction, text: str) -> None:
-    """Works around Accelerate's ``launch_command_parser`` adding ``launch`` without ``help=``,
-    which leaves it out of ``tapesac --help``'s command list: add its line first."""
-    if not any(a.dest == "launch" for a in commands._choices_actions):
-        commands._choices_actions.insert(0, commands._ChoicesPseudoAction("launch", (), text))
-
-
 def parser() -> argparse.ArgumentParser:
     """``tapesac`` and its subcommands."""
-    # Accelerate's parser class: its actions record which options were given, which its launcher
-    # reads to decide what the config file fills in.
-    p = CustomArgumentParser(prog="tapesac", description="TapeSAC command line")
+    p = argparse.ArgumentParser(prog="tapesac", description="TapeSAC command line")
     commands = p.add_subparsers(dest="command", required=True)
-    launch_parser = launch_command_parser(commands)
-    launch_parser.description = (
-        "Accelerate's `accelerate launch` (same arguments), with the "
-        "tapesac_* keys of the config's fsdp_config carried to the workers"
+    launch_parser = commands.add_parser(
+        "launch",
+        help="Accelerate's launcher, with the tapesac_* config keys carried to the workers",
+        # Every argument goes to Accelerate's launch parser (its --help too): no option of this
+        # parser may claim a "-" one.
+        add_help=False,
+        prefix_chars="+",
     )
+    launch_parser.add_argument("args", nargs=argparse.REMAINDER)
     launch_parser.set_defaults(func=launch)
-    _list_launch(
-        commands, "Accelerate's launcher, with the tapesac_* config keys carried to the workers"
-    )
     report_parser = commands.add_parser(
         "report",
         help="a finished run's plans, predicted vs measured speedups and peaks",
