@@ -24,11 +24,12 @@ _EXPORTS = {
         "use_plan",
     ),
     ".config": ("MemoryLimit", "TapeSACConfig", "parse_memory_limit"),
-    ".controller": ("Controller", "StepReport"),
+    ".controller": ("Controller",),
     ".errors": ("TapeSACError",),
     ".kernels": ("register_kernel",),
     ".memory": ("MemoryReading", "memory_meter", "profile_memory"),
     ".plan.plan": ("Plan",),
+    ".step_report": ("StepMode", "StepReport"),
     ".tape": ("Coord", "Tape"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -41,6 +42,7 @@ __all__ = [
     "MemoryLimit",
     "MemoryReading",
     "Plan",
+    "StepMode",
     "StepReport",
     "Tape",
     "TapeSACConfig",

@@ -1,10 +1,13 @@
 """The memory a step's plan may use (Eq. 9) and the corrections metered steps ask of it.
 
-The limit is a promise: plans fill ``capacity`` (the limit less memory outside the allocator, the
-safety margin, fragmentation and the memory model's measured error), and each metered planned step
-is checked. A step above its predicted peak asks to add the error to the model; a step near the
-limit asks to raise the fragmentation estimate. Both are returned as a ``Correction`` and applied
-at the next step, on every rank together, by ``apply``.
+The limit is a promise: plans fill ``capacity`` (the limit less memory outside the allocator,
+memory outside the blocks that grew since memory was sampled, the safety margin, fragmentation and
+the memory model's measured error), and metered steps are checked. Memory in use at a step's start
+that moved by more than the margin is measured again; a planned step above its predicted peak asks
+to add the error to the model; a planned step near the limit asks to raise the fragmentation
+estimate, unless the plan already is the lowest-peak one (nothing fits: raising it would only
+solve the same plan again). All are returned as a ``Correction`` and applied at the next step, on
+every rank together, by ``apply``.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class Correction:
-    """Bytes to add to the memory model: its fragmentation estimate and its measured error."""
+    """Bytes to add to the memory model (its fragmentation estimate and its measured error) and,
+    when it moved, the memory outside the blocks measured anew (this rank's)."""
 
     fragmentation: int = 0
     model_error: int = 0
+    outside_growth: int | None = None
 
     def __bool__(self) -> bool:
-        return self.fragmentation > 0 or self.model_error > 0
+        return self.fragmentation > 0 or self.model_error > 0 or self.outside_growth is not None
 
 
 def step_footprint(reading: MemoryReading, fragmentation: int) -> int:
@@ -68,38 +73,62 @@ class MemoryBudget:
         return self.config.margin * (total if limit.fraction is not None else limit.of(total))
 
     def capacity(self, memory: MemoryModel) -> int:
-        """Eq. 9: limit − memory outside the allocator − safety margin − fragmentation − the
-        memory model's measured error."""
+        """Eq. 9: limit − memory outside the allocator − growth of the memory outside the blocks
+        − safety margin − fragmentation − the memory model's measured error."""
         return int(
             self.limit_bytes()
             - memory.outside
+            - memory.static_growth
             - self.margin_bytes()
             - memory.fragmentation
             - memory.model_error
         )
 
+    def outside_moved(self, static: int, memory: MemoryModel) -> int | None:
+        """The growth of the memory outside the blocks (``static``: in use at a metered step's
+        start) when it moved by more than the margin from what the model takes, else None."""
+        growth = memory.growth_at(static)
+        return growth if abs(growth - memory.static_growth) > self.margin_bytes() else None
+
     def check(
-        self, reading: MemoryReading, predicted_peak: int | None, memory: MemoryModel, model: str
+        self,
+        reading: MemoryReading,
+        static: int,
+        plan: Plan,
+        predicted_peak: int | None,
+        memory: MemoryModel,
     ) -> Correction:
-        """What a metered planned step asks of the memory model (``model``: the plan's memory
-        model, for the log): its error beyond the margin, and a fragmentation raise near the
-        limit."""
+        """What a metered planned step asks of the memory model: memory outside the blocks
+        measured anew if it moved, the error of its peak beyond the margin (the move taken out),
+        a fragmentation raise near the limit (none if the move explains it, or when nothing
+        fits: the lowest-peak plan already runs)."""
+        growth = self.outside_moved(static, memory)
+        moved = 0 if growth is None else growth - memory.static_growth
+        unfit = plan.predicted_peak > plan.capacity
         return Correction(
-            model_error=self._peak_error(reading, predicted_peak, memory, model),
-            fragmentation=self._near_limit_raise(reading, memory),
+            model_error=self._peak_error(reading, moved, predicted_peak, memory, plan.memory_model),
+            fragmentation=0
+            if growth is not None or unfit
+            else self._near_limit_raise(reading, memory),
+            outside_growth=growth,
         )
 
-    @staticmethod
-    def apply(correction: Correction, memory: MemoryModel) -> bool:
-        """Add ``correction`` (agreed by every rank: the largest any saw) to the memory model;
-        whether anything changed, so that every plan must be solved again."""
+    def apply(self, correction: Correction, memory: MemoryModel) -> bool:
+        """Apply ``correction`` (agreed by every rank: the largest any saw; the outside growth
+        this rank's own) to the memory model; whether anything changed."""
         memory.extra_fragmentation += correction.fragmentation
         memory.model_error += correction.model_error
+        if correction.outside_growth is not None:
+            memory.static_growth = correction.outside_growth
+            self._said_unfit = False  # another situation: said again if nothing fits
         return bool(correction)
 
-    def say_unfit(self, plan: Plan, capacity: int, edges: Mapping[str, int]) -> None:
-        """No plan fits ``capacity`` at token counts ``edges``: said once per limit, at info level
-        when must-only was asked for."""
+    def say_unfit(
+        self, plan: Plan, capacity: int, edges: Mapping[str, int], memory: MemoryModel
+    ) -> None:
+        """No plan fits ``capacity`` at token counts ``edges``: said once while the memory outside
+        the blocks stays as it is, with by how much and what would fix it; at info level when
+        must-only was asked for."""
         if self._said_unfit:
             return
         self._said_unfit = True
@@ -109,30 +138,44 @@ class MemoryBudget:
                 "what backward must keep)"
             )
             return
+        missing = plan.predicted_peak - capacity
+        static = (memory.reference_static or 0) + memory.static_growth
         logger.warning(
-            "TapeSAC: no plan fits the %s the memory limit %s leaves at %s tokens "
-            "(%s memory model): the must-only step alone needs %s; running %s, "
-            "predicted at %s",
-            format_bytes(capacity),
-            self.config.memory_limit,
+            "TapeSAC: no plan fits: the memory limit %s cannot be met at %s tokens (%s memory "
+            "model). The lowest-peak plan (%s) is predicted at %s, %s above the %s the limit "
+            "leaves after the margin and fragmentation; the must-only step alone needs %s. "
+            "Memory in use when a step starts (outside the blocks: no plan gives it back) is %s, "
+            "%s since memory was sampled. Training goes on with the lowest-peak plan and solves "
+            "again when that memory or the batch changes. Fix: a memory_limit of at least %s, "
+            "less memory outside the blocks, or a smaller batch",
+            format_bytes(self.limit_bytes()),
             dict(edges),
             plan.memory_model,
-            format_bytes(plan.base),
-            "must-only (nothing more saved)"
-            if plan.empty
-            else "the plan of the lowest predicted peak",
+            "must-only, nothing more saved" if plan.empty else "saving values",
             format_bytes(plan.predicted_peak),
+            format_bytes(missing),
+            format_bytes(capacity),
+            format_bytes(plan.base),
+            format_bytes(static),
+            ("+" if memory.static_growth >= 0 else "-") + format_bytes(abs(memory.static_growth)),
+            format_bytes(self.limit_bytes() + missing),
         )
 
     def _peak_error(
-        self, reading: MemoryReading, predicted_peak: int | None, memory: MemoryModel, model: str
+        self,
+        reading: MemoryReading,
+        moved: int,
+        predicted_peak: int | None,
+        memory: MemoryModel,
+        model: str,
     ) -> int:
-        """The measured peak against the plan's predicted one (at the step's tokens). Above it by
-        more than the margin, the error not yet in the model's correction is returned, so that
-        repeated errors of one size do not add up (and shrink the plans)."""
+        """The measured peak, less what memory outside the blocks ``moved`` since the plan,
+        against the plan's predicted one (at the step's tokens). Above it by more than the margin,
+        the error not yet in the model's correction is returned, so that repeated errors of one
+        size do not add up (and shrink the plans)."""
         if predicted_peak is None or not self.config.peak_correction:
             return 0
-        error = reading.peak - predicted_peak
+        error = reading.peak - moved - predicted_peak
         unexplained = error - memory.model_error
         margin = self.margin_bytes()
         if unexplained <= margin:

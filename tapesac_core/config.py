@@ -107,6 +107,9 @@ class TapeSACConfig:
     secondary_regions: frozenset[str] = field(default_factory=frozenset)
     reprofile_factor: float = 2.0  # profile a region again when its tokens exceed this x reference
     resample_tolerance: float = 0.15  # sample memory again when tokens move this far from a sample
+    meter_every: int = 25  # on CPU, one planned step of a bucket in this many is metered (not
+    # timed): memory outside the blocks that grew or shrank is seen within
+    # as many steps (0: a bucket's first only); accelerators meter every one
     near_limit: float = 0.99  # observed peak above this fraction of the limit raises frag;
     # it sits above 1 - margin, where plans fill the capacity to
     # (else every accurate plan would trip it)
@@ -131,6 +134,7 @@ class TapeSACConfig:
             "control_steps",
             "control_every",
             "full_control_every",
+            "meter_every",
         ):
             if getattr(self, name) < (1 if name == "profile_steps" else 0):
                 raise ValueError(f"{name} must be >= {1 if name == 'profile_steps' else 0}")

@@ -57,8 +57,9 @@ logger = logging.getLogger(__name__)
 
 WARMUP, PROFILE, SAMPLE = StepMode.WARMUP, StepMode.PROFILE, StepMode.SAMPLE
 CONTROL, PLANNED, FULL = StepMode.CONTROL, StepMode.PLANNED, StepMode.FULL
-_STATE_VERSION = 3  # 2: plans carry the step time model; must-only steps keep their tokens
-# 3: plans carry their predicted peak (the peak-aware memory model)
+_STATE_VERSION = 4  # 2: plans carry the step time model; must-only steps keep their tokens
+# 3: plans carry their predicted peak (the peak-aware memory model); 4: the memory model keeps
+# samples at a reference static and the growth of memory outside the blocks (plans as in 3)
 
 
 class Controller:
@@ -103,7 +104,7 @@ class Controller:
         self.ranks = RankAgreement(process_group, self.device)
         self._speedups = SpeedupWatch(config.speedup_band, config.mismatch_windows)
         self._reprofile = False  # measured speedups disagree with the model: profile again
-        self._checked: set[Bucket] = set()  # buckets whose first planned step was metered (CPU)
+        self._unmetered: dict[Bucket, int] = {}  # planned steps since the bucket's last metered
         self._pending = Correction()  # asked by this rank's last metered step; agreed at the next
         self._warned: set[str] = set()
 
@@ -241,8 +242,11 @@ class Controller:
         if reading is not None:
             report.peak = reading.peak
         if report.plan is not None and report.plan.predicted_peak:
-            # At this rank's own tokens: the plan was solved at its bucket's upper edge.
-            report.predicted_peak = report.plan.peak_at_tokens(self.memory.base(primary))
+            # At this rank's own tokens (the plan was solved at its bucket's upper edge), with the
+            # memory outside the blocks it was solved for.
+            report.predicted_peak = (
+                report.plan.peak_at_tokens(self.memory.base(primary)) + self.memory.static_growth
+            )
         if mode == PROFILE and self.profiling.take(blocks, report.tokens):
             self._forget_plans()
         if reading is not None and mode in (PROFILE, SAMPLE):
@@ -251,8 +255,11 @@ class Controller:
         self._time(report, blocks, metered=reading is not None)
         if mode == PLANNED and reading is not None:
             self._pending = self.budget.check(
-                reading, report.predicted_peak, self.memory, report.plan.memory_model
+                reading, static, report.plan, report.predicted_peak, self.memory
             )
+        elif reading is not None:
+            moved = self.budget.outside_moved(static, self.memory)
+            self._pending = Correction(outside_growth=moved)
         report.predicted_speedup = self.plans[key].predicted_speedup if key in self.plans else None
         report.measured_speedup = self.times.speedup(key)
         report.measured_reason = self.times.unmeasured_reason(key, key in self.plans)
@@ -279,9 +286,8 @@ class Controller:
         elif mode == FULL:
             self.times.add_full(key, report.time)
         elif mode == PLANNED:
+            self._unmetered[key] = 0 if metered else self._unmetered.get(key, 0) + 1
             on_cpu_meter = metered and self.device.type == "cpu"
-            if on_cpu_meter:
-                self._checked.add(key)
             self.times.add_planned(key, None if on_cpu_meter else report.time)
 
     # ------------------------------------------------------------------ modes
@@ -303,17 +309,23 @@ class Controller:
         if needs_profile and not self.profiling.done:
             self.profiling.profiles = {}
         pending = self._pending
-        profile, sample, fragmentation, model_error = self.ranks.largest(
+        profile, sample, fragmentation, model_error, moved = self.ranks.largest(
             [
                 int(needs_profile or self.profiling.done > 0),
                 int(needs_sample),
                 pending.fragmentation,
                 pending.model_error,
+                int(pending.outside_growth is not None),
             ]
         )
         self._pending = Correction()
-        agreed = Correction(fragmentation=fragmentation, model_error=model_error)
-        if MemoryBudget.apply(agreed, self.memory):
+        agreed = Correction(
+            fragmentation=fragmentation,
+            model_error=model_error,
+            outside_growth=pending.outside_growth,  # this rank's own memory
+        )
+        # Every rank solves again if any rank's memory changed: solving takes all of them.
+        if self.budget.apply(agreed, self.memory) or moved:
             self._forget_plans()
         if profile:
             self._reprofile = False
@@ -339,11 +351,13 @@ class Controller:
 
     def _metered(self, mode: StepMode, key: Bucket) -> bool:
         """Memory is metered in the first profiling step, sample steps, and planned steps: on
-        CPU, where metering slows the step, only a bucket's first."""
+        accelerators every one (allocator statistics cost nothing); on CPU, where metering slows
+        the step, a bucket's first and then one in ``meter_every``."""
         if mode == PROFILE:
             return self.profiling.done == 0
         if mode == PLANNED:
-            return self.device.type != "cpu" or key not in self._checked
+            every, since = self.config.meter_every, self._unmetered.get(key)
+            return self.device.type != "cpu" or since is None or bool(every and since >= every - 1)
         return mode == SAMPLE
 
     def _verifies(self, mode: StepMode) -> bool:
@@ -385,7 +399,7 @@ class Controller:
         # Under the peak-aware model a must-only peak above the capacity is not the end: saving
         # removes replay temporaries, so only a plan predicted above it means nothing fits.
         if plan.predicted_peak > capacity:
-            self.budget.say_unfit(plan, capacity, edges)
+            self.budget.say_unfit(plan, capacity, edges, self.memory)
         return plan
 
     def _must_only_seconds(self, key: Bucket, edges: dict[str, int]) -> float:
@@ -393,9 +407,9 @@ class Controller:
         return self.times.modelled_must_only(key, edges, profiles, self.buckets.primary)
 
     def _forget_plans(self) -> None:
-        """Every bucket is solved again (and its first planned step checked again on CPU)."""
+        """Every bucket is solved again (and its first planned step metered again on CPU)."""
         self.plans.clear()
-        self._checked.clear()
+        self._unmetered.clear()
 
     # ------------------------------------------------------------------ ranks and device
 
@@ -434,7 +448,7 @@ class Controller:
             )
         self.steps = state["steps"]
         version = state.get("version", 1)
-        if version != _STATE_VERSION and state["plans"]:
+        if version < 3 and state["plans"]:
             # Version 1 plans predicted speedups with a time model that could explode, version 2
             # plans bounded memory by Eq. 8 alone: solve again (after profiling).
             logger.info(

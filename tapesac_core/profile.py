@@ -3,6 +3,7 @@ times, and the must-only step's peak memory at the token counts seen."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -228,12 +229,20 @@ class MemorySample:
 
 @dataclass
 class MemoryModel:
-    """base(tokens): the must-only step peak, interpolated between samples (paper §3.4.2)."""
+    """base(tokens): the must-only step peak, interpolated between samples (paper §3.4.2).
+
+    Samples and timelines are kept as if the memory in use when a step starts (model states,
+    other models, buffers: memory outside the blocks, which no plan can give back) were what the
+    first sample measured, ``reference_static``; ``static_growth`` is how much more is in use now
+    (negative: less), as last measured, and comes off the capacity.
+    """
 
     samples: list[MemorySample] = field(default_factory=list)
     extra_fragmentation: int = 0  # raised when observed peaks come near the limit
     model_error: int = 0  # raised when a metered step exceeded its predicted peak
     timelines: dict[int, Timeline] = field(default_factory=dict)  # per sampled token count
+    reference_static: int | None = None
+    static_growth: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         """Samples and corrections (timelines are not kept: a new bucket profiles again)."""
@@ -241,6 +250,8 @@ class MemoryModel:
             "samples": [vars(s) for s in self.samples],
             "extra_fragmentation": self.extra_fragmentation,
             "model_error": self.model_error,
+            "reference_static": self.reference_static,
+            "static_growth": self.static_growth,
         }
 
     @classmethod
@@ -248,14 +259,24 @@ class MemoryModel:
         model = cls(
             extra_fragmentation=state["extra_fragmentation"],
             model_error=int(state.get("model_error", 0)),  # absent before version 3
+            # Absent before version 4: samples then were as measured, the first one's static
+            # their reference.
+            reference_static=state.get("reference_static"),
+            static_growth=int(state.get("static_growth", 0)),
         )
         for s in state["samples"]:
-            model.add(MemorySample(**s))
+            model.samples.append(MemorySample(**s))
+        if model.reference_static is None and model.samples:
+            model.reference_static = model.samples[0].static
         return model
+
+    def growth_at(self, static: int) -> int:
+        """How much more than the reference is in use at a step's start of ``static`` bytes."""
+        return static - self.reference_static if self.reference_static is not None else 0
 
     def add_timeline(self, timeline: Timeline) -> None:
         """The memory timeline of a must-only sample step (the peak-aware model's input)."""
-        self.timelines[timeline.tokens] = timeline
+        self.timelines[timeline.tokens] = timeline.shifted(self.growth_at(timeline.static))
 
     def timeline(self, tokens: int) -> Timeline | None:
         """The timeline sampled nearest ``tokens`` (None before any): its shape is scaled to
@@ -265,6 +286,11 @@ class MemoryModel:
         return self.timelines[min(self.timelines, key=lambda t: (abs(t - tokens), -t))]
 
     def add(self, sample: MemorySample) -> None:
+        """A metered must-only step, kept at the reference static (see the class)."""
+        if self.reference_static is None:
+            self.reference_static = sample.static
+        shift = self.growth_at(sample.static)
+        sample = dataclasses.replace(sample, peak=sample.peak - shift, static=sample.static - shift)
         self.samples = sorted(
             [s for s in self.samples if s.tokens != sample.tokens] + [sample],
             key=lambda s: s.tokens,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tapesac_core import TapeSACConfig, TapeSACError
-from tapesac_core.budget import Correction, MemoryBudget, step_footprint
+from tapesac_core.budget import Correction, MemoryBudget
 from tapesac_core.measured_times import SpeedupWatch, StepTimes
 from tapesac_core.memory import MemoryReading
 from tapesac_core.plan import bucket, upper_edge
@@ -93,47 +93,60 @@ def test_capacity_is_the_limit_less_outside_margin_fragmentation_and_model_error
     assert fraction.margin_bytes() == pytest.approx(0.02 * GiB)  # of the device's memory
 
 
+def _plan(predicted_peak=45 * MiB, capacity=96 * MiB) -> SimpleNamespace:
+    return SimpleNamespace(
+        memory_model="peak", predicted_peak=predicted_peak, capacity=capacity, base=40 * MiB
+    )
+
+
 def test_a_step_above_its_prediction_asks_for_the_unexplained_error_only(caplog) -> None:
     budget, memory = _budget(margin=0.02)
+    plan = _plan()
     with caplog.at_level(logging.INFO, logger="tapesac_core.budget"):
-        asked = budget.check(_reading(50 * MiB), 45 * MiB, memory, "peak")
+        asked = budget.check(_reading(50 * MiB), 0, plan, 45 * MiB, memory)
     assert asked == Correction(model_error=5 * MiB) and "above the predicted" in caplog.text
-    assert budget.check(_reading(46 * MiB), 45 * MiB, memory, "peak") == Correction()  # margin
-    assert MemoryBudget.apply(asked, memory) and memory.model_error == 5 * MiB
+    assert not budget.check(_reading(46 * MiB), 0, plan, 45 * MiB, memory)  # within the margin
+    assert budget.apply(asked, memory) and memory.model_error == 5 * MiB
     # The same error again is what the model already corrects: nothing more is asked.
-    assert not budget.check(_reading(50 * MiB), 45 * MiB, memory, "peak")
-    assert not MemoryBudget.apply(Correction(), memory) and memory.model_error == 5 * MiB
+    assert not budget.check(_reading(50 * MiB), 0, plan, 45 * MiB, memory)
+    assert not budget.apply(Correction(), memory) and memory.model_error == 5 * MiB
     off, memory = _budget(margin=0.02, peak_correction=False)
-    assert not off.check(_reading(90 * MiB), 45 * MiB, memory, "peak").model_error
+    assert not off.check(_reading(90 * MiB), 0, plan, 45 * MiB, memory).model_error
 
 
-def test_a_step_near_the_limit_asks_for_more_fragmentation_judged_on_its_own_use(caplog) -> None:
-    budget, memory = _budget()  # near_limit 0.99 of 100 MiB; measured fragmentation 2 MiB
-    near = _reading(97 * MiB + MiB // 2)
-    assert step_footprint(near, memory.measured_fragmentation) == 99 * MiB + MiB // 2
-    assert not budget.check(_reading(96 * MiB), None, memory, "peak")  # 98 MiB used
-    with caplog.at_level(logging.WARNING, logger="tapesac_core.budget"):
-        asked = budget.check(near, None, memory, "peak")
-    assert asked == Correction(fragmentation=MiB)  # at least 1% of the limit
-    assert "step peak 99.50 MiB (0 allocation retries) is within 1% of the limit 100.00 MiB" in (
-        caplog.text
-    )
-    # Reserved memory an earlier step left behind says nothing about this step.
-    assert not budget.check(_reading(50 * MiB, reserved=99 * MiB), None, memory, "peak")
-    retried = budget.check(_reading(50 * MiB, alloc_retries=2), None, memory, "peak")
-    assert retried.fragmentation == MiB
-    must_only, memory = _budget(0.0)
-    assert not must_only.check(_reading(GiB), None, memory, "peak")
+def test_memory_outside_the_blocks_that_moved_is_measured_anew_not_taken_for_errors() -> None:
+    budget, memory = _budget(margin=0.02)  # the sample saw 0 bytes in use at the step's start
+    plan = _plan()
+    assert budget.outside_moved(MiB, memory) is None  # within the 2 MiB margin
+    # 24 MiB more in use at the step's start: the peak is 24 MiB higher, and no model error.
+    asked = budget.check(_reading(69 * MiB), 24 * MiB, plan, 45 * MiB, memory)
+    assert asked == Correction(outside_growth=24 * MiB)
+    capacity = budget.capacity(memory)
+    assert budget.apply(asked, memory) and memory.static_growth == 24 * MiB
+    assert budget.capacity(memory) == capacity - 24 * MiB
+    assert not budget.check(_reading(69 * MiB), 24 * MiB, plan, 69 * MiB, memory)  # known now
+    freed = budget.check(_reading(45 * MiB), 0, plan, 69 * MiB, memory)
+    assert freed == Correction(outside_growth=0)
+    # Samples taken while it is in use are kept at the reference static.
+    memory.add(MemorySample(tokens=128, peak=24 * MiB + 70 * MiB, static=24 * MiB))
+    assert memory.base(128) == 70 * MiB and memory.samples[-1].static == 0
 
 
-def test_no_plan_fitting_is_said_once_per_limit(caplog) -> None:
-    budget, _ = _budget()
+def test_no_plan_fitting_is_said_once_with_by_how_much_and_the_fix(caplog) -> None:
+    budget, memory = _budget()
     plan = SimpleNamespace(memory_model="peak", base=90 * MiB, empty=True, predicted_peak=90 * MiB)
     with caplog.at_level(logging.INFO, logger="tapesac_core.budget"):
-        budget.say_unfit(plan, 80 * MiB, {"DecoderLayer": 512})
-        budget.say_unfit(plan, 80 * MiB, {"DecoderLayer": 512})
-    assert caplog.text.count("no plan fits the 80.00 MiB the memory limit 100.00 MiB") == 1
-    assert "running must-only (nothing more saved), predicted at 90.00 MiB" in caplog.text
+        budget.say_unfit(plan, 80 * MiB, {"DecoderLayer": 512}, memory)
+        budget.say_unfit(plan, 80 * MiB, {"DecoderLayer": 512}, memory)
+    assert caplog.text.count("no plan fits: the memory limit 100.00 MiB cannot be met") == 1
+    assert "(must-only, nothing more saved) is predicted at 90.00 MiB, 10.00 MiB above the" in (
+        caplog.text
+    )
+    assert "Fix: a memory_limit of at least 110.00 MiB" in caplog.text
+    budget.apply(Correction(outside_growth=5 * MiB), memory)  # another situation: said again
+    with caplog.at_level(logging.INFO, logger="tapesac_core.budget"):
+        budget.say_unfit(plan, 75 * MiB, {"DecoderLayer": 512}, memory)
+    assert caplog.text.count("no plan fits") == 2 and "5.00 MiB, +5.00 MiB since" in caplog.text
 
 
 # ---------------------------------------------------------------------- StepTimes

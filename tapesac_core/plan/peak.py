@@ -21,6 +21,7 @@ Python and numpy, no torch: timelines and plan graphs in, predictions and choice
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -115,6 +116,11 @@ class Timeline:
     @property
     def peak(self) -> int:
         return max(s.peak for s in self.segments)
+
+    def shifted(self, by: int) -> Timeline:
+        """The timeline with ``by`` bytes less in use throughout (memory outside the blocks)."""
+        segments = tuple(dataclasses.replace(s, peak=s.peak - by) for s in self.segments)
+        return dataclasses.replace(self, static=self.static - by, segments=segments)
 
     def scaled(self, base: int) -> Timeline:
         """The timeline at another token count whose must-only peak is ``base``: what each
