@@ -37,8 +37,9 @@ from torch.utils._pytree import tree_leaves
 
 from .block import Block, BlockPlan, BlockTrace, unpack
 from .errors import TapeSACError
+from .plan.coords import Coord
 from .recorder import Recorder
-from .tape import Coord, Tape
+from .tape import Tape
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=torch.nn.Module)
@@ -81,7 +82,7 @@ def _coords(collection: Any, region: str) -> frozenset[Coord]:
             f"plan for region {region!r}: {bad[0]!r} is not a coordinate "
             "(op_name, k, j), e.g. ('aten.mm.default', 0, 0)"
         )
-    return frozenset((c[0], c[1], c[2]) for c in coords)
+    return frozenset(Coord(c[0], c[1], c[2]) for c in coords)
 
 
 def normalize_plan(plan: PlanSpec) -> dict[str, frozenset[Coord] | list[frozenset[Coord]]]:

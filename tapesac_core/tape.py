@@ -20,12 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-Coord = tuple[str, int, int]
-# A coordinate anchored on the submodule that issued the op: (module path, op name, how many
-# calls of that op the module made before it, output). Loops elsewhere in the block (experts
-# that ran or not) leave it unchanged.
-Anchor = tuple[str, str, int, int]
-"""A plan coordinate ``(op_name, k, j)``: output ``j`` of the ``k``-th call of ``op_name`` in a block."""
+from .plan.coords import Anchor, Coord
 
 # Value kinds. Leaves are kept (inputs) or fetched again by name (parameters, buffers).
 OP, INPUT, PARAM, BUFFER, EXTERNAL = "op", "input", "param", "buffer", "external"
@@ -141,7 +136,7 @@ class Tape:
         if v.node < 0:
             return None
         node = self.nodes[v.node]
-        return (node.name, node.k, v.j)
+        return Coord(node.name, node.k, v.j)
 
     @functools.cached_property
     def _anchor_calls(self) -> list[int]:
@@ -159,7 +154,7 @@ class Tape:
         if v.node < 0:
             return None
         node = self.nodes[v.node]
-        return (node.module or "", node.name, self._anchor_calls[v.node], v.j)
+        return Anchor(node.module or "", node.name, self._anchor_calls[v.node], v.j)
 
     @functools.cached_property
     def module_fingerprints(self) -> dict[str, str]:

@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .coords import Coord
 from .model import PlanGraph
-
-Coord = tuple[str, int, int]
 
 
 def coord_name(coord: Coord) -> str:
@@ -24,7 +23,7 @@ def name_coord(name: str) -> Coord:
     """The plan coordinate a value name stands for (inverse of ``coord_name``)."""
     op, rest = name.rsplit("#", 1)
     k, j = rest.split(":")
-    return (op, int(k), int(j))
+    return Coord(op, int(k), int(j))
 
 
 def graph_of(tape: Any, node_time: Mapping[int, float]) -> PlanGraph:
