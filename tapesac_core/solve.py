@@ -9,7 +9,6 @@ from .config import TapeSACConfig
 from .plan import Point, RegionFrontier, replay_time, solve_knapsack
 from .plan.peak import Option, RegionMenu, Timeline, menus_of, predict, solve_peak
 from .plan.plan import Plan, RegionPlan, Saved
-from .plan.tape_graph import name_coord
 from .profile import RegionProfile
 from .step_time import StepTime
 from .units import format_bytes
@@ -221,7 +220,7 @@ def _region_plan(
     profile: RegionProfile, points: tuple[Point, ...], chosen: tuple[int, ...], tokens: int
 ) -> RegionPlan:
     tape = profile.tape
-    blocks = tuple(frozenset(name_coord(n) for n in points[i].saved) for i in chosen)
+    blocks = tuple(points[i].saved for i in chosen)
     anchors = tuple(frozenset(tape.anchor(tape.find(c)) for c in b) for b in blocks)
     modules = {m: tape.module_fingerprints[m] for b in anchors for m, *_ in b}
     others = len(blocks) - sum(profile.shares_reference)
@@ -252,12 +251,11 @@ def _describe(profile: RegionProfile, point: Point, factor: float) -> tuple[Save
     whole = replay_time(graph, saved)
     rows = []
     for vid in sorted(saved):
-        coord = name_coord(graph.value_names[vid])
         node = tape.nodes[tape.values[vid].node]
         grows = vid not in tape.token_independent
         rows.append(
             Saved(
-                coord=coord,
+                coord=graph.value_names[vid],
                 module=node.module,
                 bytes=math.ceil(tape.bytes_of([vid]) * (factor if grows else 1)),
                 time_removed=(replay_time(graph, saved - {vid}) - whole) * factor,

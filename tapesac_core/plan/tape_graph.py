@@ -1,7 +1,7 @@
 """From a recorded tape and measured node times to the planner's model of a block.
 
 Duck-typed on the tape (``nodes``, ``values``, ``storage_bytes``, ``demand``,
-``always_available``), so this module stays free of torch.
+``always_available``, ``coord``), so this module stays free of torch.
 """
 
 from __future__ import annotations
@@ -9,24 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .coords import Coord
+from .coords import Unproduced, ValueName
 from .model import PlanGraph
 
 
-def coord_name(coord: Coord) -> str:
-    """The planner's name of the value at a plan coordinate: ``op#k:j``."""
-    op, k, j = coord
-    return f"{op}#{k}:{j}"
-
-
-def name_coord(name: str) -> Coord:
-    """The plan coordinate a value name stands for (inverse of ``coord_name``)."""
-    op, rest = name.rsplit("#", 1)
-    k, j = rest.split(":")
-    return Coord(op, int(k), int(j))
-
-
-def graph_of(tape: Any, node_time: Mapping[int, float]) -> PlanGraph:
+def graph_of(tape: Any, node_time: Mapping[int, float]) -> PlanGraph[ValueName]:
     """The planner's model of ``tape``: node times in seconds (nodes without a time cost 0).
 
     Nodes that must-only replay never runs have no measured time; no save set makes them run.
@@ -55,8 +42,6 @@ def graph_of(tape: Any, node_time: Mapping[int, float]) -> PlanGraph:
     )
 
 
-def _name(tape: Any, v: Any) -> str:
-    if v.node < 0:
-        return f"{v.kind}:{v.name}:{v.vid}"
-    node = tape.nodes[v.node]
-    return coord_name((node.name, node.k, v.j))
+def _name(tape: Any, v: Any) -> ValueName:
+    coord = tape.coord(v.vid)
+    return Unproduced(v.kind, v.name, v.vid) if coord is None else coord
