@@ -12,9 +12,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from .block import BlockTrace
-from .plan import PlanGraph, Point, solve_frontier
+from .plan import Point, solve_frontier
 from .plan.peak import Timeline
-from .plan.tape_graph import graph_of
+from .plan.tape_graph import TapeGraph, graph_of
 from .tape import Tape
 from .timing import seconds
 
@@ -43,7 +43,7 @@ class RegionProfile:
         return len(self.shares_reference)
 
     @functools.cached_property
-    def graph(self) -> PlanGraph:
+    def graph(self) -> TapeGraph:
         return graph_of(self.tape, self.node_time)
 
     def frontier(self, beam_width: int, max_set_size: int) -> tuple[Point, ...]:

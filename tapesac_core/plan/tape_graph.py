@@ -1,19 +1,31 @@
 """From a recorded tape and measured node times to the planner's model of a block.
 
 Duck-typed on the tape (``nodes``, ``values``, ``storage_bytes``, ``demand``,
-``always_available``, ``coord``), so this module stays free of torch.
+``always_available``, ``coord``, ``anchor``, ``module_fingerprints``, ``token_independent``),
+so this module stays free of torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from .coords import Unproduced, ValueName
+from .coords import Anchor, Unproduced, ValueName
 from .model import PlanGraph
 
 
-def graph_of(tape: Any, node_time: Mapping[int, float]) -> PlanGraph[ValueName]:
+@dataclass(frozen=True, kw_only=True)
+class TapeGraph(PlanGraph[ValueName]):
+    """The planner's model of a recorded block, with what a solved plan records of its values
+    beyond their coordinates, so that solving needs nothing of the tape itself."""
+
+    anchors: tuple[Anchor | None, ...]  # per value, its anchored coordinate (None: no producer)
+    module_digests: Mapping[str, str]  # per submodule path, the digest of the ops it issued
+    token_independent: frozenset[int]  # values whose size does not grow with tokens
+
+
+def graph_of(tape: Any, node_time: Mapping[int, float]) -> TapeGraph:
     """The planner's model of ``tape``: node times in seconds (nodes without a time cost 0).
 
     Nodes that must-only replay never runs have no measured time; no save set makes them run.
@@ -30,7 +42,7 @@ def graph_of(tape: Any, node_time: Mapping[int, float]) -> PlanGraph[ValueName]:
             storage_bytes.append(tape.storage_bytes[v.sid])
         value_storage.append(storage_of[key])
     names = tuple(_name(tape, v) for v in tape.values)
-    return PlanGraph(
+    return TapeGraph(
         node_time=tuple(float(node_time.get(n.index, 0.0)) for n in tape.nodes),
         node_deps=tuple(tuple(dict.fromkeys(n.deps)) for n in tape.nodes),
         node_outs=tuple(tuple(n.outs) for n in tape.nodes),
@@ -39,6 +51,9 @@ def graph_of(tape: Any, node_time: Mapping[int, float]) -> PlanGraph[ValueName]:
         value_names=names,
         demand=frozenset(tape.demand),
         available=frozenset(tape.always_available),
+        anchors=tuple(tape.anchor(v.vid) for v in tape.values),
+        module_digests=dict(tape.module_fingerprints),
+        token_independent=tape.token_independent,
     )
 
 
