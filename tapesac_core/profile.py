@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from .block import BlockTrace
-from .plan import Point, solve_frontier
+from .plan import Point, replay_time, solve_frontier
 from .plan.peak import Timeline
 from .plan.tape_graph import TapeGraph, graph_of
 from .tape import Tape
@@ -69,7 +69,7 @@ class RegionProfile:
     @property
     def must_only_replay_time(self) -> float:
         """Eq. 6 for the mandatory set alone, per block, seconds."""
-        return sum(self.node_time.get(i, 0.0) for i in self.tape.replay_nodes())
+        return replay_time(self.graph, ())
 
     @property
     def full_recompute_time(self) -> float:
