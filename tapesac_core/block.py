@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .errors import TapeSACError
+from .plan.coords import Anchor, Coord
 from .recorder import is_subclass_with_dispatch
 from .replay import Replay
 from .tape import BUFFER, OP, PARAM, Node, Packed, Tape, Value, producer_closure
@@ -48,10 +49,10 @@ class BlockPlan(NamedTuple):
     the bytes they may keep beyond S0 (None: no bound), and the same set anchored on submodules
     with those submodules' op digests (for a block that runs another op sequence)."""
 
-    coords: frozenset = frozenset()
+    coords: frozenset[Coord] = frozenset()
     sequence: str | None = None
     budget: int | None = None
-    anchors: frozenset = frozenset()
+    anchors: frozenset[Anchor] = frozenset()
     modules: Mapping[str, str] = {}
 
 
@@ -189,7 +190,7 @@ class Block:
                 "have, nothing saved for them: %s",
                 self.name,
                 self.region,
-                ", ".join(map(str, sorted(missing))),
+                ", ".join(str(tuple(c)) for c in sorted(missing)),  # as use_plan takes them
             )
         self.device_types = {v.meta.device.type for v in self.values if v.meta is not None}
         self.trace.tape = tape

@@ -39,8 +39,10 @@ from torch.utils._pytree import tree_leaves
 
 from .block import Block, BlockPlan, BlockTrace, unpack
 from .errors import TapeSACError
+from .plan.coords import Anchor, Coord
+from .plan.plan import Plan
 from .recorder import Recorder
-from .tape import Coord, Tape
+from .tape import Tape
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=torch.nn.Module)
@@ -83,7 +85,7 @@ def _coords(collection: Any, region: str) -> frozenset[Coord]:
             f"plan for region {region!r}: {bad[0]!r} is not a coordinate "
             "(op_name, k, j), e.g. ('aten.mm.default', 0, 0)"
         )
-    return frozenset((c[0], c[1], c[2]) for c in coords)
+    return frozenset(Coord(c[0], c[1], c[2]) for c in coords)
 
 
 def normalize_plan(plan: PlanSpec) -> dict[str, frozenset[Coord] | list[frozenset[Coord]]]:
@@ -103,15 +105,19 @@ def normalize_plan(plan: PlanSpec) -> dict[str, frozenset[Coord] | list[frozense
 
 
 class _PlanScope:
-    def __init__(self, plan: PlanSpec | Any) -> None:
-        # A solved Plan also names the op sequence its coordinates are valid for, and the
-        # bytes each block's set may keep.
-        self.sequences: dict[str, str] = plan.sequences() if hasattr(plan, "sequences") else {}
-        self.budgets: dict[str, list[int]] = plan.budgets() if hasattr(plan, "budgets") else {}
-        self.anchors: dict[str, tuple[list[frozenset], Mapping[str, str]]] = (
-            plan.anchors() if hasattr(plan, "anchors") else {}
-        )
-        self.plan = normalize_plan(plan.coordinates() if hasattr(plan, "coordinates") else plan)
+    def __init__(self, plan: Plan | PlanSpec) -> None:
+        # A solved Plan also names the op sequence its coordinates are valid for, the bytes
+        # each block's set may keep and the sets anchored on submodules; coordinates alone
+        # are valid for any op sequence, with no bound.
+        self.sequences: dict[str, str] = {}
+        self.budgets: dict[str, list[int]] = {}
+        self.anchors: dict[str, tuple[list[frozenset[Anchor]], Mapping[str, str]]] = {}
+        if isinstance(plan, Plan):
+            self.sequences = plan.sequences()
+            self.budgets = plan.budgets()
+            self.anchors = plan.anchors()
+            plan = plan.coordinates()
+        self.plan = normalize_plan(plan)
         self.blocks: Counter[str] = Counter()
 
     def block_plan(self, region: str) -> BlockPlan:
@@ -134,7 +140,7 @@ class _PlanScope:
 
 
 @contextmanager
-def use_plan(plan: PlanSpec | Any) -> Iterator[None]:
+def use_plan(plan: Plan | PlanSpec) -> Iterator[None]:
     """Blocks recorded inside save the plan's coordinates (plus S0); outside, blocks are must-only.
 
     ``plan`` maps a region name to coordinates ``(op_name, k, j)``, or to a list with one

@@ -15,9 +15,9 @@ from typing import Any
 
 from .block import BlockTrace
 from .memory import MemoryReading
-from .plan import PlanGraph, Point, solve_frontier
+from .plan import Point, replay_time, solve_frontier
 from .plan.peak import Timeline
-from .plan.tape_graph import graph_of
+from .plan.tape_graph import TapeGraph, graph_of
 from .tape import Tape
 from .timing import seconds
 
@@ -46,7 +46,7 @@ class RegionProfile:
         return len(self.shares_reference)
 
     @functools.cached_property
-    def graph(self) -> PlanGraph:
+    def graph(self) -> TapeGraph:
         return graph_of(self.tape, self.node_time)
 
     def frontier(self, beam_width: int, max_set_size: int) -> tuple[Point, ...]:
@@ -72,7 +72,7 @@ class RegionProfile:
     @property
     def must_only_replay_time(self) -> float:
         """Eq. 6 for the mandatory set alone, per block, seconds."""
-        return sum(self.node_time.get(i, 0.0) for i in self.tape.replay_nodes())
+        return replay_time(self.graph, ())
 
     @property
     def full_recompute_time(self) -> float:

@@ -6,10 +6,9 @@ import math
 from collections.abc import Callable, Mapping
 
 from .config import TapeSACConfig
-from .plan import Point, RegionFrontier, replay_time, solve_knapsack
+from .plan import Point, RegionFrontier, replay_time, saved_bytes, solve_knapsack
 from .plan.peak import Option, RegionMenu, Timeline, menus_of, predict, solve_peak
 from .plan.plan import Plan, RegionPlan, Saved
-from .plan.tape_graph import name_coord
 from .profile import RegionProfile
 from .step_time import StepTime
 from .units import format_bytes
@@ -220,10 +219,10 @@ def _lowest_peak(
 def _region_plan(
     profile: RegionProfile, points: tuple[Point, ...], chosen: tuple[int, ...], tokens: int
 ) -> RegionPlan:
-    tape = profile.tape
-    blocks = tuple(frozenset(name_coord(n) for n in points[i].saved) for i in chosen)
-    anchors = tuple(frozenset(tape.anchor(tape.find(c)) for c in b) for b in blocks)
-    modules = {m: tape.module_fingerprints[m] for b in anchors for m, *_ in b}
+    graph = profile.graph
+    blocks = tuple(points[i].saved for i in chosen)
+    anchors = tuple(frozenset(graph.anchors[v] for v in graph.value_ids(b)) for b in blocks)
+    modules = {a.module: graph.module_digests[a.module] for b in anchors for a in b}
     others = len(blocks) - sum(profile.shares_reference)
     note = (
         f"{others} of {len(blocks)} blocks ran another op sequence (data-dependent control "
@@ -247,19 +246,17 @@ def _region_plan(
 
 def _describe(profile: RegionProfile, point: Point, factor: float) -> tuple[Saved, ...]:
     """Each value of a save set: bytes, and replay time it removes given the rest of the set."""
-    graph, tape = profile.graph, profile.tape
+    graph = profile.graph
     saved = graph.value_ids(point.saved)
     whole = replay_time(graph, saved)
     rows = []
     for vid in sorted(saved):
-        coord = name_coord(graph.value_names[vid])
-        node = tape.nodes[tape.values[vid].node]
-        grows = vid not in tape.token_independent
+        grows = vid not in graph.token_independent
         rows.append(
             Saved(
-                coord=coord,
-                module=node.module,
-                bytes=math.ceil(tape.bytes_of([vid]) * (factor if grows else 1)),
+                coord=graph.value_names[vid],
+                module=graph.anchors[vid].module or None,  # "": the block's own op
+                bytes=math.ceil(saved_bytes(graph, [vid]) * (factor if grows else 1)),
                 time_removed=(replay_time(graph, saved - {vid}) - whole) * factor,
             )
         )

@@ -5,9 +5,9 @@ output of exactly one node or a leaf (a block input, a parameter or buffer recor
 external tensor the block read without a recorded producer). Several values can share one storage
 (views), so bytes are counted per storage.
 
-The two recompute sets of the paper (section 3.2.3) are computed here from the same graph:
-``replay_nodes(S)`` (Eq. 3, what TapeSAC's replay runs) and ``block_nodes(S)`` (Eq. 4, what torch's
-block recomputation with ``early_stop`` runs); their times are Eqs. 6 and 5.
+The two recompute sets of the paper (section 3.2.3), ``replay_nodes(S)`` (Eq. 3, what TapeSAC's
+replay runs) and ``block_nodes(S)`` (Eq. 4, what torch's block recomputation with ``early_stop``
+runs), and their times (Eqs. 6 and 5) are the planner's (``plan.model``), on this tape's graph.
 """
 
 from __future__ import annotations
@@ -20,12 +20,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-Coord = tuple[str, int, int]
-# A coordinate anchored on the submodule that issued the op: (module path, op name, how many
-# calls of that op the module made before it, output). Loops elsewhere in the block (experts
-# that ran or not) leave it unchanged.
-Anchor = tuple[str, str, int, int]
-"""A plan coordinate ``(op_name, k, j)``: output ``j`` of the ``k``-th call of ``op_name`` in a block."""
+from .plan import model
+from .plan.coords import Anchor, Coord
+from .plan.tape_graph import TapeGraph, graph_of
 
 # Value kinds. Leaves are kept (inputs) or fetched again by name (parameters, buffers).
 OP, INPUT, PARAM, BUFFER, EXTERNAL = "op", "input", "param", "buffer", "external"
@@ -141,7 +138,7 @@ class Tape:
         if v.node < 0:
             return None
         node = self.nodes[v.node]
-        return (node.name, node.k, v.j)
+        return Coord(node.name, node.k, v.j)
 
     @functools.cached_property
     def _anchor_calls(self) -> list[int]:
@@ -159,7 +156,7 @@ class Tape:
         if v.node < 0:
             return None
         node = self.nodes[v.node]
-        return (node.module or "", node.name, self._anchor_calls[v.node], v.j)
+        return Anchor(node.module or "", node.name, self._anchor_calls[v.node], v.j)
 
     @functools.cached_property
     def module_fingerprints(self) -> dict[str, str]:
@@ -197,7 +194,11 @@ class Tape:
         """Among ``saved``, S0 and the leaves, the values replay or autograd reads: what a block keeps."""
         available = self.always_available | frozenset(saved)
         needed = set(self.demand)
-        for index in self.closure(self.demand - available, available):
+        # Replay's own walk, not the planner's graph: this runs at the end of every block's
+        # forward, where building that graph would cost more than the walk.
+        for index in producer_closure(
+            self.nodes, self.values, self.demand - available, available.__contains__
+        ):
             needed.update(self.nodes[index].deps)
         return frozenset(needed & available)
 
@@ -216,38 +217,27 @@ class Tape:
         """Bytes the mandatory set S0 keeps alive (storages counted once, leaves excluded)."""
         return self.bytes_of(self.mandatory)
 
-    def replay_nodes(
-        self, saved: Iterable[int] = (), demand: Iterable[int] | None = None
-    ) -> list[int]:
-        """Eq. 3: the nodes replay runs to regenerate the demand set from ``saved`` ∪ S0 ∪ leaves.
+    @functools.cached_property
+    def _graph(self) -> TapeGraph:
+        """The planner's model of this tape, untimed: what Eqs. 3 and 4 are computed on."""
+        return graph_of(self, {})
 
-        ``demand`` narrows P to the values backward actually reads (a branch whose gradient is
-        never needed is never unpacked); by default it is all of P, an upper bound.
-        """
-        available = self.always_available | frozenset(saved)
-        wanted = self.demand if demand is None else frozenset(demand)
-        return sorted(self.closure(wanted - available, available))
-
-    def closure(self, targets: Iterable[int], available: frozenset[int]) -> set[int]:
-        """Producer closure: nodes to run so that ``targets`` exist, stopping at ``available``."""
-        return producer_closure(self.nodes, self.values, targets, available.__contains__)
+    def replay_nodes(self, saved: Iterable[int] = ()) -> list[int]:
+        """Eq. 3: the nodes replay runs to regenerate the demand set P from ``saved`` ∪ S0 ∪ leaves
+        (an upper bound: backward may never unpack a branch whose gradient is not needed)."""
+        return sorted(model.replay_nodes(self._graph, saved))
 
     def block_nodes(self, saved: Iterable[int] = ()) -> list[int]:
         """Eq. 4: the nodes torch's block recomputation (early_stop=True) runs for the same save set."""
-        available = self.always_available | frozenset(saved)
-        missing = self.demand - available
-        if not missing:
-            return []
-        last = max(self.values[v].node for v in missing)
-        return [n.index for n in self.nodes[: last + 1] if not set(n.outs) <= available]
+        return sorted(model.block_nodes(self._graph, saved))
 
     def replay_time(self, saved: Iterable[int], node_time: Mapping[int, float]) -> float:
-        """Eq. 6: total time of ``replay_nodes(saved)``."""
-        return sum(node_time[n] for n in self.replay_nodes(saved))
+        """Eq. 6: total time of ``replay_nodes(saved)`` (nodes without a time cost 0)."""
+        return model.replay_time(graph_of(self, node_time), saved)
 
     def block_time(self, saved: Iterable[int], node_time: Mapping[int, float]) -> float:
-        """Eq. 5: total time of ``block_nodes(saved)``."""
-        return sum(node_time[n] for n in self.block_nodes(saved))
+        """Eq. 5: total time of ``block_nodes(saved)`` (nodes without a time cost 0)."""
+        return model.block_time(graph_of(self, node_time), saved)
 
     def op_sequence(self) -> tuple[str, ...]:
         """The names of the recorded ops in order: blocks with equal sequences share a plan."""

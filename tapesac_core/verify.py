@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .tape import Coord, Node
+from .plan.coords import Coord
+from .tape import Node
 
 logger = logging.getLogger(__name__)
 

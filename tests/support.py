@@ -60,6 +60,15 @@ def assert_bitwise(ref: tuple, got: tuple) -> None:
     assert not different, f"gradients differ: {different}"
 
 
+def _available(tape: tapesac_core.Tape, kept: set[int] | frozenset[int]) -> set[int]:
+    """S ∪ S0 ∪ L, from the tape's fields (not its ``always_available``)."""
+    return (
+        set(kept)
+        | set(tape.mandatory)
+        | {v.vid for v in tape.values if v.kind in ("input", "param", "buffer")}
+    )
+
+
 def brute_force_replay(
     tape: tapesac_core.Tape,
     kept: set[int] | frozenset[int] = frozenset(),
@@ -68,11 +77,7 @@ def brute_force_replay(
     """Eq. 3 by fixed-point iteration over every node, independent of the library's closure:
     a node runs when one of its outputs is wanted and not available (kept, S0 or a leaf); a
     running node wants the inputs whose data it reads."""
-    available = (
-        set(kept)
-        | set(tape.mandatory)
-        | {v.vid for v in tape.values if v.kind in ("input", "param", "buffer")}
-    )
+    available = _available(tape, kept)
     wanted = {v for v in (tape.demand if demand is None else demand) if v not in available}
     run: set[int] = set()
     changed = True
@@ -84,6 +89,17 @@ def brute_force_replay(
                 wanted |= {d for d in node.deps if d not in available}
                 changed = True
     return sorted(run)
+
+
+def brute_force_block(
+    tape: tapesac_core.Tape, kept: set[int] | frozenset[int] = frozenset()
+) -> list[int]:
+    """Eq. 4 as written: the nodes up to the last one with an output in P minus the available
+    values, except those whose outputs are all available."""
+    available = _available(tape, kept)
+    missing = tape.demand - available
+    last = max((n.index for n in tape.nodes if missing & set(n.outs)), default=-1)
+    return [n.index for n in tape.nodes[: last + 1] if not set(n.outs) <= available]
 
 
 def assert_replayed_as_predicted(blocks: list[tapesac_core.BlockTrace]) -> None:

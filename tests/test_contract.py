@@ -205,6 +205,16 @@ def test_a_malformed_plan_is_an_error() -> None:
             pass
 
 
+def test_use_plan_takes_a_solved_plan_or_a_mapping_not_a_look_alike() -> None:
+    class LookAlike:  # a Plan's method, but not a Plan
+        def coordinates(self) -> dict:
+            return {"Block": [{("aten.mm.default", 0, 0)}]}
+
+    with pytest.raises(TapeSACError, match="maps region names to coordinates, got LookAlike"):
+        with tapesac_core.use_plan(LookAlike()):
+            pass
+
+
 def test_tensor_subclasses_inside_a_block_are_an_error() -> None:
     from torch.testing._internal.two_tensor import TwoTensor
 

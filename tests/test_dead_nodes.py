@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from support import OpCounter, brute_force_replay
+from support import OpCounter, brute_force_block, brute_force_replay
 
 import tapesac_core
 from examples.models import DecoderLayer, ModelConfig, MoEDecoderLayer, rotary_cos_sin
@@ -136,3 +136,5 @@ def test_block_nodes_predict_torch_block_recomputation(config) -> None:
     tape = r["tape"]
     assert _torch_names(tape, _full_checkpoint_nodes(tape)) == r["torch_early_stop_True"]
     assert set(brute_force_replay(tape)) <= set(tape.block_nodes())
+    assert tape.replay_nodes() == brute_force_replay(tape)
+    assert tape.block_nodes() == brute_force_block(tape)

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from tapesac_core.config import MemoryLimit, TapeSACConfig, parse_memory_limit
-from tapesac_core.plan.plan import Plan, RegionPlan, Saved
+from tapesac_core.plan.coords import Anchor, Coord
+from tapesac_core.plan.plan import PLAN_VERSION, Plan, RegionPlan, Saved
 from tapesac_core.units import GiB, MiB
 
 
@@ -173,3 +174,81 @@ def test_a_version_1_plan_still_reads_for_reports_and_explain_names_the_peak() -
     ) in plan.explain()
     # At a step whose must-only peak is 11 GiB (the plan's is 12): 10 + 3 * (1 / 2) GiB.
     assert plan.peak_at_tokens(11 * GiB) == int(11.5 * GiB)
+
+
+# Plan.to_json() of the plan below, written by the code at commit 27189ec (before Coord and
+# Anchor were NamedTuples): plan files already on disk must keep loading, and mean the same.
+PLAN_27189EC = (
+    '{"base": 12884901888, "capacity": 21474836480, "memory_model": "peak", '
+    '"model": "DecoderLayer", "notes": ["a note"], "peak_at": "backward window of layers.3", '
+    '"predicted_peak": 13958643712, "predicted_speedup": 1.08, '
+    '"predicted_speedup_vs_full": 1.21, "regions": {"DecoderLayer": {"anchors": [[], '
+    '[["mlp.down_proj", "aten.mm.default", 0, 0], ["self_attn", '
+    '"aten._scaled_dot_product_flash_attention_for_cpu.default", 0, 1], ["self_attn.q_proj", '
+    '"aten.mm.default", 0, 0]]], "block_bytes": [0, 7340032], "blocks": [[], '
+    '[["aten._scaled_dot_product_flash_attention_for_cpu.default", 0, 1], '
+    '["aten.mm.default", 0, 0], ["aten.mm.default", 12, 0]]], '
+    '"modules": {"mlp.down_proj": "5e6f7a8b-2", "self_attn": "0badcafe-9", '
+    '"self_attn.q_proj": "1a2b3c4d-3"}, "note": "", "saved": [{"bytes": 4096, '
+    '"coord": ["aten._scaled_dot_product_flash_attention_for_cpu.default", 0, 1], '
+    '"module": "self_attn", "time_removed": 0.0}, {"bytes": 3145728, '
+    '"coord": ["aten.mm.default", 0, 0], "module": "self_attn.q_proj", '
+    '"time_removed": 0.0021}, {"bytes": 4194304, "coord": ["aten.mm.default", 12, 0], '
+    '"module": "mlp.down_proj", "time_removed": 0.00125}], "sequence": "abc-90", '
+    '"tokens": 4096}}, "replay_time": 0.03, "saved_bytes": 7340032, "static": 10737418240, '
+    '"step_time": 0.25, "version": 2}'
+)
+
+
+def test_a_plan_file_written_before_coord_was_a_type_loads_equal_and_writes_the_same() -> None:
+    mm, sdpa = "aten.mm.default", "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    saved = (
+        Saved(coord=Coord(sdpa, 0, 1), module="self_attn", bytes=4096, time_removed=0.0),
+        Saved(coord=Coord(mm, 0, 0), module="self_attn.q_proj", bytes=3 * MiB, time_removed=0.0021),
+        Saved(coord=Coord(mm, 12, 0), module="mlp.down_proj", bytes=4 * MiB, time_removed=0.00125),
+    )
+    region = RegionPlan(
+        sequence="abc-90",
+        tokens=4096,
+        blocks=(frozenset(), frozenset(s.coord for s in saved)),
+        block_bytes=(0, 7 * MiB),
+        anchors=(
+            frozenset(),
+            frozenset(
+                {
+                    Anchor("self_attn.q_proj", mm, 0, 0),
+                    Anchor("mlp.down_proj", mm, 0, 0),
+                    Anchor("self_attn", sdpa, 0, 1),
+                }
+            ),
+        ),
+        modules={
+            "self_attn.q_proj": "1a2b3c4d-3",
+            "mlp.down_proj": "5e6f7a8b-2",
+            "self_attn": "0badcafe-9",
+        },
+        saved=saved,
+    )
+    expected = Plan(
+        model="DecoderLayer",
+        regions={"DecoderLayer": region},
+        capacity=20 * GiB,
+        base=12 * GiB,
+        saved_bytes=7 * MiB,
+        predicted_speedup=1.08,
+        predicted_speedup_vs_full=1.21,
+        notes=("a note",),
+        step_time=0.25,
+        replay_time=0.03,
+        memory_model="peak",
+        predicted_peak=13 * GiB,
+        peak_at="backward window of layers.3",
+        static=10 * GiB,
+    )
+    plan = Plan.from_json(PLAN_27189EC)
+    assert plan == expected and plan.version == PLAN_VERSION == 2
+    loaded = plan.regions["DecoderLayer"]
+    assert all(type(c) is Coord for b in loaded.blocks for c in b)
+    assert all(type(a) is Anchor for b in loaded.anchors for a in b)
+    assert all(type(s.coord) is Coord for s in loaded.saved)
+    assert plan.to_json() == PLAN_27189EC

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from .bits import bits
-from .model import PlanGraph, candidates, needed, replay_bits, storages_bytes
+from .model import N, PlanGraph, candidates, needed, replay_bits, storages_bytes
 from .points import Point, make_point, pareto
 from .walk import kill
 
 EXACT_LIMIT = 20
 
 
-def exact_frontier(graph: PlanGraph) -> list[Point]:
+def exact_frontier(graph: PlanGraph[N]) -> list[Point[N]]:
     """The exact Pareto frontier over all subsets of candidate values, sorted by bytes from
     0 bytes (the empty set, unless saving 0-byte values removes time)."""
     values = [v for group in candidates(graph) if len(group) == 1 for v in group]
@@ -60,6 +60,6 @@ def enumerate_sets(
     return [(saved, run) for (_, run), saved in best.items()], count
 
 
-def _rank(graph: PlanGraph, saved: tuple[int, ...]) -> tuple[int, list[str]]:
+def _rank(graph: PlanGraph[N], saved: tuple[int, ...]) -> tuple[int, list[N]]:
     """Among equal sets, fewer values first, then sorted names."""
     return len(saved), sorted(graph.value_names[v] for v in saved)

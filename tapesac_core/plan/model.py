@@ -7,14 +7,20 @@ is always taken together with the always-available values (leaves and S0).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from .bits import bits, members
 
+# How a graph names its values (save sets are reported by name): strings in graphs built by
+# hand (``Graph``), ``coords.ValueName`` in a recorded tape's (``tape_graph.graph_of``). Names
+# are sorted to break ties between equal save sets.
+N = TypeVar("N", bound=Hashable)
+
 
 @dataclass(frozen=True, kw_only=True)
-class PlanGraph:
+class PlanGraph(Generic[N]):
     """A block's forward as nodes in tape order; each node reads and produces values.
 
     Values share storages (views); saving a value keeps its whole storage alive.
@@ -26,7 +32,7 @@ class PlanGraph:
     node_outs: tuple[tuple[int, ...], ...]
     value_storage: tuple[int, ...]
     storage_bytes: tuple[int, ...]
-    value_names: tuple[str, ...]
+    value_names: tuple[N, ...]
     demand: frozenset[int]
     available: frozenset[int]
     # Derived, so that closures are bit operations: the producer node of each value (-1:
@@ -40,7 +46,7 @@ class PlanGraph:
     demand_bits: int = field(init=False, repr=False, compare=False)
     available_bits: int = field(init=False, repr=False, compare=False)
     held_storages: frozenset[int] = field(init=False, repr=False, compare=False)
-    ids: Mapping[str, int] = field(init=False, repr=False, compare=False)
+    ids: Mapping[N, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         producer = _check(self)
@@ -64,7 +70,7 @@ class PlanGraph:
         for name, value in derived.items():
             object.__setattr__(self, name, value)
 
-    def value_ids(self, names: Iterable[str]) -> frozenset[int]:
+    def value_ids(self, names: Iterable[N]) -> frozenset[int]:
         """The value ids of `names`."""
         unknown = sorted(set(names) - self.ids.keys())
         if unknown:
@@ -122,7 +128,7 @@ def _check(g: PlanGraph) -> tuple[int, ...]:
 def Graph(
     ops: Mapping[str, tuple[float, int, Sequence[str]]],  # noqa: N802 - a constructor-like front
     demand: Iterable[str],
-) -> PlanGraph:
+) -> PlanGraph[str]:
     """A PlanGraph from `{name: (time, bytes, [input names])}` in topological order.
 
     Each op has one output in its own storage; names that are not ops are leaves

@@ -7,11 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..units import format_bytes
+from .coords import Anchor, Coord
 
 PLAN_VERSION = 2  # 2: the predicted peak and the memory model that predicted it
 _READABLE = (1, 2)  # version 1 plans (Eq. 8, no predicted peak) are read for reports
-Coord = tuple[str, int, int]
-Anchor = tuple[str, str, int, int]  # (module path, op name, call within the module, output)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,17 +242,17 @@ def _table(saved: tuple[Saved, ...]) -> list[str]:
         return []
     rows, previous = [], None
     for s in saved:
-        op_call = s.coord[:2]
-        time = "(same op)" if op_call == previous else f"{s.time_removed * 1e3:.3f} ms"
+        op, k, j = s.coord
+        time = "(same op)" if (op, k) == previous else f"{s.time_removed * 1e3:.3f} ms"
         rows.append(
             (
-                f"{s.coord[0]} #{s.coord[1]} out {s.coord[2]}",
+                f"{op} #{k} out {j}",
                 s.module or "-",
                 format_bytes(s.bytes),
                 time,
             )
         )
-        previous = op_call
+        previous = (op, k)
     header = ("coordinate", "module", "bytes", "time removed")
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(4)]
     return [
@@ -263,8 +262,8 @@ def _table(saved: tuple[Saved, ...]) -> list[str]:
 
 
 def _anchor(a: list) -> Anchor:
-    return (str(a[0]), str(a[1]), int(a[2]), int(a[3]))
+    return Anchor(str(a[0]), str(a[1]), int(a[2]), int(a[3]))
 
 
 def _coord(c: list) -> Coord:
-    return (str(c[0]), int(c[1]), int(c[2]))
+    return Coord(str(c[0]), int(c[1]), int(c[2]))

@@ -5,17 +5,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Generic
 
-from .model import PlanGraph, needed, nodes_time, storages_bytes
+from .model import N, PlanGraph, needed, nodes_time, storages_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
-class Point:
+class Point(Generic[N]):
     """A save set (value names, on top of S0), the bytes it keeps and the replay time left (Eq. 6)."""
 
     bytes: int
     time: float
-    saved: frozenset[str]
+    saved: frozenset[N]
 
     def __post_init__(self) -> None:
         if self.bytes < 0 or not math.isfinite(self.time) or self.time < 0:
@@ -31,7 +32,7 @@ def trim(graph: PlanGraph, saved: Iterable[int], run: int) -> list[int]:
     return [v for v in saved if needed(graph, v, run) and not run >> graph.producer[v] & 1]
 
 
-def make_point(graph: PlanGraph, saved: Iterable[int], run: int) -> Point:
+def make_point(graph: PlanGraph[N], saved: Iterable[int], run: int) -> Point[N]:
     """The point of save set `saved`, whose replay runs the nodes in `run`, trimmed."""
     kept = trim(graph, saved, run)
     return Point(
@@ -41,10 +42,10 @@ def make_point(graph: PlanGraph, saved: Iterable[int], run: int) -> Point:
     )
 
 
-def pareto(points: Iterable[Point]) -> list[Point]:
+def pareto(points: Iterable[Point[N]]) -> list[Point[N]]:
     """The points no other point beats, by bytes; equal points keep the fewest values."""
     ranked = sorted(points, key=lambda p: (p.bytes, p.time, len(p.saved), sorted(p.saved)))
-    front: list[Point] = []
+    front: list[Point[N]] = []
     for p in ranked:
         if not front or p.time < front[-1].time:
             front.append(p)

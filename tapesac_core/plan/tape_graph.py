@@ -1,33 +1,31 @@
 """From a recorded tape and measured node times to the planner's model of a block.
 
 Duck-typed on the tape (``nodes``, ``values``, ``storage_bytes``, ``demand``,
-``always_available``), so this module stays free of torch.
+``always_available``, ``coord``, ``anchor``, ``module_fingerprints``, ``token_independent``),
+so this module stays free of torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from .coords import Anchor, Unproduced, ValueName
 from .model import PlanGraph
 
-Coord = tuple[str, int, int]
+
+@dataclass(frozen=True, kw_only=True)
+class TapeGraph(PlanGraph[ValueName]):
+    """The planner's model of a recorded block, with what a solved plan records of its values
+    beyond their coordinates, so that solving needs nothing of the tape itself."""
+
+    anchors: tuple[Anchor | None, ...]  # per value, its anchored coordinate (None: no producer)
+    module_digests: Mapping[str, str]  # per submodule path, the digest of the ops it issued
+    token_independent: frozenset[int]  # values whose size does not grow with tokens
 
 
-def coord_name(coord: Coord) -> str:
-    """The planner's name of the value at a plan coordinate: ``op#k:j``."""
-    op, k, j = coord
-    return f"{op}#{k}:{j}"
-
-
-def name_coord(name: str) -> Coord:
-    """The plan coordinate a value name stands for (inverse of ``coord_name``)."""
-    op, rest = name.rsplit("#", 1)
-    k, j = rest.split(":")
-    return (op, int(k), int(j))
-
-
-def graph_of(tape: Any, node_time: Mapping[int, float]) -> PlanGraph:
+def graph_of(tape: Any, node_time: Mapping[int, float]) -> TapeGraph:
     """The planner's model of ``tape``: node times in seconds (nodes without a time cost 0).
 
     Nodes that must-only replay never runs have no measured time; no save set makes them run.
@@ -44,7 +42,7 @@ def graph_of(tape: Any, node_time: Mapping[int, float]) -> PlanGraph:
             storage_bytes.append(tape.storage_bytes[v.sid])
         value_storage.append(storage_of[key])
     names = tuple(_name(tape, v) for v in tape.values)
-    return PlanGraph(
+    return TapeGraph(
         node_time=tuple(float(node_time.get(n.index, 0.0)) for n in tape.nodes),
         node_deps=tuple(tuple(dict.fromkeys(n.deps)) for n in tape.nodes),
         node_outs=tuple(tuple(n.outs) for n in tape.nodes),
@@ -53,11 +51,12 @@ def graph_of(tape: Any, node_time: Mapping[int, float]) -> PlanGraph:
         value_names=names,
         demand=frozenset(tape.demand),
         available=frozenset(tape.always_available),
+        anchors=tuple(tape.anchor(v.vid) for v in tape.values),
+        module_digests=dict(tape.module_fingerprints),
+        token_independent=tape.token_independent,
     )
 
 
-def _name(tape: Any, v: Any) -> str:
-    if v.node < 0:
-        return f"{v.kind}:{v.name}:{v.vid}"
-    node = tape.nodes[v.node]
-    return coord_name((node.name, node.k, v.j))
+def _name(tape: Any, v: Any) -> ValueName:
+    coord = tape.coord(v.vid)
+    return Unproduced(v.kind, v.name, v.vid) if coord is None else coord
