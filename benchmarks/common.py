@@ -7,7 +7,8 @@ import os
 import platform
 import statistics
 import subprocess
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -82,6 +83,21 @@ def iqr(xs: Sequence[float]) -> float:
     return q3 - q1
 
 
+def median_seconds(fn: Callable[[], Any], runs: int) -> tuple[float, Any]:
+    """The median wall time of ``runs`` calls of ``fn``, and its last result."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
 def mib(n: int | None) -> str:
     """Bytes as MiB in a table, "-" for none."""
     return "-" if n is None else f"{n / MiB:.2f}"
+
+
+def pct(share: float | None) -> str:
+    """A share as a whole percentage in a table, "-" for none."""
+    return "-" if share is None else f"{share:.0%}"

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import mib
+from benchmarks.common import mib, pct
 from tapesac_core.figures import method_frontier_figure, normalised_frontier_figure
 
 TITLE = (
@@ -15,10 +15,6 @@ TITLE = (
     "Sections between the `frontier` HTML comment markers are written by `benchmarks/frontier.py` "
     "(`tapesac bench`); the rest is written by hand.\n"
 )
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def table(result: dict[str, Any]) -> str:
@@ -41,7 +37,7 @@ def table(result: dict[str, Any]) -> str:
             else "-"
         )
         ts = (
-            f"{_pct(r['time_share'])} ({_pct(r['time_share_q1'])} to {_pct(r['time_share_q3'])})"
+            f"{pct(r['time_share'])} ({pct(r['time_share_q1'])} to {pct(r['time_share_q3'])})"
             if "time_share" in r
             else "-"
         )
@@ -53,7 +49,7 @@ def table(result: dict[str, Any]) -> str:
         )
         lines.append(
             f"| {r['method']} | {mib(r['peak_bytes'])} | {limit} | {t} | {re} "
-            f"| {_pct(r.get('memory_share'))} | {_pct(r.get('flop_share'))} | {ts} | {_cell(r['note'])} |"
+            f"| {pct(r.get('memory_share'))} | {pct(r.get('flop_share'))} | {ts} | {_cell(r['note'])} |"
         )
     return "\n".join(lines)
 

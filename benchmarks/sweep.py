@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tapesac_core  # noqa: E402
+from benchmarks.common import iqr  # noqa: E402
+from benchmarks.workload import EXAMPLE_SHAPE  # noqa: E402
 from examples.data import batches  # noqa: E402
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer  # noqa: E402
 from examples.training import train_step  # noqa: E402
@@ -74,9 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = ModelConfig(
-        moe=args.moe, dropout=0.1, hidden_size=128, intermediate_size=256, moe_intermediate_size=128
-    )
+    config = ModelConfig(moe=args.moe, dropout=0.1, **EXAMPLE_SHAPE)
     base = DecoderLM(config)
     tapesac_core.checkpoint_modules(base, {DecoderLayer, MoEDecoderLayer})
     data = [next(batches(batch_size=8, max_len=128, min_len=128, seed=s)) for s in range(8)]
@@ -139,12 +139,6 @@ def main() -> None:
     out.write_text(
         json.dumps({"must_only": must_only, "everything": everything, "rows": rows}, indent=1)
     )
-
-
-def iqr(xs: list[float]) -> float:
-    """Interquartile range (the whole range below four samples)."""
-    q = statistics.quantiles(xs, n=4) if len(xs) >= 4 else [min(xs), 0, max(xs)]
-    return q[2] - q[0]
 
 
 if __name__ == "__main__":

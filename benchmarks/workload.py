@@ -9,6 +9,8 @@ import torch
 
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
 
+# The examples' training jobs' model (examples/train_lightning.py), with ModelConfig's defaults.
+EXAMPLE_SHAPE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128)
 SIZES = {
     # model shape; seq; batch
     "tiny": (
@@ -37,17 +39,9 @@ SIZES = {
         256,
         2,
     ),
-    # The examples' training jobs (examples/train_lightning.py): hidden 128, batch 4 x 256.
+    # The examples' training jobs, batch 4 x 256.
     "example": (
-        dict(
-            hidden_size=128,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            intermediate_size=256,
-            moe_intermediate_size=128,
-        ),
+        dict(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, **EXAMPLE_SHAPE),
         256,
         4,
     ),
