@@ -135,11 +135,11 @@ def wrap_compile(
     """Each block's forward through one torch.compile'd function of its own code object (the
     compile cache is per code object, so each budget compiles its own graphs)."""
     namespace: dict[str, Any] = {}
-    source = "def run(block, *args, **kwargs):\n    return block._eager_forward(*args, **kwargs)\n"
+    source = "def run(block, *args, **kwargs):\n    return block.eager_forward(*args, **kwargs)\n"
     exec(compile(source, f"<frontier compile budget {budget}>", "exec"), namespace)
     compiled = torch.compile(namespace["run"], backend=backend)
     for _, _, child in blocks_of(model, block):
-        child._eager_forward = child.forward
+        child.eager_forward = child.forward  # what the compiled function runs
         child.forward = types.MethodType(lambda self, *a, **k: compiled(self, *a, **k), child)
     return model
 

@@ -93,7 +93,7 @@ class AttentionFlops(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
         name = func.__name__
-        if "scaled_dot_product" in name and func._overloadpacket not in flop_registry:
+        if "scaled_dot_product" in name and func.overloadpacket not in flop_registry:
             q, k = args[0], args[1]
             if "backward" in name:
                 q, k = args[1], args[2]
