@@ -37,10 +37,8 @@ def run_growth(args: argparse.Namespace) -> dict[str, Any]:
     (interleaved rounds)."""
     started = time.perf_counter()
     w = load_workload(args)
-    small, grown = (
-        w.ids(w.batch, seed=w.batch),
-        w.ids(w.batch * args.grow, seed=w.batch * args.grow),
-    )
+    small = w.ids(w.batch, seed=w.batch)  # each batch size seeds its own ids
+    grown = w.ids(w.batch * args.grow, seed=w.batch * args.grow)
     methods = baseline_methods(w.model, w.block, (), args.compile_backend, {"full", "torch_sac"})
     tapesac_model, tape = tapesac_copy(w.model, w.block, small)
     methods += policy_replay_methods(tape, tapesac_model, w.block.__name__)
