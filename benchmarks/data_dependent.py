@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tapesac_core  # noqa: E402
-from benchmarks.sweep import iqr  # noqa: E402
+from benchmarks.common import iqr  # noqa: E402
+from benchmarks.workload import EXAMPLE_SHAPE  # noqa: E402
 from examples.models import DecoderLM, ModelConfig, MoEDecoderLayer  # noqa: E402
 from examples.training import train_step  # noqa: E402
 from tapesac_core.controller import PLANNED, Controller  # noqa: E402
@@ -70,9 +71,7 @@ def main() -> None:
         skip_empty_experts=True,
         num_experts=8,
         top_k=2,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=128,
+        **EXAMPLE_SHAPE,
     )
     model = DecoderLM(config)
     tapesac_core.checkpoint_modules(model, {MoEDecoderLayer})

@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tapesac_core  # noqa: E402
+from benchmarks.common import pct  # noqa: E402
+from benchmarks.workload import EXAMPLE_SHAPE  # noqa: E402
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer  # noqa: E402
 from examples.training import train_step  # noqa: E402
 from tapesac_core.controller import CONTROL, PLANNED, Controller  # noqa: E402
@@ -82,10 +84,6 @@ def run(base, ids, limit, memory_model):
     }
 
 
-def used(share: float | None) -> str:
-    return "-" if share is None else f"{share:.0%}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--moe", action="store_true")
@@ -93,9 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = ModelConfig(
-        moe=args.moe, dropout=0.1, hidden_size=128, intermediate_size=256, moe_intermediate_size=128
-    )
+    config = ModelConfig(moe=args.moe, dropout=0.1, **EXAMPLE_SHAPE)
     base = DecoderLM(config)
     plain = copy.deepcopy(base)
     tapesac_core.checkpoint_modules(base, {DecoderLayer, MoEDecoderLayer})
@@ -136,7 +132,7 @@ def main() -> None:
         print(
             f"| {r['memory_model']} | {r['fraction']:.3f} | {format_bytes(r['limit'])} "
             f"| {format_bytes(r['peak'])} | {format_bytes(r['predicted_peak'])} "
-            f"({r['prediction_error']:+.1%}) | {used(r['capacity_used'])} | {r['extra_memory']:.1%} "
+            f"({r['prediction_error']:+.1%}) | {pct(r['capacity_used'])} | {r['extra_memory']:.1%} "
             f"| {r['flops_eliminated']:.1%} | {r['replay_removed']:.1%} | {r['peak_at']} |"
         )
     out = ROOT / "benchmarks" / "results" / f"peak_curve_{'moe' if args.moe else 'dense'}.json"

@@ -11,10 +11,16 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
+import sys
 from functools import partial
+from pathlib import Path
 
-from tapesac_core.plan import (
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import median_seconds  # noqa: E402
+from tapesac_core.plan import (  # noqa: E402
     PlanGraph,
     Point,
     RegionFrontier,
@@ -24,7 +30,7 @@ from tapesac_core.plan import (
     solve_frontier,
     solve_knapsack,
 )
-from tapesac_core.plan.peak import (
+from tapesac_core.plan.peak import (  # noqa: E402
     RegionMenu,
     Segment,
     Timeline,
@@ -241,16 +247,6 @@ def knapsack_instance(rng: random.Random) -> dict[str, RegionFrontier]:
     return regions
 
 
-def timed(fn, runs: int) -> tuple[float, object]:
-    """The median wall time of `runs` calls of `fn`, and its last result."""
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nodes", type=int, default=2000)
@@ -265,7 +261,7 @@ def main() -> None:
         f"({len(graph.available)} available), {len(graph.demand)} demanded, "
         f"{n_cand} candidate values, {len(graph.storage_bytes)} storages"
     )
-    frontier_s, result = timed(lambda: solve_frontier(graph), args.runs)
+    frontier_s, result = median_seconds(lambda: solve_frontier(graph), args.runs)
     print(
         f"frontier: median {frontier_s:.3f} s over {args.runs} runs, {result.sets_evaluated} sets "
         f"evaluated, {result.walks} tape walks, {len(result.points)} points"
@@ -279,13 +275,13 @@ def main() -> None:
         saved=tuple(graph.value_ids(p.saved) for p in result.points),
     )
     timeline = peak_timeline(graph, blocks=48)
-    menus_s, menus = timed(lambda: menus_of(timeline, {"r": menu}), args.runs)
+    menus_s, menus = median_seconds(lambda: menus_of(timeline, {"r": menu}), args.runs)
     print(
         f"peak model: replay simulated for {len(result.points)} points x "
         f"{len(timeline.blocks[0].unpacks)} unpacks: median {menus_s:.3f} s"
     )
     spread = timeline.peak + 12 * result.points[len(result.points) // 2].bytes
-    dp_s, picks = timed(lambda: solve_peak(timeline, menus, spread), args.runs)
+    dp_s, picks = median_seconds(lambda: solve_peak(timeline, menus, spread), args.runs)
     print(
         f"peak model: DP over {len(timeline.blocks)} blocks x {len(menu.bytes)} options, "
         f"{len(timeline.segments)} segments: median {dp_s:.3f} s, predicted peak "
@@ -299,7 +295,9 @@ def main() -> None:
     regions = knapsack_instance(random.Random(0))
     full = sum(r.blocks * r.points[-1].bytes for r in regions.values())
     for share in (0.05, 0.3, 0.7):
-        seconds, plan = timed(partial(solve_knapsack, regions, int(full * share)), args.runs)
+        seconds, plan = median_seconds(
+            partial(solve_knapsack, regions, int(full * share)), args.runs
+        )
         print(
             f"knapsack 4 x 64 x 40, capacity {share:.0%} of all: median {seconds:.3f} s, "
             f"{plan.bytes / (full * share):.1%} of capacity used"

@@ -26,7 +26,6 @@ import gc
 import json
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 from functools import partial
@@ -46,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tapesac_core  # noqa: E402
+from benchmarks.common import git_commit, median_seconds, mib, quartiles, rotated  # noqa: E402
 from examples.data import batches  # noqa: E402
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer  # noqa: E402
 from tapesac_core.memory import profile_memory  # noqa: E402
@@ -74,7 +74,6 @@ SIZES = {
         batch=4,
     ),
 }
-MIB = 2**20
 
 
 # ---------------------------------------------------------------------- models
@@ -122,11 +121,6 @@ def timed_step(model: DecoderLM, ids: torch.Tensor) -> tuple[float, float]:
 # ---------------------------------------------------------------------- measurements
 
 
-def quartiles(xs: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
-
-
 def interleaved_times(
     models: dict[str, DecoderLM], data: Any, rounds: int, warmup: int
 ) -> dict[str, Any]:
@@ -135,8 +129,7 @@ def interleaved_times(
     forward: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for r in range(warmup + rounds):
         ids = next(data)
-        order = CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)]
-        for name in order:
+        for name in rotated(CONFIGS, r):
             fwd, bwd = timed_step(models[name], ids)
             if r >= warmup:
                 times[name].append(fwd + bwd)
@@ -154,18 +147,15 @@ def interleaved_times(
         },
         "ratio_tapesac_torch": median["tapesac"] / median["torch"],
         "ratio_tapesac_torch_no_stop": median["tapesac"] / median["torch_no_stop"],
-        "per_round_ratio_tapesac_torch": {
-            "min": min(ratios),
-            "max": max(ratios),
-            "iqr": quartiles(ratios),
-        },
-        "per_round_ratio_tapesac_torch_no_stop": {
-            "min": min(ratios_no_stop),
-            "max": max(ratios_no_stop),
-            "iqr": quartiles(ratios_no_stop),
-        },
+        "per_round_ratio_tapesac_torch": ratio_spread(ratios),
+        "per_round_ratio_tapesac_torch_no_stop": ratio_spread(ratios_no_stop),
         "rounds": rounds,
     }
+
+
+def ratio_spread(xs: list[float]) -> dict[str, Any]:
+    q1, _, q3 = quartiles(xs)
+    return {"min": min(xs), "max": max(xs), "iqr": (q1, q3)}
 
 
 def memory(model: DecoderLM, ids: torch.Tensor) -> dict[str, int]:
@@ -281,15 +271,6 @@ def _noop_hooks(mode_cls: type) -> Callable[[torch.Tensor, torch.Tensor], Any]:
     return run
 
 
-def _median_us(fn: Callable[[], Any], reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(ts)
-
-
 def recording_overhead(reps: int) -> dict[str, Any]:
     """Forward host time of the tiny loop under each wrapper, per recorded op."""
     torch.manual_seed(0)
@@ -312,7 +293,7 @@ def recording_overhead(reps: int) -> dict[str, Any]:
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(10):
         for name, fn in runs.items():
-            samples[name].append(_median_us(fn, max(1, reps // 10)))
+            samples[name].append(1e6 * median_seconds(fn, max(1, reps // 10))[0])
     median = {name: statistics.median(s) for name, s in samples.items()}
     per_op = {name: (median[name] - median["plain"]) / n_ops for name in runs if name != "plain"}
     return {
@@ -357,10 +338,6 @@ def profile_step(config: ModelConfig, seq: int, batch: int, name: str) -> list[d
 # ---------------------------------------------------------------------- report
 
 
-def _mib(n: int) -> str:
-    return f"{n / MIB:.2f}"
-
-
 def model_table(label: str, r: dict[str, Any]) -> str:
     t, mem, work = r["time"], r["memory"], r["work"]
     none_ms = t["median_ms"]["none"]
@@ -384,8 +361,8 @@ def model_table(label: str, r: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {t['median_ms'][name]:.1f} | {t['median_forward_ms'][name]:.1f} "
             f"| {t['median_backward_ms'][name]:.1f} | {t['min_ms'][name]:.1f} "
-            f"| {t['median_ms'][name] / none_ms:.3f} | {_mib(mem[name]['step_peak'])} "
-            f"| {_mib(mem[name]['forward_end'])} | {_mib(mem[name]['step_end'])} "
+            f"| {t['median_ms'][name] / none_ms:.3f} | {mib(mem[name]['step_peak'])} "
+            f"| {mib(mem[name]['forward_end'])} | {mib(mem[name]['step_end'])} "
             f"| {w['recomputed_flops'] / 1e9:.3f} "
             f"| {100 * w['recomputed_flops'] / w['forward_flops']:.1f} "
             f"| {w['recomputed_ops']} | {nodes} |"
@@ -453,18 +430,6 @@ def profile_table(what: str, rows: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------- main
-
-
-def git_commit() -> str:
-    """The checked-out commit (and whether tapesac_core has local changes), for the record."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + (" + local changes" if git("status", "--porcelain", "tapesac_core") else "")
 
 
 def main() -> None:

@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tapesac_core  # noqa: E402
+from benchmarks.common import iqr  # noqa: E402
+from benchmarks.workload import EXAMPLE_SHAPE  # noqa: E402
 from examples.data import batches  # noqa: E402
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer  # noqa: E402
 from examples.training import train_step  # noqa: E402
@@ -37,10 +39,12 @@ FRACTIONS = (0.0, 0.15, 0.35, 0.6, 1.0)
 
 
 class Run:
-    """One limit: its own copy of the model, optimizer and controller."""
+    """One limit: its own copy of the model (TapeSAC on its decoder layers), optimizer and
+    controller."""
 
     def __init__(self, base: DecoderLM, limit: int | str) -> None:
         self.model = copy.deepcopy(base)
+        tapesac_core.checkpoint_modules(self.model, {DecoderLayer, MoEDecoderLayer})
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.controller = Controller(
             self.model, limit, warmup_steps=2, profile_steps=2, control_steps=2, control_every=5
@@ -74,11 +78,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = ModelConfig(
-        moe=args.moe, dropout=0.1, hidden_size=128, intermediate_size=256, moe_intermediate_size=128
-    )
-    base = DecoderLM(config)
-    tapesac_core.checkpoint_modules(base, {DecoderLayer, MoEDecoderLayer})
+    config = ModelConfig(moe=args.moe, dropout=0.1, **EXAMPLE_SHAPE)
+    base = DecoderLM(config)  # without checkpointing: each run checkpoints its own copy
     data = [next(batches(batch_size=8, max_len=128, min_len=128, seed=s)) for s in range(8)]
 
     probe = Run(base, "4GiB")
@@ -86,9 +87,6 @@ def main() -> None:
         probe.step(data[i % len(data)], None)
     must_only, everything = probe.report.plan.base, probe.report.plan.saved_bytes
     plain = copy.deepcopy(base)
-    for m in plain.modules():
-        if hasattr(m, "_tapesac"):
-            m.forward = m._tapesac_forward
     plain_flops = train_step(plain, torch.optim.AdamW(plain.parameters()), data[0], None, True)[1]
 
     del probe, plain
@@ -139,12 +137,6 @@ def main() -> None:
     out.write_text(
         json.dumps({"must_only": must_only, "everything": everything, "rows": rows}, indent=1)
     )
-
-
-def iqr(xs: list[float]) -> float:
-    """Interquartile range (the whole range below four samples)."""
-    q = statistics.quantiles(xs, n=4) if len(xs) >= 4 else [min(xs), 0, max(xs)]
-    return q[2] - q[0]
 
 
 if __name__ == "__main__":

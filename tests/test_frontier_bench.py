@@ -1,6 +1,7 @@
 """The frontier benchmark end to end on a tiny model: every method gives a measured row, the
 JSON parses, the plots and the markdown section are written; a torch.compile failure is a row."""
 
+import ast
 import json
 import os
 import subprocess
@@ -272,3 +273,102 @@ def test_gpu_check_script_passes_on_cpu_at_tiny_size(tmp_path: Path) -> None:
         and len(set(readiness["3_fragmentation_estimates"])) <= 2
     )
     assert (tmp_path / "check" / "frontier" / "frontier_dense_tiny.json").is_file()
+
+
+# ---------------------------------------------------------------------- the public API only
+
+OWN = {"self", "cls"}  # an object's own privates
+# Other libraries' privates read on purpose, (file, name): each a workaround with no public way.
+FOREIGN_PRIVATES = {
+    ("tapesac_lightning/accelerate.py", "_shared_state"): "Accelerate's PartialState state, which "
+    "later AcceleratorState() calls copy over theirs: FSDP on CPU must be set there too",
+    ("tapesac_lightning/callback.py", "_batches_that_stepped"): "Lightning's count of optimizer "
+    "steps that self.log uses (global_step is one ahead after an optimizer step)",
+    ("tapesac_lightning/cli.py", "_SubParsersAction"): "argparse's subcommands type (annotation)",
+    ("tapesac_lightning/cli.py", "_choices_actions"): "argparse's --help list of subcommands: "
+    "Accelerate adds launch without help=, so it is missing from the list",
+    ("tapesac_lightning/cli.py", "_ChoicesPseudoAction"): "that list's entry type",
+}
+# Our own privates still read until tapesac_core offers a public way; then the entry goes.
+WAITING_FOR_PUBLIC_API = {
+    (path, "_tapesac"): "is this module a TapeSAC block (needs tapesac_core.is_checkpointed)"
+    for path in (
+        "tapesac_lightning/strategy.py",
+        "tapesac_lightning/accelerate.py",
+        "examples/train_accelerate.py",
+    )
+}
+ATTRIBUTE_BUILTINS = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_or_torch(node: ast.expr) -> bool:
+    """``self``/``cls``, or a path from the ``torch`` module (torch's privates are torch's)."""
+    if isinstance(node, ast.Name) and node.id in OWN:
+        return True
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id == "torch"
+
+
+def private_accesses(source: str) -> list[tuple[int, str]]:
+    """(line, name) of each private name the code reaches on another object: ``x._name``,
+    ``getattr(x, "_name")`` (and hasattr, setattr, delattr), ``from tapesac_... import _name``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            if _private(node.attr) and not _own_or_torch(node.value):
+                found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ATTRIBUTE_BUILTINS:
+            name = node.args[1] if len(node.args) > 1 else None
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                if _private(name.value) and not _own_or_torch(node.args[0]):
+                    found.append((node.lineno, name.value))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tapesac_"):
+            parts = node.module.split(".")[1:] + [a.name for a in node.names]
+            found += [(node.lineno, p) for p in parts if _private(p)]
+    return sorted(found)
+
+
+def test_the_private_access_check_flags_our_privates_and_passes_own_and_torch_ones() -> None:
+    # As benchmarks/sweep.py did, and as a harness calling the Controller's internals would.
+    code = (
+        "for m in plain.modules():\n"
+        "    if hasattr(m, '_tapesac'):\n"
+        "        m.forward = m._tapesac_forward\n"
+        "controller._forget_plans()\n"
+        "from tapesac_core.checkpoint import _wrap, checkpoint_modules\n"
+        "from tapesac_core._internal import x\n"
+    )
+    assert private_accesses(code) == [
+        (2, "_tapesac"),
+        (3, "_tapesac_forward"),
+        (4, "_forget_plans"),
+        (5, "_wrap"),
+        (6, "_internal"),
+    ]
+    fine = (
+        "self._driver = cls._make(x.__class__)\n"
+        "torch._functorch.config.patch(activation_memory_budget=0.5)\n"
+        "getattr(module, '__version__', None)\n"
+        "from .logging import Publisher\n"
+    )
+    assert private_accesses(fine) == []
+
+
+def test_benchmarks_examples_and_integrations_use_only_public_tapesac_names() -> None:
+    allowed = FOREIGN_PRIVATES.keys() | WAITING_FOR_PUBLIC_API.keys()
+    seen, found = set(), []
+    for folder in ("benchmarks", "examples", "tapesac_lightning"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for line, name in private_accesses(path.read_text()):
+                if (rel, name) in allowed:
+                    seen.add((rel, name))
+                else:
+                    found.append(f"{rel}:{line} {name}")
+    assert not found, "private names reached on other objects:\n" + "\n".join(found)
+    assert seen == allowed, f"allow-list entries no longer needed: {sorted(allowed - seen)}"
