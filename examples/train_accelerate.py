@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from examples.data import batches
 from examples.models import DecoderLM, ModelConfig
 from examples.train_lightning import step_record, summary
+from tapesac_core import block_config
 from tapesac_lightning import TapeSACAccelerator
 from tapesac_lightning.accelerate import use_fsdp_on_cpu
 
@@ -132,12 +133,12 @@ def describe(
         "is_main": accelerator.is_main_process,
         "is_fsdp2": accelerator.is_fsdp2,
         "dtensor_params": all(isinstance(p, DTensor) for p in model.parameters()),
-        "tapesac_blocks": sum(hasattr(m, "_tapesac") for m in model.modules()),
+        "tapesac_blocks": sum(block_config(m) is not None for m in model.modules()),
         "tapesac_classes": sorted(
             {
                 type(m).__name__.removeprefix("FSDP")
                 for m in model.modules()
-                if hasattr(m, "_tapesac")
+                if block_config(m) is not None
             }
         ),
         "checkpoint_wrappers": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),

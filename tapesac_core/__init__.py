@@ -16,6 +16,7 @@ _EXPORTS = {
     ".block": ("BlockTrace",),
     ".checkpoint": (
         "BlockConfig",
+        "block_config",
         "checkpoint",
         "checkpoint_module",
         "checkpoint_modules",
@@ -47,6 +48,7 @@ __all__ = [
     "Tape",
     "TapeSACConfig",
     "TapeSACError",
+    "block_config",
     "checkpoint",
     "checkpoint_module",
     "checkpoint_modules",

@@ -392,9 +392,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any, region: str = "default", **kw
     if torch.compiler.is_compiling():
         return _outside_compile(checkpoint, fn, *args, region=region, **kwargs)
     module = _module_of(fn)
-    name = getattr(getattr(module, "_tapesac", None), "path", None) or getattr(
-        fn, "__qualname__", type(fn).__name__
-    )
+    config = block_config(module) if module is not None else None
+    name = (config.path if config else None) or getattr(fn, "__qualname__", type(fn).__name__)
     return _run_block(fn, args, kwargs, region, module, name)
 
 
@@ -410,6 +409,11 @@ def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> A
     )
 
 
+def block_config(module: torch.nn.Module) -> BlockConfig | None:
+    """How ``module`` is checkpointed (its region type and path), or None: not a TapeSAC block."""
+    return getattr(module, "_tapesac", None)
+
+
 def checkpoint_module(module: M, region: str | None = None) -> M:
     """Make every forward call of ``module`` a checkpointed block; patches forward in place.
 
@@ -421,7 +425,7 @@ def checkpoint_module(module: M, region: str | None = None) -> M:
 def _wrap(module: M, region: str | None, path: str | None) -> M:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"checkpoint_module takes an nn.Module, got {type(module).__name__}")
-    if hasattr(module, "_tapesac"):
+    if block_config(module) is not None:
         raise TapeSACError(f"{type(module).__name__} is already checkpointed by TapeSAC")
     name = path or type(module).__name__
     _refuse_wrapping(module, name)
@@ -452,7 +456,7 @@ def _refuse_nesting(module: torch.nn.Module, name: str) -> None:
         (
             f"{name}.{sub_name}"
             for sub_name, sub in module.named_modules()
-            if sub is not module and hasattr(sub, "_tapesac")
+            if sub is not module and block_config(sub) is not None
         ),
         None,
     )

@@ -37,7 +37,7 @@ import torch
 
 from .block import BlockTrace
 from .budget import Correction, MemoryBudget
-from .checkpoint import torch_checkpointing, trace, use_plan
+from .checkpoint import block_config, torch_checkpointing, trace, use_plan
 from .compute_device import compute_device
 from .config import TapeSACConfig
 from .errors import TapeSACError
@@ -82,7 +82,12 @@ class Controller:
             config = TapeSACConfig(memory_limit=memory_limit, **settings)
         roots = [model] if isinstance(model, torch.nn.Module) else list(model)
         self.regions = sorted(
-            {m._tapesac.region for root in roots for m in root.modules() if hasattr(m, "_tapesac")}
+            {
+                c.region
+                for root in roots
+                for m in root.modules()
+                if (c := block_config(m)) is not None
+            }
         )
         if not self.regions:
             raise TapeSACError(

@@ -24,7 +24,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
 from typing_extensions import override
 
-from tapesac_core import Controller, TapeSACConfig, TapeSACError
+from tapesac_core import Controller, TapeSACConfig, TapeSACError, block_config
 from tapesac_core.checkpoint import (
     Regions,
     checkpoint_modules,
@@ -225,7 +225,7 @@ class TapeSACAccelerator(Accelerator):
 
     def _checkpoint_blocks(self, model: torch.nn.Module) -> None:
         """TapeSAC on the configured block classes, before FSDP2 shards them."""
-        if any(hasattr(m, "_tapesac") for m in model.modules()):
+        if any(block_config(m) for m in model.modules()):
             return
         plugin = self.tapesac_plugin
         names, key = plugin.checkpoint_modules, "tapesac_checkpoint_modules"

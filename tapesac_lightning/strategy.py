@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies import model_parallel as _model_parallel
 from typing_extensions import override
 
-from tapesac_core import Controller, TapeSACConfig, TapeSACError
+from tapesac_core import Controller, TapeSACConfig, TapeSACError, block_config
 from tapesac_core.checkpoint import (
     Policy,
     Regions,
@@ -132,7 +132,7 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
         """TapeSAC on the selected blocks, then FSDP2 around them (checkpointing inside sharding)."""
         from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
-        if not any(hasattr(m, "_tapesac") for m in module.modules()):
+        if not any(block_config(m) for m in module.modules()):
             try:
                 checkpoint_modules(module, self._policy or repeated_blocks(module), self._regions)
             except TapeSACError as e:
@@ -143,7 +143,7 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return  # sharded in configure_model: TapeSAC only
         mesh = self.device_mesh["data_parallel"]
-        shard = self._shard or (lambda m: hasattr(m, "_tapesac"))
+        shard = self._shard or (lambda m: block_config(m) is not None)
         for _, sub in reversed(list(module.named_modules())):
             if sub is not module and shard(sub):
                 fully_shard(sub, mesh=mesh, **self._fsdp_options)

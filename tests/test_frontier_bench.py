@@ -284,19 +284,6 @@ FOREIGN_PRIVATES = {
     "later AcceleratorState() calls copy over theirs: FSDP on CPU must be set there too",
     ("tapesac_lightning/callback.py", "_batches_that_stepped"): "Lightning's count of optimizer "
     "steps that self.log uses (global_step is one ahead after an optimizer step)",
-    ("tapesac_lightning/cli.py", "_SubParsersAction"): "argparse's subcommands type (annotation)",
-    ("tapesac_lightning/cli.py", "_choices_actions"): "argparse's --help list of subcommands: "
-    "Accelerate adds launch without help=, so it is missing from the list",
-    ("tapesac_lightning/cli.py", "_ChoicesPseudoAction"): "that list's entry type",
-}
-# Our own privates still read until tapesac_core offers a public way; then the entry goes.
-WAITING_FOR_PUBLIC_API = {
-    (path, "_tapesac"): "is this module a TapeSAC block (needs tapesac_core.is_checkpointed)"
-    for path in (
-        "tapesac_lightning/strategy.py",
-        "tapesac_lightning/accelerate.py",
-        "examples/train_accelerate.py",
-    )
 }
 ATTRIBUTE_BUILTINS = {"getattr", "hasattr", "setattr", "delattr"}
 
@@ -360,7 +347,7 @@ def test_the_private_access_check_flags_our_privates_and_passes_own_and_torch_on
 
 
 def test_benchmarks_examples_and_integrations_use_only_public_tapesac_names() -> None:
-    allowed = FOREIGN_PRIVATES.keys() | WAITING_FOR_PUBLIC_API.keys()
+    allowed = FOREIGN_PRIVATES.keys()
     seen, found = set(), []
     for folder in ("benchmarks", "examples", "tapesac_lightning"):
         for path in sorted((ROOT / folder).rglob("*.py")):
