@@ -15,7 +15,7 @@ from .recorder import is_subclass_with_dispatch
 from .replay import Replay
 from .tape import BUFFER, OP, PARAM, Node, Packed, Tape, Value, producer_closure
 from .timing import NodeTimer
-from .verify import invisible_writes
+from .verify import HiddenWrites
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,10 @@ class Block:
         module: torch.nn.Module | None,
         plan: BlockPlan,
         recording: Callable[[], Any],
+        hidden_writes: HiddenWrites,
     ) -> None:
         self.name, self.region, self.module = name, region, module
+        self.hidden_writes = hidden_writes
         (
             self.plan_coords,
             self.plan_sequence,
@@ -102,7 +104,7 @@ class Block:
         self.device_types: set[str] = set()
         self.verify = False  # fingerprint packed values; replay compares (see verify.py)
         self.fingerprints: dict[int, torch.Tensor] = {}
-        self.forced = invisible_writes(region)  # coordinates held as mandatory: hidden writes
+        self.forced = hidden_writes.of(region)  # coordinates held as mandatory: hidden writes
         self.probe: Any = None  # a timeline.BlockProbe on metered sample steps
         self.trace = BlockTrace(
             Tape(

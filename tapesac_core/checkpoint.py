@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -43,6 +43,7 @@ from .plan.coords import Anchor, Coord
 from .plan.plan import Plan
 from .recorder import Recorder
 from .tape import Tape
+from .verify import HiddenWrites
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=torch.nn.Module)
@@ -58,10 +59,13 @@ _TORCH_CHECKPOINT: ContextVar[list[str] | None] = ContextVar(
 
 @dataclass(frozen=True, kw_only=True)
 class BlockConfig:
-    """How a module is checkpointed: its region type and, once known, its path in the model."""
+    """How a module is checkpointed: its region type, once known its path in the model, and the
+    hidden writes verifying steps found in its model's blocks (shared by the blocks of one
+    ``checkpoint_modules`` call)."""
 
     region: str
     path: str | None = None
+    hidden_writes: HiddenWrites = field(default_factory=HiddenWrites, compare=False, repr=False)
 
 
 # ---------------------------------------------------------------------- plans
@@ -330,8 +334,14 @@ def _run_block(
     scope = _TRACE.get()
     if scope is not None:
         scope.check_micro_batch(name)
+    config = block_config(module) if module is not None else None
     block = Block(
-        name, region, module, plan.block_plan(region) if plan else BlockPlan(), _RECORDING.get
+        name,
+        region,
+        module,
+        plan.block_plan(region) if plan else BlockPlan(),
+        _RECORDING.get,
+        config.hidden_writes if config is not None else HiddenWrites(),
     )
     if scope is not None:
         scope.blocks.append(block.trace)
@@ -419,10 +429,10 @@ def checkpoint_module(module: M, region: str | None = None) -> M:
 
     Raises ``TapeSACError`` if ``module`` is already checkpointed, lies inside a checkpointed
     module, or contains one (a block inside a block fails at its first forward anyway)."""
-    return _wrap(module, region, None)
+    return _wrap(module, region, None, HiddenWrites())
 
 
-def _wrap(module: M, region: str | None, path: str | None) -> M:
+def _wrap(module: M, region: str | None, path: str | None, hidden_writes: HiddenWrites) -> M:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"checkpoint_module takes an nn.Module, got {type(module).__name__}")
     if block_config(module) is not None:
@@ -431,7 +441,9 @@ def _wrap(module: M, region: str | None, path: str | None) -> M:
     _refuse_wrapping(module, name)
     # Bound methods deep-copy with their module, so a copied model checkpoints its own blocks.
     module._tapesac_forward = module.forward
-    module._tapesac = BlockConfig(region=region or type(module).__name__, path=path)
+    module._tapesac = BlockConfig(
+        region=region or type(module).__name__, path=path, hidden_writes=hidden_writes
+    )
     module.forward = types.MethodType(_checkpointed_forward, module)
     _track_submodules(module, name)
     return module
@@ -561,8 +573,9 @@ def checkpoint_modules(
             _refuse_wrapping(module, path or type(module).__name__)  # before any is wrapped
             paths.append(path)
             chosen.append(module)
+    hidden_writes = HiddenWrites()  # one model's findings
     for path, module in zip(paths, chosen):
-        _wrap(module, region_of(module), path)
+        _wrap(module, region_of(module), path, hidden_writes)
     if not paths:
         found = repeated_block_classes(model)
         example = "{" + ", ".join(found) + "}" if found else "the class of its transformer block"

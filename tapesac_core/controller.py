@@ -81,14 +81,10 @@ class Controller:
                 raise TypeError("Controller needs memory_limit (e.g. 0.9 or '20GiB') or a config")
             config = TapeSACConfig(memory_limit=memory_limit, **settings)
         roots = [model] if isinstance(model, torch.nn.Module) else list(model)
-        self.regions = sorted(
-            {
-                c.region
-                for root in roots
-                for m in root.modules()
-                if (c := block_config(m)) is not None
-            }
-        )
+        blocks = [c for root in roots for m in root.modules() if (c := block_config(m)) is not None]
+        self.regions = sorted({c.region for c in blocks})
+        # The hidden writes its blocks' verifying steps found (one table per checkpoint_modules).
+        self._hidden_writes = list({id(c.hidden_writes): c.hidden_writes for c in blocks}.values())
         if not self.regions:
             raise TapeSACError(
                 "the controller found no checkpointed module. Fix: call "
@@ -442,7 +438,15 @@ class Controller:
             "plans": {bucket_name(k): p.to_json() for k, p in self.plans.items()},
             **self.memory.state_dict(),
             **self.times.state_dict(),
+            "hidden_writes": self._hidden_writes_state(),
         }
+
+    def _hidden_writes_state(self) -> dict[str, list[list[Any]]]:
+        merged: dict[str, set[tuple]] = {}
+        for table in self._hidden_writes:
+            for region, coords in table.state_dict().items():
+                merged.setdefault(region, set()).update(tuple(c) for c in coords)
+        return {r: [list(c) for c in sorted(coords)] for r, coords in merged.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` saved; plans from another model are refused."""
@@ -471,3 +475,5 @@ class Controller:
             }
         self.memory = MemoryModel.from_state(state)
         self.times.load_state_dict(state, self.buckets.edges)
+        for table in self._hidden_writes:  # absent before version 4
+            table.load_state_dict(state.get("hidden_writes", {}))

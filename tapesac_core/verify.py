@@ -7,7 +7,8 @@ neither timed nor metered, else its first profile step; or ``trace(verify=True)`
 takes a fingerprint of each value autograd saves and the block does not keep, and replay
 compares each value it produces anyway with it. A mismatch is logged as a warning naming the op
 and the submodule, and the op's output joins the mandatory set of its region type from the next
-block on (the verifying step itself has already used the replayed content). Values computed from
+block on (the verifying step itself has already used the replayed content), in the ``HiddenWrites``
+table of the block's model. Values computed from
 ops that are not bitwise reproducible (atomics on CUDA without deterministic algorithms) are not
 compared.
 """
@@ -45,12 +46,29 @@ _ATOMIC_ON_CUDA = frozenset(
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 20  # elements fingerprinted at once: 24 MiB of int64 temporaries at most
 
-_invisible: dict[str, set[Coord]] = {}  # region type -> coordinates whose outputs are mandatory
 
+class HiddenWrites:
+    """What verifying steps found for one model: per region type, the coordinates ``(op, k, j)``
+    whose outputs a hidden write changed, saved (mandatory) from then on. Kept with the model's
+    blocks (one table per ``checkpoint_modules`` call), so two models in one process keep their
+    own, and in the controller's state, so a resumed run saves them without verifying again."""
 
-def invisible_writes(region: str) -> frozenset[Coord]:
-    """Coordinates ``(op, k, j)`` of a region type whose outputs a hidden write changed."""
-    return frozenset(_invisible.get(region, ()))
+    def __init__(self) -> None:
+        self._coords: dict[str, set[Coord]] = {}
+
+    def of(self, region: str) -> frozenset[Coord]:
+        return frozenset(self._coords.get(region, ()))
+
+    def add(self, region: str, coord: Coord) -> None:
+        self._coords.setdefault(region, set()).add(coord)
+
+    def state_dict(self) -> dict[str, list[list[Any]]]:
+        return {r: sorted(list(c) for c in coords) for r, coords in self._coords.items() if coords}
+
+    def load_state_dict(self, state: dict[str, list[list[Any]]]) -> None:
+        for region, coords in state.items():
+            for op, k, j in coords:
+                self.add(region, Coord(op, k, j))
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
@@ -88,7 +106,7 @@ def check_replayed(block: Any, node: Node, vid: int, t: torch.Tensor) -> bool:
     if expected is None or torch.equal(fingerprint(t), expected):
         return True
     coord = block.trace.tape.coord(vid)
-    _invisible.setdefault(block.region, set()).add(coord)
+    block.hidden_writes.add(block.region, coord)
     block.trace.invisible_writes.append(coord)
     logger.warning(
         "block %r (region %r): replaying %s (call %d, output %d) in module %r did not reproduce "

@@ -96,3 +96,50 @@ def test_a_fingerprint_sees_a_changed_or_moved_element_beyond_its_first_chunk() 
     assert torch.equal(fingerprint(t), fingerprint(t.clone()))
     assert not torch.equal(fingerprint(t), fingerprint(changed))
     assert not torch.equal(fingerprint(t), fingerprint(swapped))
+
+
+def _verified(region: str = "hidden_write") -> tuple[Block, torch.Tensor]:
+    """A checkpointed Block whose hidden write a verifying step found."""
+    torch.manual_seed(0)
+    module, x = Block(), torch.randn(4, 8, requires_grad=True)
+    tapesac_core.checkpoint_module(module, region=region)
+    with tapesac_core.trace(verify=True) as verifying:
+        step(module, lambda: module(x).sum())
+    assert verifying[0].invisible_writes == [("aten.sin.default", 0, 0)]
+    return module, x
+
+
+def _mandatory_coords(module: Block, x: torch.Tensor) -> set:
+    with tapesac_core.trace() as blocks:
+        step(module, lambda: module(x).sum())
+    tape = blocks[0].tape
+    return {tape.coord(v) for v, why in tape.mandatory.items() if why == INVISIBLE_WRITE}
+
+
+def test_two_models_in_one_process_keep_their_own_findings() -> None:
+    found, x = _verified()
+    torch.manual_seed(0)
+    other = tapesac_core.checkpoint_module(Block(), region="hidden_write")  # same region name
+    other.inner.forward = lambda x: x.sin() + 1  # no hidden write in this one
+    assert _mandatory_coords(found, x) == {("aten.sin.default", 0, 0)}
+    assert _mandatory_coords(other, x) == set()  # the first model's finding is not its own
+
+
+def test_a_controller_state_keeps_the_findings_for_a_resumed_run() -> None:
+    from test_controller import FakeMeter
+
+    found, x = _verified()
+    controller = tapesac_core.Controller(found, "1GiB", meter=FakeMeter())
+    state = controller.state_dict()
+    assert state["hidden_writes"] == {"hidden_write": [["aten.sin.default", 0, 0]]}
+    torch.manual_seed(0)
+    resumed = Block()
+    ref = step(resumed, lambda: resumed(x).sum())  # without checkpointing
+    tapesac_core.checkpoint_module(resumed, region="hidden_write")
+    restored = tapesac_core.Controller(resumed, "1GiB", meter=FakeMeter(), warmup_steps=0)
+    restored.load_state_dict(state)
+    # Its first step saves the output the hidden write changed: exact without verifying again.
+    with restored.step(tokens=4) as report:
+        got = step(resumed, lambda: resumed(x).sum())
+    assert report.block_traces[0].invisible_writes == []
+    assert_bitwise(ref, got)
