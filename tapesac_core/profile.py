@@ -280,10 +280,28 @@ class MemoryModel:
 
     def timeline(self, tokens: int) -> Timeline | None:
         """The timeline sampled nearest ``tokens`` (None before any): its shape is scaled to
-        the must-only peak at ``tokens`` when solving (``Timeline.scaled``)."""
+        the must-only peak at ``tokens`` when solving (``Timeline.scaled``), the memory that
+        does not grow with tokens (``fixed``) taken as static, unscaled."""
         if not self.timelines:
             return None
-        return self.timelines[min(self.timelines, key=lambda t: (abs(t - tokens), -t))]
+        nearest = self.timelines[min(self.timelines, key=lambda t: (abs(t - tokens), -t))]
+        return dataclasses.replace(nearest, static=nearest.static + self.fixed)
+
+    @property
+    def fixed(self) -> int:
+        """The must-only peak's part above the static memory that does not grow with tokens
+        (under FSDP2 the gathered parameters, weight casts): the intercept of a line fitted
+        through the samples, once they span token counts 20% apart; 0 before."""
+        s = self.samples
+        if len(s) < 2 or s[-1].tokens < 1.2 * s[0].tokens:
+            return 0
+        xs = [x.tokens for x in s]
+        ys = [x.peak - x.static for x in s]
+        mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum(
+            (x - mean_x) ** 2 for x in xs
+        )
+        return int(min(max(0.0, mean_y - slope * mean_x), min(ys)))
 
     def add(self, sample: MemorySample) -> None:
         """A metered must-only step, kept at the reference static (see the class)."""

@@ -194,3 +194,41 @@ def test_without_a_process_group_every_rank_agrees_with_itself() -> None:
     assert ranks.largest([3, 1]) == [3, 1] and ranks.smallest(-4) == -4
     plan = SimpleNamespace(name="solved")
     assert ranks.plan_of_rank_0(lambda: plan, "model") is plan
+
+
+# ---------------------------------------------------------------------- MemoryModel
+
+
+def test_memory_that_does_not_grow_with_tokens_stays_unscaled() -> None:
+    from tapesac_core.plan.peak import Segment, Timeline
+    from tapesac_core.plan.plan import Plan
+
+    memory = MemoryModel()
+    # Must-only peak = 10 MiB static + 6 MiB gathered parameters + 1 KiB per token.
+    memory.add(MemorySample(tokens=2000, peak=16 * MiB + 2000 * 1024, static=10 * MiB))
+    memory.add(MemorySample(tokens=2100, peak=16 * MiB + 2100 * 1024, static=10 * MiB))
+    assert memory.fixed == 0  # one sample, or counts closer than 20%: not told apart
+    memory.add(MemorySample(tokens=4000, peak=16 * MiB + 4000 * 1024, static=10 * MiB))
+    assert abs(memory.fixed - 6 * MiB) <= 1
+    memory.add_timeline(
+        Timeline(
+            tokens=2000,
+            static=10 * MiB,
+            segments=(Segment(peak=16 * MiB + 2000 * 1024, first=1, last=0),),
+            blocks=(),
+        )
+    )
+    assert memory.timeline(2000).static == 16 * MiB  # the fixed part is not scaled
+    plan = Plan(
+        model="m",
+        regions={},
+        capacity=0,
+        base=memory.base(4000),
+        saved_bytes=0,
+        predicted_speedup=1.0,
+        predicted_speedup_vs_full=1.0,
+        predicted_peak=memory.base(4000) + 1000 * 1024,  # saves 1 KiB per 4 tokens
+        static=memory.timeline(4000).static,
+    )
+    # At half the tokens only what grows with them halves: 16 MiB + 2000 KiB + 500 KiB.
+    assert plan.peak_at_tokens(memory.base(2000)) == 16 * MiB + 2500 * 1024
