@@ -173,8 +173,10 @@ class Replay:
             # on accelerators it is launch time until the GPU-readiness work gives it events.
             start = time.perf_counter()
             nodes = self.nodes
+            # With nothing replayed or taken alive yet, availability is a set lookup (no frame).
+            available = self._available if env else self.kept.__contains__
             with replay_mode(self.device_types):
-                for index in sorted(producer_closure(nodes, self.values, [vid], self._available)):
+                for index in sorted(producer_closure(nodes, self.values, [vid], available)):
                     self._run(nodes[index])
             self.trace.replay_seconds += time.perf_counter() - start
         t = env[vid]
