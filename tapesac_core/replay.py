@@ -20,6 +20,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 
 from .errors import TapeSACError
 from .ops import rebuild_output
@@ -271,11 +272,13 @@ class Replay:
                 for a in node.args
             ]
         kwargs = _fill(node.kwargs, tensors) if node.kwargs else node.kwargs
+        op = node.op
+        call = op._op if type(op) is OpOverload else op  # OpOverload.__call__ only forwards
         if node.rng is None:
-            out = node.op(*args, **kwargs)
+            out = call(*args, **kwargs)
         else:
             with restored_rng(node.rng):
-                out = node.op(*args, **kwargs)
+                out = call(*args, **kwargs)
         if type(out) is torch.Tensor and not node.extra:
             return [out]
         return flat_tensors(out) + [tensors[slot] for slot in node.extra]
