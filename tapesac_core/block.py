@@ -12,7 +12,7 @@ import torch
 from .errors import TapeSACError
 from .plan.coords import Anchor, Coord
 from .recorder import is_subclass_with_dispatch
-from .replay import Replay
+from .replay import Replay, read_counts
 from .tape import BUFFER, OP, PARAM, Node, Packed, Tape, Value, producer_closure
 from .timing import NodeTimer
 from .verify import HiddenWrites
@@ -92,6 +92,7 @@ class Block:
         self.planned: set[int] = set()
         self.planned_seen: set[tuple] = set()
         self.held: dict[int, torch.Tensor] = {}
+        self.kept: frozenset[int] = frozenset()  # held, or fetched by name: set in finish
         self.refs: dict[int, Any] = {}
         self.pack_count: dict[int, int] = {}  # packs per value: its keys are the demand set P
         self.current_module: str | None = None
@@ -100,6 +101,9 @@ class Block:
         self.recording = True
         self._active_recording = recording
         self._replay: tuple[int, Replay] | None = None
+        # Some node writes in place: only then must replay guard what it must not write into.
+        self.writes_in_place = False
+        self.reads: dict[int, int] = {}  # reads per value in one backward, if none is taken alive
         self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
         self.device_types: set[str] = set()
         self.verify = False  # fingerprint packed values; replay compares (see verify.py)
@@ -137,7 +141,7 @@ class Block:
 
     def is_kept(self, vid: int) -> bool:
         """Available without replay: held by the block, or a parameter/buffer fetched by name."""
-        return vid in self.held or self.values[vid].kind in (PARAM, BUFFER)
+        return vid in self.kept
 
     def kept_tensor(self, vid: int) -> torch.Tensor:
         t = self.held.get(vid)
@@ -182,9 +186,16 @@ class Block:
         if self.plan_budget is not None and tape.saved_bytes(self.planned) > self.plan_budget:
             self.planned = self._within_budget(tape, self.plan_budget)
         tape.planned = frozenset(self.planned)
-        needed = tape.needed_sources(self.planned)
+        # One closure walk serves what the block keeps and what its replays will read: the
+        # values read are the deps of the closure and the demand (tape.needed_sources).
+        available = tape.always_available | tape.planned
+        closure = tape.closure(tape.demand - available, available)
+        self.reads = read_counts(self, closure, available.__contains__)
+        needed = {v for v in available if v in tape.demand or v in self.reads}
         for vid in [v for v in self.held if v not in needed]:
             del self.held[vid]
+        fetched = {v for v in available if self.values[v].kind in (PARAM, BUFFER)}
+        self.kept = frozenset(self.held) | fetched
         missing = self.plan_coords - self.planned_seen
         if missing and not self.trace.sequence_changed:
             logger.warning(
@@ -262,8 +273,11 @@ class Block:
         return self._take(vid, packed, gid)
 
     def _take(self, vid: int, packed: Packed, gid: int) -> torch.Tensor:
+        t = self.held.get(vid)
+        if t is not None:
+            return t
         if self.is_kept(vid):
-            return self.kept_tensor(vid)
+            return self._fetch(self.values[vid])
         return self._replay_for(gid).take(vid, packed)
 
     def _replay_for(self, gid: int) -> Replay:

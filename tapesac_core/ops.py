@@ -59,6 +59,7 @@ class OpInfo:
     holds_outputs: bool  # outputs may be mandatory (collectives, data-dependent shapes)
     plain: bool  # none of the above: fresh outputs, nothing to capture or refuse
     simple_view: bool  # a view op, otherwise plain: its output shares its first input's storage
+    call: Any  # what calling the op runs: OpOverload.__call__ only forwards to it, a Python frame
 
 
 def _is_generator(t: Any) -> bool:
@@ -126,6 +127,7 @@ def op_info(op: Any) -> OpInfo:
         holds_outputs=namespace in COLLECTIVE_NAMESPACES or torch.Tag.dynamic_output_shape in tags,
         plain=not (special or view or packet in _UNANNOTATED_VIEWS),
         simple_view=view and not special,
+        call=op._op if type(op) is torch._ops.OpOverload else op,
     )
 
 

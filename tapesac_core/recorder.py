@@ -110,6 +110,9 @@ def is_subclass_with_dispatch(t: Tensor) -> bool:
 
 _new_tuple = tuple.__new__
 _SLOTS = tuple(Slot(i) for i in range(64))  # immutable: slots are shared by every node
+# The arguments of a call whose arguments are exactly its tensor inputs, in order: one shared
+# tuple per count, so replay recognises them by identity and passes its tensors as they are.
+SLOT_ARGS = tuple(_SLOTS[:n] for n in range(len(_SLOTS) + 1))
 
 
 def _meta(t: Tensor) -> Meta:
@@ -129,7 +132,8 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.block = block
         self.values: list[Value] = block.values
-        self.by_id: dict[int, tuple[weakref.ref, int]] = {}
+        # id(tensor) -> (weakref, vid, the value's version): what each op checks its inputs by.
+        self.by_id: dict[int, tuple[weakref.ref, int, int]] = {}
         self.ptrs: list[int] = []  # storage data_ptr per value
         self.last_write: dict[int, int] = {}  # sid -> value id of the latest write into it
         self.held_by_sid: dict[int, set[int]] = {}
@@ -161,21 +165,13 @@ class Recorder(TorchDispatchMode):
             sid = len(block.storage_bytes)
             block.storage_bytes.append(storage.nbytes())
         vid = len(self.values)
+        if version is None:
+            version = t._version
         self.values.append(
-            Value(
-                vid,
-                node,
-                j,
-                sid,
-                self.epochs.get(sid, 0),
-                _meta(t),
-                t._version if version is None else version,
-                kind,
-                name,
-            )
+            Value(vid, node, j, sid, self.epochs.get(sid, 0), _meta(t), version, kind, name)
         )
         self.ptrs.append(storage.data_ptr())
-        self.by_id[id(t)] = (weakref.ref(t), vid)
+        self.by_id[id(t)] = (weakref.ref(t), vid, version)
         if kind != OP and kind != EXTERNAL:
             self.leaf_sids.add(sid)
         return vid
@@ -199,7 +195,7 @@ class Recorder(TorchDispatchMode):
             return self.new_value(t, -1, 0, leaf[0], leaf[1])
         alias = self._same_view(t)
         if alias is not None:
-            self.by_id[id(t)] = (weakref.ref(t), alias)
+            self.by_id[id(t)] = (weakref.ref(t), alias, self.values[alias].version)
             return alias
         leaf = self._leaf_view(t)
         if leaf is not None:
@@ -224,7 +220,7 @@ class Recorder(TorchDispatchMode):
         layout = _meta(t)[:4]
         # Only a value whose own tensor is alive proves the storage is the same one: a freed
         # storage's address is reused by new allocations.
-        for ref, vid in sorted(self.by_id.values(), key=lambda e: -e[1]):
+        for ref, vid, _ in sorted(self.by_id.values(), key=lambda e: -e[1]):
             live = ref()
             if live is not None and self.ptrs[vid] == ptr and _meta(live)[:4] == layout:
                 return vid
@@ -325,7 +321,7 @@ class Recorder(TorchDispatchMode):
         """Autograd saves ``t``: record it in the demand set and hand autograd a handle."""
         block = self.block
         entry = self.by_id.get(id(t))
-        if entry is not None and entry[0]() is t and self.values[entry[1]].version == t._version:
+        if entry is not None and entry[0]() is t and entry[2] == t._version:
             vid = entry[1]
         else:
             vid, entry = self.vid_of(t), None
@@ -362,20 +358,23 @@ class Recorder(TorchDispatchMode):
         inputs: list[int] = []
         targs = []
         by_id, values = self.by_id, self.values
+        only_tensors = True
         for a in args:  # _template, unrolled for plain tensor arguments
             if isinstance(a, Tensor):
                 entry = by_id.get(id(a))
-                if entry is not None and entry[0]() is a and values[entry[1]].version == a._version:
+                if entry is not None and entry[0]() is a and entry[2] == a._version:
                     inputs.append(entry[1])
                 else:
                     inputs.append(self.vid_of(a))
                 n = len(inputs) - 1
                 targs.append(_SLOTS[n] if n < 64 else Slot(n))
             else:
+                only_tensors = False
                 targs.append(self._template(a, inputs) if type(a) in (list, tuple) else a)
-        targs = tuple(targs)
+        n = len(targs)
+        targs = SLOT_ARGS[n] if only_tensors and n < len(SLOT_ARGS) else tuple(targs)
         tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
-        out = func(*args, **kwargs)
+        out = info.call(*args, **kwargs)
         block = self.block
         if type(out) is not Tensor or block.plan_coords or block.forced:
             self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
@@ -398,7 +397,7 @@ class Recorder(TorchDispatchMode):
         calls[name] = k + 1
         values.append(_new_tuple(Value, (vid, index, 0, sid, epoch, None, version, OP, None)))
         self.ptrs.append(ptr)
-        self.by_id[key] = (weakref.ref(out), vid)
+        self.by_id[key] = (weakref.ref(out), vid, version)
         nodes.append(
             _new_tuple(
                 Node,
@@ -463,7 +462,7 @@ class Recorder(TorchDispatchMode):
         """
         vid = self.vid_of(args[0])
         out = func(*args, **kwargs)
-        self.by_id[id(out)] = (weakref.ref(out), vid)
+        self.by_id[id(out)] = (weakref.ref(out), vid, self.values[vid].version)
         return out
 
     def _info(self, func: Any) -> OpInfo:
@@ -487,11 +486,7 @@ class Recorder(TorchDispatchMode):
     def _template(self, a: Any, inputs: list[int]) -> Any:
         if isinstance(a, Tensor):
             entry = self.by_id.get(id(a))
-            if (
-                entry is not None
-                and entry[0]() is a
-                and self.values[entry[1]].version == a._version
-            ):
+            if entry is not None and entry[0]() is a and entry[2] == a._version:
                 inputs.append(entry[1])
             else:
                 inputs.append(self.vid_of(a))
@@ -606,6 +601,8 @@ class Recorder(TorchDispatchMode):
             returned = returned + [t for t in mutated if not any(t is r for r in returned)]
         if not returned:
             return -1
+        if writes:
+            block.writes_in_place = True
         for t in returned:
             if is_subclass_with_dispatch(t):
                 raise TapeSACError(
@@ -694,25 +691,13 @@ class Recorder(TorchDispatchMode):
         elif self.epochs:
             epoch = self.epochs.get(sid, 0)
         vid = len(values)
+        if version is None:
+            version = t._version
         # Layouts are kept only where replay needs them (they cost recording time).
-        values.append(
-            _new_tuple(
-                Value,
-                (
-                    vid,
-                    index,
-                    j,
-                    sid,
-                    epoch,
-                    _meta(t) if info.metadata_only else None,
-                    t._version if version is None else version,
-                    OP,
-                    None,
-                ),
-            )
-        )
+        meta = _meta(t) if info.metadata_only else None
+        values.append(_new_tuple(Value, (vid, index, j, sid, epoch, meta, version, OP, None)))
         ptrs.append(ptr)
-        self.by_id[key] = (weakref.ref(t), vid)
+        self.by_id[key] = (weakref.ref(t), vid, version)
         return vid
 
     def _maybe_hold(

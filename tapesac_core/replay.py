@@ -20,10 +20,11 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 
 from .errors import TapeSACError
 from .ops import rebuild_output
-from .recorder import flat_tensors, on_storage, view_on
+from .recorder import SLOT_ARGS, flat_tensors, on_storage, view_on
 from .tape import ALIAS_OP, Meta, Node, Slot, producer_closure
 from .verify import check_replayed, reproducible
 
@@ -112,6 +113,20 @@ def _dropper(refs: dict[int, weakref.ref], ptr: int) -> Any:
     return drop
 
 
+def read_counts(block: Any, closure: set[int], available: Any) -> dict[int, int]:
+    """How often one backward reads each value: the replayed nodes of ``closure`` read their
+    deps, autograd reads each demanded value replay produces once per pack."""
+    reads: dict[int, int] = {}
+    nodes = block.nodes
+    for index in closure:
+        for d in nodes[index].deps:
+            reads[d] = reads.get(d, 0) + 1
+    for vid in block.demand:
+        if not available(vid):
+            reads[vid] = reads.get(vid, 0) + block.pack_count.get(vid, 0)
+    return reads
+
+
 class Replay:
     """The replay state of one block during one backward pass."""
 
@@ -120,21 +135,22 @@ class Replay:
         # every held tensor alive until the garbage collector runs.
         self.block = weakref.proxy(block)
         self.nodes, self.values, self.trace = block.nodes, block.values, block.trace
+        self.timer, self.verify, self.device_types = block.timer, block.verify, block.device_types
+        self.kept = block.kept
         self.env: dict[int, torch.Tensor] = {}
-        self.not_ours = LiveStorages()  # storages replay must not write into
-        self.reads: dict[int, int] = {}
+        # Storages replay must not write into; only a tape with in-place nodes writes at all.
+        self.not_ours = LiveStorages()
+        self.guards_writes = block.writes_in_place
         self.unpacked: set[int] = set()  # ids of the handles already unpacked in this backward
         # Verifying only: values not compared, since they derive from an op whose bits vary or
         # from a value that already mismatched (only the first mismatch names the hidden write).
         self.uncomparable: set[int] = set()
         self._take_alive_values(block)
-        reads = self.reads
-        for index in block.closure(block.demand, self._available):
-            for d in block.nodes[index].deps:
-                reads[d] = reads.get(d, 0) + 1
-        for vid in block.demand:
-            if not block.is_kept(vid):
-                reads[vid] = reads.get(vid, 0) + block.pack_count.get(vid, 0)
+        if self.env:  # values taken alive cut the closure finish counted reads on: count again
+            closure = block.closure(block.demand, self._available)
+            self.reads = read_counts(block, closure, self._available)
+        else:
+            self.reads = dict(block.reads)
 
     def _take_alive_values(self, block: Any) -> None:
         """Demanded values still alive elsewhere (e.g. a block output) are taken, not replayed."""
@@ -142,11 +158,12 @@ class Replay:
             t = ref()
             if t is not None and t._version == block.values[vid].version:
                 self.env[vid] = t
-                self.not_ours.add(t)
+                if self.guards_writes:
+                    self.not_ours.add(t)
                 block.alive_taken.add(vid)
 
     def _available(self, vid: int) -> bool:
-        return vid in self.env or self.block.is_kept(vid)
+        return vid in self.env or vid in self.kept
 
     def take(self, vid: int, handle: Any) -> torch.Tensor:
         """The value autograd unpacks through ``handle``; a handle's first unpack consumes a read."""
@@ -156,14 +173,16 @@ class Replay:
             # planner models replay with are checked against (profile.calibrated). Host time:
             # on accelerators it is launch time until the GPU-readiness work gives it events.
             start = time.perf_counter()
-            with replay_mode(self.block.device_types):
-                for index in sorted(
-                    producer_closure(self.nodes, self.values, [vid], self._available)
-                ):
-                    self._run(self.nodes[index])
+            nodes = self.nodes
+            # With nothing replayed or taken alive yet, availability is a set lookup (no frame).
+            available = self._available if env else self.kept.__contains__
+            with replay_mode(self.device_types):
+                for index in sorted(producer_closure(nodes, self.values, [vid], available)):
+                    self._run(nodes[index])
             self.trace.replay_seconds += time.perf_counter() - start
         t = env[vid]
-        self.not_ours.add(t)
+        if self.guards_writes:
+            self.not_ours.add(t)
         if id(handle) not in self.unpacked:  # ctx.saved_tensors may unpack one handle twice
             self.unpacked.add(id(handle))
             self._release(vid)
@@ -179,11 +198,12 @@ class Replay:
         t = self.env.get(vid)
         if t is None:
             t = self.block.kept_tensor(vid)
-            self.not_ours.add(t)
+            if self.guards_writes:
+                self.not_ours.add(t)
         return t
 
     def _run(self, node: Node) -> None:
-        timer = self.block.timer
+        timer = self.timer
         start = timer.start() if timer is not None else None
         try:
             outs = self._execute(node)
@@ -196,7 +216,7 @@ class Replay:
         if timer is not None:
             self.trace.node_times.setdefault(node.index, []).append(timer.stop(start))
         self.trace.replayed.append(node.index)
-        if self.block.verify:
+        if self.verify:
             self._verify(node, outs)
         reads, env = self.reads, self.env
         for vid, t in zip(node.outs, outs):
@@ -234,11 +254,16 @@ class Replay:
                     )
                 ]
         env = self.env
-        tensors = [env[v] if v in env else self._input(v) for v in node.inputs]
+        tensors = []
+        for v in node.inputs:  # a loop, not a comprehension: cheaper for an op's few inputs
+            t = env.get(v)
+            tensors.append(t if t is not None else self._input(v))
         for slot in node.writes:
             self._prepare_write(node, slot, tensors)
-        args = tuple(
-            [
+        if len(tensors) < len(SLOT_ARGS) and node.args is SLOT_ARGS[len(tensors)]:
+            args = tensors  # the arguments are the inputs, in order
+        else:
+            args = [
                 tensors[a.i]
                 if type(a) is Slot
                 else _fill(a, tensors)
@@ -246,13 +271,14 @@ class Replay:
                 else a
                 for a in node.args
             ]
-        )
         kwargs = _fill(node.kwargs, tensors) if node.kwargs else node.kwargs
+        op = node.op
+        call = op._op if type(op) is OpOverload else op  # OpOverload.__call__ only forwards
         if node.rng is None:
-            out = node.op(*args, **kwargs)
+            out = call(*args, **kwargs)
         else:
             with restored_rng(node.rng):
-                out = node.op(*args, **kwargs)
+                out = call(*args, **kwargs)
         if type(out) is torch.Tensor and not node.extra:
             return [out]
         return flat_tensors(out) + [tensors[slot] for slot in node.extra]

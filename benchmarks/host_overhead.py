@@ -1,0 +1,199 @@
+"""Per-op host cost of checkpointing a block of tiny elementwise ops, in one process.
+
+A block of 200 elementwise ops on 16 elements (kernels take well under a microsecond, so what is
+measured is the host: Python, the dispatcher and autograd), one thread, under:
+
+* ``eager``        no checkpointing (the reference every excess is taken against)
+* ``noop_mode``    a TorchDispatchMode whose ``__torch_dispatch__`` only calls the op, around the
+                   forward (what any Python dispatch mode costs; no recompute)
+* ``noop_bare``    the same without the ``torch._disable_dynamo`` wrapper torch puts around
+                   ``__torch_dispatch__`` (TapeSAC's Recorder opts out of it too): the floor of a
+                   dispatcher-level recorder
+* ``torch_ckpt``   ``torch.utils.checkpoint(use_reentrant=False)`` (full checkpointing)
+* ``torch_sac``    torch's SAC: ``create_selective_checkpoint_contexts`` with a policy that saves
+                   nothing (PREFER_RECOMPUTE for every op)
+* ``tapesac``      ``tapesac_core.checkpoint_module``, no plan (must-only: saves S0 only)
+
+Each round runs ``--reps`` training steps (forward, ``sum``, backward) of every configuration, in
+an order rotated per round; a round's value is the median over its steps. Reported per
+configuration: µs per op over eager (the same round's eager steps), forward only and whole step,
+median and IQR over the rounds; then TapeSAC's forward excess over the no-op mode's and its
+step excess over torch checkpoint's (ratios of the medians), and, for reference, its forward
+excess over the bare no-op mode's.
+
+Run: python benchmarks/host_overhead.py [--rounds 35] [--reps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tapesac_core  # noqa: E402
+
+OPS = 200
+SIZE = 16
+
+
+class TinyOps(torch.nn.Module):
+    """``OPS`` elementwise ops (sin, mul by a parameter, add, tanh): each saves something for
+    backward but ``add``, so backward unpacks (and a checkpoint recomputes) the whole chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((SIZE,), 0.9))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(OPS // 4):
+            x = (x.sin() * self.w + 1.0).tanh()
+        return x
+
+
+class NoOpMode(TorchDispatchMode):
+    """Only calls the op: what any Python dispatch mode costs."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class BareNoOpMode(NoOpMode):
+    """The same, without the wrapper that keeps Dynamo out of ``__torch_dispatch__``."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    # Defined again: the inherited one is already wrapped (torch wraps it per class).
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def _save_nothing(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def configurations() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Each configuration's forward of the same block (one copy per configuration)."""
+    torch.manual_seed(0)
+    block = TinyOps()
+
+    def under(mode: type[TorchDispatchMode]) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            with mode():
+                return block(x)
+
+        return forward
+
+    sac_context = partial(create_selective_checkpoint_contexts, _save_nothing)
+    return {
+        "eager": block,
+        "noop_mode": under(NoOpMode),
+        "noop_bare": under(BareNoOpMode),
+        "torch_ckpt": lambda x: checkpoint(block, x, use_reentrant=False),
+        "torch_sac": lambda x: checkpoint(block, x, use_reentrant=False, context_fn=sac_context),
+        "tapesac": tapesac_core.checkpoint_module(copy.deepcopy(block)),
+    }
+
+
+def timed_step(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tuple:
+    """CPU seconds of the forward and of the whole step (forward, loss, backward).
+
+    The calling thread's CPU time, not wall time: on a shared machine wall time also counts the
+    time other processes held the core. With one thread, CPU autograd runs on this thread too.
+    """
+    start = time.thread_time()
+    out = forward(x)
+    mid = time.thread_time()
+    out.sum().backward()
+    end = time.thread_time()
+    x.grad = None
+    return mid - start, end - start
+
+
+def measure(rounds: int, reps: int, warmup: int = 2) -> dict[str, dict[str, list[float]]]:
+    """Per configuration and phase, each round's excess over eager in µs per op."""
+    configs = configurations()
+    names = list(configs)
+    x = torch.randn(SIZE, requires_grad=True)
+    excess: dict[str, dict[str, list[float]]] = {
+        name: {"forward": [], "step": []} for name in names
+    }
+    for r in range(warmup + rounds):
+        medians: dict[str, tuple[float, float]] = {}
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times = [timed_step(configs[name], x) for _ in range(reps)]
+            medians[name] = (
+                statistics.median(t[0] for t in times),
+                statistics.median(t[1] for t in times),
+            )
+        if r < warmup:
+            continue
+        for name in names:
+            for i, phase in enumerate(("forward", "step")):
+                over = medians[name][i] - medians["eager"][i]
+                excess[name][phase].append(1e6 * over / OPS)
+    return excess
+
+
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return q[0], q[2]
+
+
+def report(excess: dict[str, dict[str, list[float]]]) -> str:
+    """The table of excesses and the two ratios."""
+    lines = [
+        f"{'config':<12} {'forward µs/op':>14} {'IQR':>14} {'step µs/op':>12} {'IQR':>14}",
+    ]
+    median = {n: {p: statistics.median(xs) for p, xs in e.items()} for n, e in excess.items()}
+    for name, phases in excess.items():
+        row = f"{name:<12}"
+        for phase, width in (("forward", 14), ("step", 12)):
+            lo, hi = quartiles(phases[phase])
+            row += f" {median[name][phase]:>{width}.2f} {f'[{lo:.2f}, {hi:.2f}]':>14}"
+        lines.append(row)
+    forward_ratio = median["tapesac"]["forward"] / median["noop_mode"]["forward"]
+    step_ratio = median["tapesac"]["step"] / median["torch_ckpt"]["step"]
+    lines.append(f"ratio forward tapesac/noop_mode: {forward_ratio:.2f}")
+    lines.append(f"ratio step tapesac/torch_ckpt: {step_ratio:.2f}")
+    bare_ratio = median["tapesac"]["forward"] / median["noop_bare"]["forward"]
+    lines.append(f"(for reference) ratio forward tapesac/noop_bare: {bare_ratio:.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=35, help="measured interleaved rounds")
+    parser.add_argument("--reps", type=int, default=10, help="steps per configuration per round")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(
+        f"host overhead: {OPS} elementwise ops on {SIZE} elements, torch {torch.__version__}, "
+        f"1 thread, {args.rounds} rounds x {args.reps} steps; µs per op over eager, "
+        "median [IQR] over rounds"
+    )
+    print(report(measure(args.rounds, args.reps)))
+
+
+if __name__ == "__main__":
+    main()

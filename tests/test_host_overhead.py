@@ -1,0 +1,31 @@
+"""benchmarks/host_overhead.py runs as a script and prints every configuration and both ratios
+(times and ratio targets are not asserted: they depend on the machine)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ("eager", "noop_mode", "noop_bare", "torch_ckpt", "torch_sac", "tapesac")
+
+
+def test_host_overhead_prints_every_configuration_and_both_ratios() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "benchmarks/host_overhead.py", "--rounds", "2", "--reps", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    rows = {line.split()[0]: line.split()[1:] for line in run.stdout.splitlines() if line}
+    number = r"-?\d+\.\d+"
+    for name in CONFIGS:
+        forward, step = rows[name][0], rows[name][3]  # each followed by its IQR "[lo, hi]"
+        assert re.fullmatch(number, forward) and re.fullmatch(number, step), rows[name]
+    assert re.search(rf"ratio forward tapesac/noop_mode: {number}", run.stdout)
+    assert re.search(rf"ratio step tapesac/torch_ckpt: {number}", run.stdout)
