@@ -189,7 +189,9 @@ class Block:
         # One closure walk serves what the block keeps and what its replays will read: the
         # values read are the deps of the closure and the demand (tape.needed_sources).
         available = tape.always_available | tape.planned
-        closure = tape.closure(tape.demand - available, available)
+        closure = producer_closure(
+            tape.nodes, tape.values, tape.demand - available, available.__contains__
+        )
         self.reads = read_counts(self, closure, available.__contains__)
         needed = {v for v in available if v in tape.demand or v in self.reads}
         for vid in [v for v in self.held if v not in needed]:
