@@ -107,6 +107,7 @@ class Block:
         self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
         self.device_types: set[str] = set()
         self.verify = False  # fingerprint packed values; replay compares (see verify.py)
+        self.deterministic_ops: frozenset[str] = frozenset()  # custom ops declared not random
         self.fingerprints: dict[int, torch.Tensor] = {}
         self.forced = hidden_writes.of(region)  # coordinates held as mandatory: hidden writes
         self.probe: Any = None  # a timeline.BlockProbe on metered sample steps

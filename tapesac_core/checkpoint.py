@@ -27,7 +27,7 @@ import functools
 import logging
 import types
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -66,6 +66,7 @@ class BlockConfig:
     region: str
     path: str | None = None
     hidden_writes: HiddenWrites = field(default_factory=HiddenWrites, compare=False, repr=False)
+    deterministic_ops: frozenset[str] = frozenset()  # custom ops declared not to draw numbers
 
 
 # ---------------------------------------------------------------------- plans
@@ -348,6 +349,8 @@ def _run_block(
         if scope.probe is not None:
             block.probe = scope.probe.watch(block, len(scope.blocks) - 1)
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if config is not None:
+        block.deterministic_ops = config.deterministic_ops
     if scope is not None:
         block.verify = scope.verify
     if scope is not None and scope.time_nodes:
@@ -424,15 +427,36 @@ def block_config(module: torch.nn.Module) -> BlockConfig | None:
     return getattr(module, "_tapesac", None)
 
 
-def checkpoint_module(module: M, region: str | None = None) -> M:
+def checkpoint_module(
+    module: M, region: str | None = None, *, deterministic_ops: Iterable[str] = ()
+) -> M:
     """Make every forward call of ``module`` a checkpointed block; patches forward in place.
 
-    Raises ``TapeSACError`` if ``module`` is already checkpointed, lies inside a checkpointed
-    module, or contains one (a block inside a block fails at its first forward anyway)."""
-    return _wrap(module, region, None, HiddenWrites())
+    ``deterministic_ops``: custom ops (``"namespace::name"``) declared not to draw random
+    numbers; any other op outside PyTorch's own libraries has its device's generator captured
+    for replay. Raises ``TapeSACError`` if ``module`` is already checkpointed, lies inside a
+    checkpointed module, or contains one (a block inside a block fails at its first forward)."""
+    return _wrap(module, region, None, HiddenWrites(), _op_names(deterministic_ops))
 
 
-def _wrap(module: M, region: str | None, path: str | None, hidden_writes: HiddenWrites) -> M:
+def _op_names(ops: Iterable[str]) -> frozenset[str]:
+    names = frozenset(ops)
+    bad = sorted(n for n in names if not isinstance(n, str) or "::" not in n)
+    if bad:
+        raise TapeSACError(
+            f"deterministic_ops names ops as 'namespace::name' (e.g. 'mylib::fused_norm'), "
+            f"got {bad[0]!r}"
+        )
+    return names
+
+
+def _wrap(
+    module: M,
+    region: str | None,
+    path: str | None,
+    hidden_writes: HiddenWrites,
+    deterministic_ops: frozenset[str],
+) -> M:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"checkpoint_module takes an nn.Module, got {type(module).__name__}")
     if block_config(module) is not None:
@@ -442,7 +466,10 @@ def _wrap(module: M, region: str | None, path: str | None, hidden_writes: Hidden
     # Bound methods deep-copy with their module, so a copied model checkpoints its own blocks.
     module._tapesac_forward = module.forward
     module._tapesac = BlockConfig(
-        region=region or type(module).__name__, path=path, hidden_writes=hidden_writes
+        region=region or type(module).__name__,
+        path=path,
+        hidden_writes=hidden_writes,
+        deterministic_ops=deterministic_ops,
     )
     module.forward = types.MethodType(_checkpointed_forward, module)
     _track_submodules(module, name)
@@ -560,12 +587,18 @@ def region_namer(regions: Regions | None) -> Callable[[torch.nn.Module], str | N
 
 
 def checkpoint_modules(
-    model: torch.nn.Module, policy: Policy, regions: Regions | None = None
+    model: torch.nn.Module,
+    policy: Policy,
+    regions: Regions | None = None,
+    *,
+    deterministic_ops: Iterable[str] = (),
 ) -> list[str]:
     """Checkpoint every submodule of ``model`` the policy selects (not inside another); their paths.
 
-    A selected module inside or around a module checkpointed earlier is a ``TapeSACError``."""
+    ``deterministic_ops`` as for ``checkpoint_module``. A selected module inside or around a
+    module checkpointed earlier is a ``TapeSACError``."""
     selects, region_of = module_selector(policy), region_namer(regions)
+    declared = _op_names(deterministic_ops)
     paths: list[str] = []
     chosen: list[torch.nn.Module] = []
     for path, module in model.named_modules():
@@ -575,7 +608,7 @@ def checkpoint_modules(
             chosen.append(module)
     hidden_writes = HiddenWrites()  # one model's findings
     for path, module in zip(paths, chosen):
-        _wrap(module, region_of(module), path, hidden_writes)
+        _wrap(module, region_of(module), path, hidden_writes, declared)
     if not paths:
         found = repeated_block_classes(model)
         example = "{" + ", ".join(found) + "}" if found else "the class of its transformer block"

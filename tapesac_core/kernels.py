@@ -53,9 +53,9 @@ def register_kernel(
     - ``random``: True if forward draws random numbers (a fused dropout, noise). The op then
       carries the ``nondeterministic_seeded`` tag, and the tape captures the generator state at
       each call and restores it when replay runs the op again, so replay draws the same numbers.
-      Without it, an op is still taken as random when its schema has a ``Generator`` argument
-      or a ``float dropout_p`` argument whose value is not 0 (see ``ops.is_random_call``); any
-      other op that draws random numbers replays with new ones: wrong gradients.
+      Without it the op is still taken as random, as every op outside PyTorch's own libraries
+      is unless ``checkpoint_modules(..., deterministic_ops=...)`` declares it deterministic
+      (see ``ops.is_random_call``): its device's generator is captured at each call.
 
     The returned callable takes forward's arguments and returns the Function's outputs (a bare
     tensor when ``outputs == 1``), with the same values and gradients as ``function.apply``.

@@ -12,6 +12,9 @@ import torch
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d"})
 # Ops that belong to FSDP's own machinery or to the profiler, never to the block's dataflow.
 UNRECORDED_NAMESPACES = frozenset({"fsdp", "profiler"})
+# PyTorch's own operator libraries: their ops that draw random numbers say so (tags, schemas).
+# Any other op (a custom kernel) may draw from its device's generator unannounced.
+ANNOUNCING_NAMESPACES = frozenset({"aten", "prims", *COLLECTIVE_NAMESPACES, *UNRECORDED_NAMESPACES})
 
 # Ops that read only their tensor input's metadata. Replay rebuilds their output from the recorded
 # shape, strides, dtype and device, so they add no data dependency (a dropout mask made with
@@ -44,12 +47,14 @@ class OpInfo:
     """Facts about one operator overload that recording and replay act on."""
 
     name: str
+    qualname: str  # ``namespace::name``, as deterministic_ops names it
     unrecorded: bool
     collective: bool
     view: bool  # outputs are views of an input (the schema says so): they share its version
     aliasing: bool  # outputs share an input's storage, views or not (``_unsafe_view``)
     mutated: tuple[tuple[int, str], ...]  # (position, name) of arguments the op writes
     random: bool  # may draw random numbers: see ``is_random_call``
+    unannounced: bool  # random only because nothing says it is not (a custom op)
     dropout_arg: tuple[int, str, float] | None  # (position, name, default) of ``dropout_p``
     generator_arg: tuple[int, str] | None  # (position, name) of a ``Generator`` argument
     dynamic_shape: bool
@@ -93,11 +98,13 @@ def op_info(op: Any) -> OpInfo:
     generator_arg = next(
         ((i, a.name) for i, a in enumerate(schema.arguments) if _is_generator(a.type)), None
     )
-    random = (
+    announced = (
         torch.Tag.nondeterministic_seeded in tags
         or dropout_arg is not None
         or generator_arg is not None
     )
+    unannounced = not announced and namespace not in ANNOUNCING_NAMESPACES
+    random = announced or unannounced
     special = (
         namespace in UNRECORDED_NAMESPACES
         or namespace in COLLECTIVE_NAMESPACES
@@ -112,12 +119,14 @@ def op_info(op: Any) -> OpInfo:
     )
     return OpInfo(
         name=name,
+        qualname=f"{namespace}::{packet}",
         unrecorded=namespace in UNRECORDED_NAMESPACES,
         collective=namespace in COLLECTIVE_NAMESPACES,
         view=view,
         aliasing=view or packet in _UNANNOTATED_VIEWS,
         mutated=mutated,
         random=random,
+        unannounced=unannounced,
         dropout_arg=dropout_arg,
         generator_arg=generator_arg,
         dynamic_shape=torch.Tag.dynamic_output_shape in tags,
@@ -145,8 +154,11 @@ def is_random_call(info: OpInfo, args: tuple, kwargs: dict) -> bool:
     ops; ``register_kernel(..., random=True)`` adds it), or its schema takes a ``Generator``, or
     it takes a ``dropout_p`` argument. Many custom ops carry no tag although they draw random
     numbers (flash-attn's forward with attention dropout, Triton kernels with fused dropout), so
-    the schema decides too. An op with a ``dropout_p`` draws only when ``dropout_p`` is not 0:
-    attention ops are tagged random even at dropout 0.
+    the schema decides too, and an op outside PyTorch's own libraries counts as random unless
+    declared deterministic (``checkpoint_modules(..., deterministic_ops=...)``): capturing a
+    generator it does not use costs a state copy, replaying new random numbers costs wrong
+    gradients. An op with a ``dropout_p`` draws only when ``dropout_p`` is not 0: attention ops
+    are tagged random even at dropout 0.
     """
     if not info.random:
         return False

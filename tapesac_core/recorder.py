@@ -50,6 +50,11 @@ from .verify import fingerprint
 Tensor = torch.Tensor
 
 
+def has_default_generator(device: torch.device) -> bool:
+    module = getattr(torch, device.type, None)
+    return device.type == "cpu" or bool(getattr(module, "default_generators", None))
+
+
 def default_generator(device: torch.device) -> torch.Generator:
     """The default random generator of a device, or a clear error if it cannot be captured."""
     if device.type == "cpu":
@@ -434,7 +439,9 @@ class Recorder(TorchDispatchMode):
         writes = self._before_write(func, info, args, kwargs, inputs) if info.mutated else ()
         rng = (
             self._capture_rng(info, args, kwargs)
-            if info.random and is_random_call(info, args, kwargs)
+            if info.random
+            and is_random_call(info, args, kwargs)
+            and not (info.unannounced and info.qualname in self.block.deterministic_ops)
             else None
         )
         if info.metadata_only and inputs:
@@ -544,9 +551,10 @@ class Recorder(TorchDispatchMode):
             "out-of-place (e.g. `x = x + y` instead of `x += y`), or do not checkpoint this module"
         )
 
-    def _capture_rng(self, info: OpInfo, args: tuple, kwargs: dict) -> tuple:
+    def _capture_rng(self, info: OpInfo, args: tuple, kwargs: dict) -> tuple | None:
         """The generator a random call draws from (its ``Generator`` argument, else the default
-        generator of its device) and that generator's state now."""
+        generator of its device) and that generator's state now; None for an op random only
+        for want of a declaration on a device without one (it cannot draw there)."""
         generator = (
             arg(args, kwargs, *info.generator_arg)
             if info.generator_arg is not None
@@ -557,6 +565,8 @@ class Recorder(TorchDispatchMode):
             if device is None:
                 tensors = flat_tensors((args, kwargs))
                 device = tensors[0].device if tensors else torch.get_default_device()
+            if info.unannounced and not has_default_generator(torch.device(device)):
+                return None
             generator = default_generator(torch.device(device))
         return (generator, generator.get_state())
 

@@ -158,3 +158,83 @@ def test_an_untagged_op_taking_a_generator_counts_as_random() -> None:
     info = op_info(torch.ops.tapesac_test_random_gen.noisy.default)
     assert (info.random, info.generator_arg, info.plain) == (True, (1, "g"), False)
     assert not op_info(torch.ops.aten.add.Tensor).random
+
+
+@torch.library.custom_op("tapesac_test_unannounced::noise", mutates_args=())
+def unannounced_noise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` times noise drawn inside the kernel: no tag, no Generator, no dropout_p says so."""
+    noise = 1 + 0.5 * torch.rand_like(x)
+    return x * noise, noise
+
+
+@unannounced_noise.register_fake
+def _(x):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _noise_context(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+
+
+def _noise_backward(ctx, grad, _):
+    (noise,) = ctx.saved_tensors
+    return grad * noise
+
+
+unannounced_noise.register_autograd(_noise_backward, setup_context=_noise_context)
+
+
+class NoisyLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = unannounced_noise(self.proj(x).sin())  # autograd saves the noise
+        return (y**2).tanh()
+
+
+class NoisyStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([NoisyLayer(), NoisyLayer()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+NOISE = ("tapesac_test_unannounced.noise.default", 0, 1)  # the noise output's coordinate
+
+
+@pytest.mark.parametrize("plan", [None, {"NoisyLayer": {("aten.sin.default", 0, 0)}}])
+def test_a_custom_op_drawing_random_numbers_unannounced_replays_bitwise(plan) -> None:
+    torch.manual_seed(0)
+    model, x = NoisyStack(), torch.randn(8, 16, requires_grad=True)
+    ref = step(model, lambda: model(x).sum())
+    tapesac_core.checkpoint_modules(model, {NoisyLayer})
+    with tapesac_core.use_plan(plan or {}), tapesac_core.trace() as blocks:
+        got = step(model, lambda: model(x).sum())
+    assert_bitwise(ref, got)  # no controller, no verifying step
+    for block in blocks:
+        (node,) = [n for n in block.tape.nodes if n.name == NOISE[0]]
+        assert node.rng is not None and node.index in block.replayed  # recomputed, same noise
+    assert not op_info(torch.ops.tapesac_test_unannounced.noise.default).plain
+
+
+def test_a_custom_op_declared_deterministic_captures_no_generator() -> None:
+    model = NoisyStack()
+    tapesac_core.checkpoint_modules(model, {NoisyLayer}, deterministic_ops={"mylib::other"})
+    with tapesac_core.trace() as blocks:
+        model(torch.randn(2, 16, requires_grad=True)).sum().backward()
+    assert all(n.rng is not None for b in blocks for n in b.tape.nodes if n.name == NOISE[0])
+    declared = tapesac_core.checkpoint_module(
+        NoisyLayer(), deterministic_ops={"tapesac_test_unannounced::noise"}
+    )
+    with tapesac_core.trace() as blocks:
+        declared(torch.randn(2, 16, requires_grad=True)).sum().backward()
+    # Taken at its word (here a false one: the op does draw).
+    assert [n.rng for n in blocks[0].tape.nodes if n.name == NOISE[0]] == [None]
+    with pytest.raises(TapeSACError, match="'namespace::name'"):
+        tapesac_core.checkpoint_module(NoisyLayer(), deterministic_ops={"noise"})
