@@ -151,6 +151,7 @@ def step_record(r: StepReport) -> dict[str, Any]:
         replayed=r.replayed_nodes,
         saved_bytes=r.saved_bytes,
         peak=r.peak,
+        predicted_peak=r.predicted_peak,
         limit=r.limit,
         plan_empty=r.plan.empty if r.plan else None,
         predicted=r.predicted_speedup,

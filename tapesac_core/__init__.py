@@ -13,7 +13,7 @@ from typing import Any
 
 # The module each public name comes from.
 _EXPORTS = {
-    ".block": ("BlockTrace",),
+    ".block": ("BlockTrace", "PLAIN"),
     ".checkpoint": (
         "BlockConfig",
         "block_config",
@@ -42,6 +42,7 @@ __all__ = [
     "Coord",
     "MemoryLimit",
     "MemoryReading",
+    "PLAIN",
     "Plan",
     "StepMode",
     "StepReport",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, NamedTuple
 
 import torch
@@ -44,16 +45,28 @@ class BlockTrace:
         return self.tape.bytes_of(self.saved)
 
 
+class Plain(Enum):
+    """A block's plan entry that runs it as without checkpointing: not recorded, no replay,
+    autograd keeps everything it saves until the block's backward."""
+
+    PLAIN = "plain"
+
+
+PLAIN = Plain.PLAIN
+
+
 class BlockPlan(NamedTuple):
     """What one block call saves: coordinates, the op sequence they are valid for (None: any),
     the bytes they may keep beyond S0 (None: no bound), and the same set anchored on submodules
-    with those submodules' op digests (for a block that runs another op sequence)."""
+    with those submodules' op digests (for a block that runs another op sequence); or ``plain``:
+    the block is not checkpointed at all."""
 
     coords: frozenset[Coord] = frozenset()
     sequence: str | None = None
     budget: int | None = None
     anchors: frozenset[Anchor] = frozenset()
     modules: Mapping[str, str] = {}
+    plain: bool = False
 
 
 def unpack(packed: Packed) -> torch.Tensor:
@@ -81,7 +94,8 @@ class Block:
             self.plan_budget,
             self.plan_anchors,
             self.plan_modules,
-        ) = plan
+            _,
+        ) = plan  # a block runs because its entry is not plain
         self.anchored: set[int] = set()  # held for an anchored coordinate of the plan
         self.module_calls: dict[tuple[str, str], int] = {}  # (module, op) -> calls so far
         self.nodes: list[Node] = []

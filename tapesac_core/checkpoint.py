@@ -37,7 +37,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_leaves
 
-from .block import Block, BlockPlan, BlockTrace, unpack
+from .block import PLAIN, Block, BlockPlan, BlockTrace, Plain, unpack
 from .errors import TapeSACError
 from .plan.coords import Anchor, Coord
 from .plan.plan import Plan
@@ -93,17 +93,21 @@ def _coords(collection: Any, region: str) -> frozenset[Coord]:
     return frozenset(Coord(c[0], c[1], c[2]) for c in coords)
 
 
-def normalize_plan(plan: PlanSpec) -> dict[str, frozenset[Coord] | list[frozenset[Coord]]]:
-    """Coordinates per region, or one coordinate set per block of the region in forward order."""
+def normalize_plan(
+    plan: PlanSpec,
+) -> dict[str, frozenset[Coord] | list[frozenset[Coord] | Plain]]:
+    """Coordinates per region, or one entry per block of the region in forward order: its
+    coordinate set, or ``PLAIN``."""
     if not isinstance(plan, Mapping):
         raise TapeSACError(f"a plan maps region names to coordinates, got {type(plan).__name__}")
     out: dict[str, Any] = {}
     for region, entry in plan.items():
         items = list(entry)
         if items and all(
-            not _is_coord(i) and isinstance(i, (set, frozenset, list, tuple)) for i in items
+            i is PLAIN or (not _is_coord(i) and isinstance(i, (set, frozenset, list, tuple)))
+            for i in items
         ):
-            out[region] = [_coords(i, region) for i in items]
+            out[region] = [i if i is PLAIN else _coords(i, region) for i in items]
         else:
             out[region] = _coords(items, region)
     return out
@@ -121,7 +125,13 @@ class _PlanScope:
             self.sequences = plan.sequences()
             self.budgets = plan.budgets()
             self.anchors = plan.anchors()
-            plan = plan.coordinates()
+            plain = plan.plain_blocks()
+            plan = {
+                r: [
+                    PLAIN if plain.get(r, [False] * len(sets))[i] else s for i, s in enumerate(sets)
+                ]
+                for r, sets in plan.coordinates().items()
+            }
         self.plan = normalize_plan(plan)
         self.blocks: Counter[str] = Counter()
 
@@ -130,9 +140,11 @@ class _PlanScope:
         if not isinstance(entry, list):
             return BlockPlan(entry, self.sequences.get(region))
         i = self.blocks[region]
-        self.blocks[region] += 1
+        self.blocks[region] += 1  # a plain block counts too: later blocks keep their entries
         if not entry:
             return BlockPlan()
+        if entry[i % len(entry)] is PLAIN:
+            return BlockPlan(plain=True)
         budgets = self.budgets.get(region)
         anchors, modules = self.anchors.get(region, ([], {}))
         return BlockPlan(
@@ -150,7 +162,9 @@ def use_plan(plan: Plan | PlanSpec) -> Iterator[None]:
 
     ``plan`` maps a region name to coordinates ``(op_name, k, j)``, or to a list with one
     coordinate collection per block of that region in forward order (block ``i`` uses entry
-    ``i mod len(list)``, so one plan serves every micro-batch inside the context). It may also
+    ``i mod len(list)``, so one plan serves every micro-batch inside the context), or ``PLAIN``
+    for a block that runs as without checkpointing (not recorded: autograd keeps everything it
+    saves, and nothing is replayed). It may also
     be a solved ``Plan``: then a block whose op sequence differs from the one the plan was
     solved on (its coordinates would name other tensors) saves the planned values of submodules
     whose own ops match the reference block's (anchored coordinates), and a block whose planned
@@ -169,13 +183,19 @@ def use_plan(plan: Plan | PlanSpec) -> Iterator[None]:
 
 class _TraceScope:
     def __init__(
-        self, time_nodes: bool, one_micro_batch: bool, verify: bool, probe: Any = None
+        self,
+        time_nodes: bool,
+        one_micro_batch: bool,
+        verify: bool,
+        probe: Any = None,
+        plain: list[str] | None = None,
     ) -> None:
         self.time_nodes = time_nodes
         self.one_micro_batch = one_micro_batch
         self.verify = verify
         self.probe = probe
         self.blocks: list[BlockTrace] = []
+        self.plain = plain if plain is not None else []  # blocks run plain (not recorded)
 
     def check_micro_batch(self, name: str) -> None:
         """A block's forward after another block's backward is the next micro-batch's forward."""
@@ -191,7 +211,11 @@ class _TraceScope:
 
 @contextmanager
 def trace(
-    time_nodes: bool = False, one_micro_batch: bool = False, verify: bool = False, probe: Any = None
+    time_nodes: bool = False,
+    one_micro_batch: bool = False,
+    verify: bool = False,
+    probe: Any = None,
+    plain: list[str] | None = None,
 ) -> Iterator[list[BlockTrace]]:
     """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays).
 
@@ -201,9 +225,9 @@ def trace(
     writes the dispatcher cannot see (``tapesac_core.verify``); costs a fingerprint per saved
     value and a host sync per replayed value. ``probe`` (a ``timeline.StepProbe``) is told when
     each block's forward starts and ends, around each unpack, and when the block's saved values
-    are freed: the memory timeline.
+    are freed: the memory timeline. ``plain`` receives the names of the blocks a plan ran plain.
     """
-    scope = _TraceScope(time_nodes, one_micro_batch, verify, probe)
+    scope = _TraceScope(time_nodes, one_micro_batch, verify, probe, plain)
     token = _TRACE.set(scope)
     try:
         yield scope.blocks
@@ -325,14 +349,19 @@ def _run_block(
     if module is not None:
         _refuse_hf_checkpointing(module, name)
     _refuse_outer_torch_checkpoint(name)
-    if module is not None:
-        _refuse_sharded_inside(module, name)
     torch_checkpointed = _TORCH_CHECKPOINT.get()
     if torch_checkpointed is not None:
         torch_checkpointed.append(name)
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
     plan = _PLAN.get()
+    block_plan = plan.block_plan(region) if plan else BlockPlan()
     scope = _TRACE.get()
+    if block_plan.plain:  # as without checkpointing: nothing recorded, nothing to check
+        if scope is not None:
+            scope.plain.append(name)
+        return fn(*args, **kwargs)
+    if module is not None:
+        _refuse_sharded_inside(module, name)
     if scope is not None:
         scope.check_micro_batch(name)
     config = block_config(module) if module is not None else None
@@ -340,7 +369,7 @@ def _run_block(
         name,
         region,
         module,
-        plan.block_plan(region) if plan else BlockPlan(),
+        block_plan,
         _RECORDING.get,
         config.hidden_writes if config is not None else HiddenWrites(),
     )

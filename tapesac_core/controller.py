@@ -202,12 +202,14 @@ class Controller:
             )
             # The peak-aware model knows an earlier micro-batch's blocks freed their values before
             # the next forward; Eq. 8 ("sum") would count them alive together: refused there.
+            plain: list[str] = []
             blocks = stack.enter_context(
                 trace(
                     time_nodes=mode == PROFILE,
                     one_micro_batch=self.config.memory_model == "sum",
                     verify=self._verifies(mode),
                     probe=probe,
+                    plain=plain,
                 )
             )
             static = meter.reading().current if meter is not None else 0
@@ -222,6 +224,7 @@ class Controller:
             reading = meter.reading() if meter is not None else None
         report.count_blocks(blocks)
         report.torch_checkpointed = len(torch_checkpointed)
+        report.plain_blocks = len(plain)
         if probe is not None and reading is not None and blocks:
             self.memory.add_timeline(
                 probe.timeline(blocks, end_peak, tokens=self.buckets.primary(local), static=static)

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from ..units import format_bytes
 from .coords import Anchor, Coord
 
-PLAN_VERSION = 2  # 2: the predicted peak and the memory model that predicted it
-_READABLE = (1, 2)  # version 1 plans (Eq. 8, no predicted peak) are read for reports
+PLAN_VERSION = 3  # 2: the predicted peak and the memory model that predicted it; 3: plain blocks
+# Version 1 plans (Eq. 8, no predicted peak) are read for reports; version 2 plans are used as they
+# are (they have no plain blocks).
+_READABLE = (1, 2, 3)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +37,10 @@ class RegionPlan:
     block_bytes: tuple[int, ...] = ()  # bytes each block's set may keep (the knapsack's weights)
     anchors: tuple[frozenset[Anchor], ...] = ()  # each block's set anchored on submodules
     modules: Mapping[str, str] = field(default_factory=dict)  # their op digests in the reference
+    plain: tuple[bool, ...] = ()  # per block: run as without checkpointing (empty: none is)
+
+    def is_plain(self, block: int) -> bool:
+        return bool(self.plain) and self.plain[block % len(self.plain)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,14 +87,20 @@ class Plan:
         what a block whose op sequence differs from the reference's can still match."""
         return {r: (list(p.anchors), p.modules) for r, p in self.regions.items() if p.anchors}
 
+    def plain_blocks(self) -> dict[str, list[bool]]:
+        """Per region with any, whether each block runs as without checkpointing."""
+        return {r: list(p.plain) for r, p in self.regions.items() if any(p.plain)}
+
     def sequences(self) -> dict[str, str]:
         """Per region, the op-sequence fingerprint the coordinates are valid for."""
         return {r: p.sequence for r, p in self.regions.items()}
 
     @property
     def empty(self) -> bool:
-        """True when no block saves anything beyond the mandatory set."""
-        return not any(b for p in self.regions.values() for b in p.blocks)
+        """True when no block saves anything beyond the mandatory set (none runs plain)."""
+        return not any(b for p in self.regions.values() for b in p.blocks) and not any(
+            any(p.plain) for p in self.regions.values()
+        )
 
     def to_json(self) -> str:
         """Versioned JSON (never pickle)."""
@@ -117,6 +129,7 @@ class Plan:
                         "block_bytes": list(p.block_bytes),
                         "anchors": [sorted(map(list, b)) for b in p.anchors],
                         "modules": dict(p.modules),
+                        "plain": list(p.plain),
                         "saved": [
                             {
                                 "coord": list(s.coord),
@@ -173,6 +186,7 @@ class Plan:
                     block_bytes=tuple(int(b) for b in p.get("block_bytes", ())),
                     anchors=tuple(frozenset(_anchor(a) for a in b) for b in p.get("anchors", ())),
                     modules=dict(p.get("modules", {})),
+                    plain=tuple(bool(b) for b in p.get("plain", ())),
                     saved=tuple(
                         Saved(
                             coord=_coord(s["coord"]),
@@ -226,10 +240,11 @@ class Plan:
                 f"at {self.peak_at or 'the start of backward'}"
             )
         for region, p in sorted(self.regions.items()):
-            sizes = [len(b) for b in p.blocks]
+            sizes = ["plain" if p.is_plain(i) else len(b) for i, b in enumerate(p.blocks)]
             lines.append(
                 f"region {region} ({len(p.blocks)} blocks at {p.tokens} tokens; values "
-                f"saved per block: {sizes})" + (f" - {p.note}" if p.note else "")
+                f"saved per block: [{', '.join(map(str, sizes))}])"
+                + (f" - {p.note}" if p.note else "")
             )
             lines.extend(_table(p.saved))
         lines.extend(self.notes)

@@ -1,0 +1,112 @@
+"""Plain blocks in a plan: run as without checkpointing (not recorded, nothing replayed), mixed
+with TapeSAC blocks of the same region type; loss and gradients bitwise those of no checkpointing."""
+
+import copy
+
+import pytest
+import torch
+from support import assert_bitwise, step
+
+import tapesac_core
+from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
+from tapesac_core import PLAIN
+from tapesac_core.memory import profile_memory
+from tapesac_core.plan.plan import Plan, RegionPlan
+
+
+def _model(moe: bool = False) -> tuple[DecoderLM, DecoderLM, torch.Tensor]:
+    """A reference model and its TapeSAC copy (dropout on), and a batch."""
+    torch.manual_seed(0)
+    reference = DecoderLM(ModelConfig(num_layers=4, dropout=0.1, moe=moe))
+    model = copy.deepcopy(reference)
+    tapesac_core.checkpoint_modules(model, {DecoderLayer, MoEDecoderLayer})
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    return reference, model, ids
+
+
+def _step(model: DecoderLM, ids: torch.Tensor, seed: int = 0) -> tuple:
+    torch.manual_seed(seed)  # dropout draws the same numbers in both runs
+    return step(model, lambda: model.loss(ids))
+
+
+MIXES = {
+    "plain, must-only, plain, planned": [PLAIN, set(), PLAIN, {("aten.mm.default", 0, 0)}],
+    "all plain": [PLAIN],
+    "planned first, plain last": [{("aten.mm.default", 1, 0)}, set(), PLAIN, PLAIN],
+}
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_mixes_of_plain_and_planned_blocks_are_bitwise(moe, mix) -> None:
+    reference, model, ids = _model(moe)
+    region = "MoEDecoderLayer" if moe else "DecoderLayer"
+    entries = MIXES[mix]
+    plain = []
+    with tapesac_core.use_plan({region: entries}), tapesac_core.trace(plain=plain) as blocks:
+        got = _step(model, ids)
+    assert_bitwise(_step(reference, ids), got)
+    expected_plain = [f"layers.{i}" for i in range(4) if entries[i % len(entries)] is PLAIN]
+    assert plain == expected_plain  # the region's block counter moved past plain blocks
+    assert [b.tape.name for b in blocks] == [
+        f"layers.{i}" for i in range(4) if f"layers.{i}" not in plain
+    ]
+    assert all(b.replayed for b in blocks)  # the recorded ones still replay
+
+
+def test_a_mix_changing_between_steps_is_bitwise_at_every_step() -> None:
+    reference, model, ids = _model()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for seed, entries in enumerate([[PLAIN, set()], [set(), PLAIN], [PLAIN], [set()]]):
+        want = _step(reference, ids, seed)
+        with tapesac_core.use_plan({"DecoderLayer": entries}):
+            got = _step(model, ids, seed)
+        assert_bitwise(want, got)
+        for (m, optimizer), (_, grads) in zip(zip((reference, model), optimizers), (want, got)):
+            for name, p in m.named_parameters():
+                p.grad = grads[name].clone()
+            optimizer.step()
+
+
+def test_a_solved_plan_runs_its_plain_blocks_plain_and_reads_older_plans_as_before() -> None:
+    reference, model, ids = _model()
+    plan = Plan(
+        model="DecoderLayer",
+        regions={
+            "DecoderLayer": RegionPlan(
+                sequence="any",
+                blocks=(frozenset(),) * 4,
+                tokens=ids.numel(),
+                plain=(False, True, False, True),
+            )
+        },
+        capacity=0,
+        base=0,
+        saved_bytes=0,
+        predicted_speedup=1.0,
+        predicted_speedup_vs_full=1.0,
+    )
+    loaded = Plan.from_json(plan.to_json())
+    assert loaded.regions["DecoderLayer"].plain == (False, True, False, True)
+    assert "values saved per block: [0, plain, 0, plain]" in loaded.explain()
+    assert not loaded.empty
+    plain: list[str] = []
+    with tapesac_core.use_plan(loaded), tapesac_core.trace(plain=plain):
+        got = _step(model, ids)
+    assert plain == ["layers.1", "layers.3"]
+    assert_bitwise(_step(reference, ids), got)
+    older = (
+        plan.to_json()
+        .replace('"version": 3', '"version": 2')
+        .replace('"plain": [false, true, false, true], ', "")
+    )
+    assert Plan.from_json(older).regions["DecoderLayer"].plain == ()  # used as before: none
+
+
+def test_a_plain_block_holds_what_autograd_saves_as_without_checkpointing() -> None:
+    reference, model, ids = _model()
+    _, plain = profile_memory(lambda: reference.loss(ids))
+    with tapesac_core.use_plan({"DecoderLayer": [PLAIN]}):
+        _, all_plain = profile_memory(lambda: model.loss(ids))
+    _, must_only = profile_memory(lambda: model.loss(ids))
+    assert all_plain.end == plain.end > must_only.end  # exact bytes: the profiler's
