@@ -14,6 +14,7 @@ from examples.models import DecoderLayer, DecoderLM, ModelConfig
 from tapesac_core.controller import CONTROL, FULL, PLANNED, PROFILE, SAMPLE, WARMUP, Controller
 from tapesac_core.memory import MemoryReading
 from tapesac_core.plan import bucket, upper_edge
+from tapesac_core.plan.plan import PLAN_VERSION
 from tapesac_core.units import GiB, KiB, MiB
 
 
@@ -545,7 +546,7 @@ def test_a_state_of_an_older_version_is_solved_again_with_an_info_log(caplog) ->
     assert not fresh.plans and "state version 2" in caplog.text and "solved again" in caplog.text
     modes = [_run(model2, meter2, fresh, 32).mode for _ in range(3)]
     assert modes == [PROFILE, PLANNED, PLANNED]  # profiled again, then the bucket is solved anew
-    assert fresh.plan.version == 2 and fresh.plan.predicted_peak > 0
+    assert fresh.plan.version == PLAN_VERSION and fresh.plan.predicted_peak > 0
 
 
 def test_replan_under_a_new_limit_solves_each_bucket_again_from_the_same_profiles() -> None:

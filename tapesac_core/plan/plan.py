@@ -129,7 +129,7 @@ class Plan:
                         "block_bytes": list(p.block_bytes),
                         "anchors": [sorted(map(list, b)) for b in p.anchors],
                         "modules": dict(p.modules),
-                        "plain": list(p.plain),
+                        **({"plain": list(p.plain)} if p.plain else {}),  # absent before v3
                         "saved": [
                             {
                                 "coord": list(s.coord),
