@@ -37,6 +37,7 @@ class BlockTrace:
     sequence_changed: bool = False  # another op sequence than the plan's: anchored coordinates used
     over_budget: int = 0  # planned values not kept: their bytes exceeded the block's budget
     replay_seconds: float = 0.0  # wall time its replays took in backward (host clock)
+    forward_seconds: float | None = None  # wall time of its recorded forward (CPU profile steps)
     invisible_writes: list = field(default_factory=list)  # coordinates replay did not reproduce
 
     @property

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import types
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -384,6 +385,10 @@ def _run_block(
         block.verify = scope.verify
     if scope is not None and scope.time_nodes:
         block.enable_timing(inputs[0].device if inputs else torch.get_default_device())
+    # On CPU profile steps the forward's wall time, against its ops' times, prices recording
+    # (a plain block saves it); on accelerators host time says nothing about the step's time.
+    timed = scope is not None and scope.time_nodes and all(t.device.type == "cpu" for t in inputs)
+    start = time.perf_counter() if timed else 0.0
     recorder = Recorder(block)
     recorder.register_inputs(inputs)
     token = _RECORDING.set(block)
@@ -399,6 +404,8 @@ def _run_block(
     block.finish(
         frozenset(recorder.vid_of(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     )
+    if timed:
+        block.trace.forward_seconds = time.perf_counter() - start
     if block.probe is not None:
         block.probe.forward_end()
     return out

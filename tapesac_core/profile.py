@@ -15,10 +15,10 @@ from typing import Any
 
 from .block import BlockTrace
 from .memory import MemoryReading
-from .plan import Point, replay_time, solve_frontier
+from .plan import Point, replay_time, saved_bytes, solve_frontier
 from .plan.peak import Timeline
 from .plan.tape_graph import TapeGraph, graph_of
-from .tape import Tape
+from .tape import DYNAMIC_SHAPE, Tape
 from .timing import seconds
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,28 @@ class RegionProfile:
     node_time: dict[int, float]  # replayed under must-only, seconds (see region_profiles, merged)
     forward_time: dict[int, float]  # every node, in forward, seconds (likewise)
     shares_reference: tuple[bool, ...]  # per block of the region, forward order
+    # Seconds a block's recording costs beyond its ops (bookkeeping per op, measured on CPU
+    # profile steps; 0 elsewhere): what a plain block saves on top of its replay.
+    recording_overhead: float = 0.0
+
+    @property
+    def plain_allowed(self) -> bool:
+        """Whether a block may run plain under a byte budget: its sizes must not depend on data
+        (every block ran the reference's op sequence, no output of data-dependent shape)."""
+        return all(self.shares_reference) and DYNAMIC_SHAPE not in self.tape.mandatory.values()
+
+    def plain_point(self) -> Point:
+        """Running a block plain as a save set: everything autograd saves (the demand set beyond
+        S0 and the leaves, less the block's outputs, alive anyway as the next block's input), and
+        no replay left."""
+        graph, tape = self.graph, self.tape
+        outputs = {tape.values[v].sid for v in tape.outputs}
+        demand = {v for v in graph.demand - graph.available if tape.values[v].sid not in outputs}
+        return Point(
+            bytes=saved_bytes(graph, demand),
+            time=0.0,
+            saved=frozenset(graph.value_names[v] for v in demand),
+        )
 
     @property
     def sequence(self) -> str:
@@ -120,8 +142,19 @@ def region_profiles(blocks: list[BlockTrace], tokens: dict[str, int]) -> dict[st
                 [{i: seconds(s) for i, s in b.forward_times.items()} for b in same]
             ),
             shares_reference=tuple(b.tape.fingerprint == common for b in traces),
+            recording_overhead=_recording_overhead(same),
         )
     return profiles
+
+
+def _recording_overhead(traces: list[BlockTrace]) -> float:
+    """Median over blocks of their recorded forward's wall time beyond its ops' times."""
+    excess = [
+        max(0.0, b.forward_seconds - math.fsum(seconds(s) for s in b.forward_times.values()))
+        for b in traces
+        if b.forward_seconds is not None
+    ]
+    return statistics.median(excess) if excess else 0.0
 
 
 def merged(old: RegionProfile | None, new: RegionProfile) -> RegionProfile:
@@ -140,6 +173,7 @@ def merged(old: RegionProfile | None, new: RegionProfile) -> RegionProfile:
         node_time=keep,
         forward_time=forward,
         shares_reference=new.shares_reference,
+        recording_overhead=min(old.recording_overhead, new.recording_overhead),
     )
 
 
@@ -189,13 +223,10 @@ def calibrated(
         100 * tolerance,
         ratio,
     )
-    return RegionProfile(
-        region=profile.region,
-        tape=profile.tape,
-        tokens=profile.tokens,
+    return dataclasses.replace(
+        profile,
         node_time={i: t * ratio for i, t in profile.node_time.items()},
         forward_time={i: t * ratio for i, t in profile.forward_time.items()},
-        shares_reference=profile.shares_reference,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 
@@ -140,12 +141,14 @@ def region_menus(
     profiles: Mapping[str, RegionProfile],
     frontiers: Mapping[str, tuple[Point, ...]],
     tokens: Mapping[str, int],
+    plain: bool = False,
 ) -> dict[str, RegionMenu]:
-    """Each region's frontier (at ``tokens``) for the timeline model."""
+    """Each region's frontier (at ``tokens``) for the timeline model, and with ``plain`` after it
+    the plain option where the region allows one (``_with_plain``)."""
     menus = {}
     for r, points in frontiers.items():
         p = profiles[r]
-        menus[r] = RegionMenu(
+        menu = RegionMenu(
             sequence=p.sequence,
             graph=p.graph,
             bytes=tuple(pt.bytes for pt in points),
@@ -153,7 +156,25 @@ def region_menus(
             saved=tuple(p.graph.value_ids(pt.saved) for pt in points),
             scale=tokens[r] / p.tokens,
         )
+        menus[r] = _with_plain(menu, p, points, tokens[r]) if plain else menu
     return menus
+
+
+def _with_plain(
+    menu: RegionMenu, profile: RegionProfile, points: tuple[Point, ...], tokens: int
+) -> RegionMenu:
+    """``menu`` with one more option after its frontier (index ``len(points)``): the block runs
+    plain. It keeps everything autograd saves, replays nothing, and saves its recording's cost
+    too, so it beats the frontier's last point wherever both fit."""
+    if not profile.plain_allowed:
+        return menu
+    plain = profile.plain_point()
+    return dataclasses.replace(
+        menu,
+        bytes=(*menu.bytes, profile.bytes_at(plain, tokens / profile.tokens)),
+        gains=(*menu.gains, points[0].time + profile.recording_overhead),
+        saved=(*menu.saved, profile.graph.value_ids(plain.saved)),
+    )
 
 
 def _peak_choice(
@@ -174,7 +195,9 @@ def _peak_choice(
     if any(counts.get(r, 0) != p.blocks for r, p in profiles.items()):
         return None
     scaled_timeline = timeline.scaled(base)
-    menus = menus_of(scaled_timeline, region_menus(profiles, frontiers, tokens))
+    menus = menus_of(
+        scaled_timeline, region_menus(profiles, frontiers, tokens, config.plain_blocks)
+    )
     picks = solve_peak(scaled_timeline, menus, capacity, resolution=config.knapsack_resolution)
     if picks is None:  # a limit of 0 asks for must-only, any other for the least memory
         picks = (
@@ -220,7 +243,8 @@ def _region_plan(
     profile: RegionProfile, points: tuple[Point, ...], chosen: tuple[int, ...], tokens: int
 ) -> RegionPlan:
     graph = profile.graph
-    blocks = tuple(points[i].saved for i in chosen)
+    plain = tuple(i == len(points) for i in chosen)  # the option after the frontier
+    blocks = tuple(frozenset() if p else points[i].saved for i, p in zip(chosen, plain))
     anchors = tuple(frozenset(graph.anchors[v] for v in graph.value_ids(b)) for b in blocks)
     modules = {a.module: graph.module_digests[a.module] for b in anchors for a in b}
     others = len(blocks) - sum(profile.shares_reference)
@@ -231,16 +255,22 @@ def _region_plan(
         if others
         else ""
     )
-    largest = points[max(chosen)] if chosen else points[0]
+    largest = points[max((i for i in chosen if i < len(points)), default=0)]
     return RegionPlan(
         sequence=profile.sequence,
         blocks=blocks,
         tokens=tokens,
         saved=_describe(profile, largest, tokens / profile.tokens),
         note=note,
-        block_bytes=tuple(points[i].bytes for i in chosen),
+        block_bytes=tuple(
+            profile.bytes_at(profile.plain_point(), tokens / profile.tokens)
+            if p
+            else points[i].bytes
+            for i, p in zip(chosen, plain)
+        ),
         anchors=anchors,
         modules=modules,
+        plain=plain if any(plain) else (),
     )
 
 

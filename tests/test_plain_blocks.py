@@ -110,3 +110,36 @@ def test_a_plain_block_holds_what_autograd_saves_as_without_checkpointing() -> N
         _, all_plain = profile_memory(lambda: model.loss(ids))
     _, must_only = profile_memory(lambda: model.loss(ids))
     assert all_plain.end == plain.end > must_only.end  # exact bytes: the profiler's
+
+
+def _planned_step(controller, model, ids, seed: int):
+    with controller.step(tokens=ids.numel()) as report:
+        got = _step(model, ids, seed)
+    return report, got
+
+
+def test_the_planner_runs_blocks_plain_where_memory_allows_and_the_limit_holds() -> None:
+    reference, model, ids = _model()
+    settings = dict(
+        warmup_steps=1, profile_steps=1, control_steps=1, control_every=0, plain_blocks=True
+    )
+    controller = tapesac_core.Controller(model, "1GiB", **settings)
+    for seed in range(4):
+        report, got = _planned_step(controller, model, ids, seed)
+    assert report.mode == "planned"
+    # With memory to spare every block runs as without checkpointing: nothing recorded.
+    assert report.plan.regions["DecoderLayer"].plain == (True,) * 4
+    assert report.plain_blocks == 4 and report.blocks == 0
+    assert "values saved per block: [plain, plain, plain, plain]" in report.plan.explain()
+    assert_bitwise(_step(reference, ids, 3), got)
+    generous = report.plan
+    # A limit between must-only and all plain: the plan's predicted peak fits its capacity and
+    # the metered step (the first after solving) stays under the limit.
+    limit = (generous.base + generous.predicted_peak) // 2
+    controller.replan(memory_limit=limit)
+    report, got = _planned_step(controller, model, ids, 4)
+    plan = report.plan
+    assert plan.predicted_peak <= plan.capacity and report.peak is not None
+    assert report.peak <= limit, (report.peak, limit)
+    assert report.plain_blocks < 4 and report.plain_blocks + report.blocks == 4
+    assert_bitwise(_step(reference, ids, 4), got)
