@@ -1,4 +1,4 @@
-"""TapeSAC integrations for Lightning and Accelerate.
+"""TapeSAC integrations for Lightning, Accelerate and Hugging Face's Trainer.
 
 Each integration imports its library when first used (PEP 562), so either works without the other
 installed and ``tapesac report`` needs neither.
@@ -11,15 +11,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-# Public name: its module, and the extra (named after the library it needs) that installs it.
+# Public name: its module, the extra that installs what it needs, and those libraries (an extra
+# named after its library needs no list).
 _EXPORTS = {
     "TapeSACAccelerator": (".accelerate", "accelerate"),
     "TapeSACPlugin": (".accelerate", "accelerate"),
     "TapeSACCallback": (".callback", "lightning"),
     "TapeSACFSDPStrategy": (".strategy", "lightning"),
+    "TapeSACTrainerCallback": (".trainer", "hf", "transformers", "accelerate"),
 }
 
-__all__ = ["TapeSACAccelerator", "TapeSACCallback", "TapeSACFSDPStrategy", "TapeSACPlugin"]
+__all__ = [
+    "TapeSACAccelerator",
+    "TapeSACCallback",
+    "TapeSACFSDPStrategy",
+    "TapeSACPlugin",
+    "TapeSACTrainerCallback",
+]
 
 
 @contextmanager
@@ -41,8 +49,8 @@ def needs_extra(extra: str, what: str, *modules: str) -> Iterator[None]:
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, extra = _EXPORTS[name]
-    with needs_extra(extra, f"tapesac_lightning.{name}"):
+    module, extra, *libraries = _EXPORTS[name]
+    with needs_extra(extra, f"tapesac_lightning.{name}", *libraries):
         value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from tapesac_core.checkpoint import (
     repeated_blocks,
 )
 
-from .driver import StepDiscarded, StepDriver, TokenCounter, tokens_in
+from .driver import StepDiscarded, StepDriver, TokenCounter, open_at_forward, tokens_in
 from .logging import Publisher
 
 SETTINGS_ENV = "TAPESAC_ACCELERATE_SETTINGS"
@@ -166,6 +166,21 @@ def use_fsdp_on_cpu(
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
+def named_blocks(
+    model: torch.nn.Module, names: Collection[str | type[torch.nn.Module]], key: str
+) -> Callable[[torch.nn.Module], bool]:
+    """Selects the modules of the classes ``names``; a class ``model`` lacks is an error naming
+    the setting ``key`` the names came from."""
+    wanted = {n if isinstance(n, str) else n.__name__ for n in names}
+    missing = sorted(wanted - {type(m).__name__ for m in model.modules()})
+    if missing:
+        raise TapeSACError(
+            f"{key} names {missing[0]!r}, a class {type(model).__name__} does not contain. "
+            f"Fix: name its block classes, e.g. {', '.join(repeated_block_classes(model)) or '...'}"
+        )
+    return lambda m: type(m).__name__ in wanted
+
+
 class TapeSACAccelerator(Accelerator):
     """``accelerate.Accelerator`` with TapeSAC planned under a memory limit on the FSDP2 blocks.
 
@@ -187,7 +202,6 @@ class TapeSACAccelerator(Accelerator):
         self.tapesac_plugin = plugin
         self.tapesac_controller: Controller | None = None
         self._driver: StepDriver | None = None
-        self._backward_done = False
         self._publisher = Publisher()
         if plugin is None:
             return
@@ -232,18 +246,8 @@ class TapeSACAccelerator(Accelerator):
         if names is None:
             names = self.state.fsdp_plugin.transformer_cls_names_to_wrap
             key = "fsdp_transformer_layer_cls_to_wrap"
-        if not names:
-            checkpoint_modules(model, repeated_blocks(model), plugin.regions)
-            return
-        wanted = {n if isinstance(n, str) else n.__name__ for n in names}
-        present = {type(m).__name__ for m in model.modules()}
-        missing = sorted(wanted - present)
-        if missing:
-            raise TapeSACError(
-                f"{key} names {missing[0]!r}, a class {type(model).__name__} does not contain. "
-                f"Fix: name its block classes, e.g. {', '.join(repeated_block_classes(model)) or '...'}"
-            )
-        checkpoint_modules(model, lambda m: type(m).__name__ in wanted, plugin.regions)
+        policy = named_blocks(model, names, key) if names else repeated_blocks(model)
+        checkpoint_modules(model, policy, plugin.regions)
 
     def _drive(self, model: torch.nn.Module) -> None:
         """A controller for the prepared model, its steps driven by hooks that survive ``prepare``."""
@@ -251,35 +255,24 @@ class TapeSACAccelerator(Accelerator):
             model, config=self.tapesac_plugin.config(), device=self.device
         )
         self._driver = StepDriver(self.tapesac_controller, self.tapesac_plugin.tokens or tokens_in)
-        # First of the pre-forward hooks, so the step also times FSDP's root all-gather.
-        model.register_forward_pre_hook(self._before_forward, prepend=True, with_kwargs=True)
+        open_at_forward(model, self._driver, self._finish_step)
         self.register_for_checkpointing(self.tapesac_controller)
-
-    def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled():
-            return  # evaluation: not a training step
-        if self._driver.is_open and not self._backward_done:
-            return  # another forward of the same micro-batch
-        self._finish_step()  # a micro-batch whose optimizer step never came
-        self._backward_done = False
-        self._driver.open((args, kwargs))
 
     @override
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         super().backward(loss, **kwargs)
         if self._driver is None or not self._driver.is_open:
             return
-        self._backward_done = True
+        self._driver.backward_done = True
         if not self.sync_gradients:
             self._finish_step()  # accumulating: no optimizer step belongs to this micro-batch
 
     def _after_optimizer_step(self) -> None:
-        if self._backward_done:
+        if self._driver.backward_done:
             self._finish_step()
 
     def _finish_step(self) -> None:
         report = self._driver.close()
-        self._backward_done = False
         if report is None or not self.is_main_process:
             return
         self._publisher.publish(
@@ -292,7 +285,7 @@ class TapeSACAccelerator(Accelerator):
 
     @override
     def end_training(self) -> None:
-        if self._backward_done:
+        if self._driver is not None and self._driver.backward_done:
             self._finish_step()
         elif self._driver is not None:
             self._driver.discard(StepDiscarded("training ended before its backward"))

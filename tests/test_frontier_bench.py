@@ -284,6 +284,8 @@ FOREIGN_PRIVATES = {
     "later AcceleratorState() calls copy over theirs: FSDP on CPU must be set there too",
     ("tapesac_lightning/callback.py", "_batches_that_stepped"): "Lightning's count of optimizer "
     "steps that self.log uses (global_step is one ahead after an optimizer step)",
+    ("tapesac_lightning/trainer.py", "_no_split_modules"): "the decoder layer classes a "
+    "Hugging Face model declares (what device_map and FSDP auto-wrap read): the default blocks",
 }
 ATTRIBUTE_BUILTINS = {"getattr", "hasattr", "setattr", "delattr"}
 

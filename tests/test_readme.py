@@ -37,3 +37,13 @@ def test_the_lightning_snippet_parses_and_its_imports_resolve() -> None:
         body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], type_ignores=[]
     )
     exec(compile(imports, "README", "exec"), {})
+
+
+def test_the_trainer_snippet_parses_and_its_import_resolves() -> None:
+    tree = ast.parse(_snippet("Two lines: the import and the callback"))
+    imports = ast.Module(
+        body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], type_ignores=[]
+    )
+    namespace: dict = {}
+    exec(compile(imports, "README", "exec"), namespace)
+    assert namespace["TapeSACTrainerCallback"].__module__ == "tapesac_lightning.trainer"
