@@ -44,14 +44,16 @@ from .errors import TapeSACError
 from .measured_times import SpeedupWatch, StepTimes
 from .memory import MemoryMeter, MemoryReading, device_memory, memory_meter
 from .plan.plan import Plan
+from .plan_cache import plans_from_state, plans_state
 from .profile import MemoryModel, MemorySample, RegionProfile
 from .profiling import Profiling
 from .ranks import RankAgreement
 from .solve import solve_plan
 from .step_frontier import StepFrontier, step_frontier
-from .step_report import Bucket, StepMode, StepReport, bucket_name, bucket_of
+from .step_report import Bucket, StepMode, StepReport
 from .timeline import StepProbe
 from .token_buckets import TokenBuckets
+from .verify import HiddenWrites
 
 logger = logging.getLogger(__name__)
 
@@ -438,18 +440,11 @@ class Controller:
             "version": _STATE_VERSION,
             "model": self.model_key,
             "steps": self.steps,
-            "plans": {bucket_name(k): p.to_json() for k, p in self.plans.items()},
+            "plans": plans_state(self.plans),
             **self.memory.state_dict(),
             **self.times.state_dict(),
-            "hidden_writes": self._hidden_writes_state(),
+            "hidden_writes": HiddenWrites.merged_state(self._hidden_writes),
         }
-
-    def _hidden_writes_state(self) -> dict[str, list[list[Any]]]:
-        merged: dict[str, set[tuple]] = {}
-        for table in self._hidden_writes:
-            for region, coords in table.state_dict().items():
-                merged.setdefault(region, set()).update(tuple(c) for c in coords)
-        return {r: [list(c) for c in sorted(coords)] for r, coords in merged.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` saved; plans from another model are refused."""
@@ -459,23 +454,7 @@ class Controller:
                 f"model has {self.model_key!r}: it comes from another model"
             )
         self.steps = state["steps"]
-        version = state.get("version", 1)
-        if version < 3 and state["plans"]:
-            # Version 1 plans predicted speedups with a time model that could explode, version 2
-            # plans bounded memory by Eq. 8 alone: solve again (after profiling).
-            logger.info(
-                "TapeSAC: state version %s is not this TapeSAC's (version %s: plans with "
-                "a step time model and a predicted peak): its %d plans are solved again",
-                version,
-                _STATE_VERSION,
-                len(state["plans"]),
-            )
-            self.plans = {}
-        else:
-            self.plans = {
-                bucket_of(k): Plan.from_json(v, model=self.model_key)
-                for k, v in state["plans"].items()
-            }
+        self.plans = plans_from_state(state, self.model_key, _STATE_VERSION)
         self.memory = MemoryModel.from_state(state)
         self.times.load_state_dict(state, self.buckets.edges)
         for table in self._hidden_writes:  # absent before version 4

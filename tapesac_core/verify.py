@@ -65,6 +65,16 @@ class HiddenWrites:
     def state_dict(self) -> dict[str, list[list[Any]]]:
         return {r: sorted(list(c) for c in coords) for r, coords in self._coords.items() if coords}
 
+    @staticmethod
+    def merged_state(tables: list[HiddenWrites]) -> dict[str, list[list[Any]]]:
+        """One state of several tables (a model wrapped by several ``checkpoint_modules``)."""
+        merged = HiddenWrites()
+        for table in tables:
+            for region, coords in table._coords.items():
+                for coord in coords:
+                    merged.add(region, coord)
+        return merged.state_dict()
+
     def load_state_dict(self, state: dict[str, list[list[Any]]]) -> None:
         for region, coords in state.items():
             for op, k, j in coords:

@@ -278,7 +278,7 @@ def test_a_version_1_state_is_solved_again_with_an_info_log(caplog):
     state["version"] = 1
     del state["must_only_steps"]
     model2, meter2, fresh = _setup(64 * MiB + 2 * MiB)
-    with caplog.at_level(logging.INFO, logger="tapesac_core.controller"):
+    with caplog.at_level(logging.INFO, logger="tapesac_core"):
         fresh.load_state_dict(state)
     assert not fresh.plans and "solved again" in caplog.text
     assert fresh.times.must_only_steps == [

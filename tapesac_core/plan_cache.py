@@ -1,0 +1,36 @@
+"""The plan cache as a controller's state carries it: each bucket's solved plan as JSON."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from .plan.plan import Plan
+from .step_report import Bucket, bucket_name, bucket_of
+
+logger = logging.getLogger(__name__)
+
+# States before version 3 hold plans with a time model that could explode (1) or bounded by Eq. 8
+# alone (2): they are solved again (after profiling).
+_OLDEST_USABLE = 3
+
+
+def plans_state(plans: Mapping[Bucket, Plan]) -> dict[str, str]:
+    return {bucket_name(k): p.to_json() for k, p in plans.items()}
+
+
+def plans_from_state(state: Mapping[str, Any], model: str, version: int) -> dict[Bucket, Plan]:
+    """The plans of a state of this TapeSAC's ``version`` or an older one; none (said at info
+    level) when they are too old to use."""
+    found = state.get("version", 1)
+    if found < _OLDEST_USABLE and state["plans"]:
+        logger.info(
+            "TapeSAC: state version %s is not this TapeSAC's (version %s: plans with a step "
+            "time model and a predicted peak): its %d plans are solved again",
+            found,
+            version,
+            len(state["plans"]),
+        )
+        return {}
+    return {bucket_of(k): Plan.from_json(v, model=model) for k, v in state["plans"].items()}
