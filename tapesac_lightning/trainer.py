@@ -279,10 +279,11 @@ def _switch_off_model_checkpointing(model: torch.nn.Module) -> bool:
 
 
 def _fsdp_plugin() -> Any:
-    """The FSDP plugin of the Accelerator the Trainer built, if it runs FSDP."""
+    """The FSDP plugin of the Accelerator the Trainer built, if it runs FSDP (an
+    AcceleratorState not running FSDP has no such attribute: it raises AttributeError)."""
     from accelerate.state import AcceleratorState, is_initialized
 
-    return AcceleratorState().fsdp_plugin if is_initialized() else None
+    return getattr(AcceleratorState(), "fsdp_plugin", None) if is_initialized() else None
 
 
 def _summary_writer(args: TrainingArguments) -> Any:

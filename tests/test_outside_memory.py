@@ -64,7 +64,7 @@ def test_a_limit_made_unreachable_by_outside_memory_warns_once_and_solves_again_
 ) -> None:
     model = _model()
     must_only = _must_only_peak(model)
-    limit = int(1.05 * must_only)
+    limit = int(1.15 * must_only)  # above the must-only peak at the bucket edge (276 tokens)
     controller = Controller(model, limit, **SETTINGS)
     _run(model, controller, range(4), caplog)
     assert controller.report.mode == PLANNED and controller.report.saved_bytes > 0
