@@ -1,5 +1,6 @@
 """Helpers every benchmark shares: where a run happened (machine, commit), the order of
-interleaved rounds, quartiles, and how bytes are written in tables."""
+interleaved rounds, quartiles, how bytes are written in tables, and the no-op dispatch modes
+that price any Python-level recorder."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tapesac_core.units import MiB
 
@@ -101,3 +103,28 @@ def mib(n: int | None) -> str:
 def pct(share: float | None) -> str:
     """A share as a whole percentage in a table, "-" for none."""
     return "-" if share is None else f"{share:.0%}"
+
+
+class NoOpMode(TorchDispatchMode):
+    """Only calls the op: what any Python dispatch mode costs, as torch wraps it
+    (``torch._disable_dynamo`` around ``__torch_dispatch__``)."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class BareNoOpMode(NoOpMode):
+    """The same without the wrapper that keeps Dynamo out (TapeSAC's Recorder opts out of it):
+    the floor of a dispatcher-level recorder."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    # Defined again: the inherited one is already wrapped (torch wraps it per class).
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        return func(*args, **(kwargs or {}))

@@ -46,6 +46,7 @@ from torch.utils.checkpoint import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tapesac_core  # noqa: E402
+from benchmarks.common import BareNoOpMode, NoOpMode  # noqa: E402
 
 OPS = 200
 SIZE = 16
@@ -63,29 +64,6 @@ class TinyOps(torch.nn.Module):
         for _ in range(OPS // 4):
             x = (x.sin() * self.w + 1.0).tanh()
         return x
-
-
-class NoOpMode(TorchDispatchMode):
-    """Only calls the op: what any Python dispatch mode costs."""
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
-    ) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
-class BareNoOpMode(NoOpMode):
-    """The same, without the wrapper that keeps Dynamo out of ``__torch_dispatch__``."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-    # Defined again: the inherited one is already wrapped (torch wraps it per class).
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
-    ) -> Any:
-        return func(*args, **(kwargs or {}))
 
 
 def _save_nothing(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

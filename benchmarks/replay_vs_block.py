@@ -45,7 +45,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tapesac_core  # noqa: E402
-from benchmarks.common import git_commit, median_seconds, mib, quartiles, rotated  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    BareNoOpMode,
+    NoOpMode,
+    git_commit,
+    median_seconds,
+    mib,
+    quartiles,
+    rotated,
+)
 from examples.data import batches  # noqa: E402
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer  # noqa: E402
 from tapesac_core.memory import profile_memory  # noqa: E402
@@ -241,28 +249,6 @@ def tiny_loop(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class NoOpMode(TorchDispatchMode):
-    """The floor of a dispatcher-level recorder, as torch wraps it (torch._disable_dynamo)."""
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
-    ) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
-class NoOpModeNoDynamoGuard(NoOpMode):
-    """The same without the _disable_dynamo wrapper (what TapeSAC's Recorder opts out of)."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
-    ) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
 def _noop_hooks(mode_cls: type) -> Callable[[torch.Tensor, torch.Tensor], Any]:
     def run(x: torch.Tensor, w: torch.Tensor) -> Any:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), mode_cls():
@@ -280,7 +266,7 @@ def recording_overhead(reps: int) -> dict[str, Any]:
     runs = {
         "plain": lambda: tiny_loop(x, w),
         "noop_mode_and_hooks": lambda: _noop_hooks(NoOpMode)(x, w),
-        "noop_mode_no_dynamo_guard_and_hooks": lambda: _noop_hooks(NoOpModeNoDynamoGuard)(x, w),
+        "noop_mode_no_dynamo_guard_and_hooks": lambda: _noop_hooks(BareNoOpMode)(x, w),
         "torch_checkpoint": lambda: torch.utils.checkpoint.checkpoint(
             tiny_loop, x, w, use_reentrant=False
         ),
