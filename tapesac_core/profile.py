@@ -44,6 +44,7 @@ class RegionProfile:
         (every block ran the reference's op sequence, no output of data-dependent shape)."""
         return all(self.shares_reference) and DYNAMIC_SHAPE not in self.tape.mandatory.values()
 
+    @functools.cached_property
     def plain_point(self) -> Point:
         """Running a block plain as a save set: everything autograd saves (the demand set beyond
         S0 and the leaves, less the block's outputs, alive anyway as the next block's input), and

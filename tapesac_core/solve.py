@@ -168,7 +168,7 @@ def _with_plain(
     too, so it beats the frontier's last point wherever both fit."""
     if not profile.plain_allowed:
         return menu
-    plain = profile.plain_point()
+    plain = profile.plain_point
     return dataclasses.replace(
         menu,
         bytes=(*menu.bytes, profile.bytes_at(plain, tokens / profile.tokens)),
@@ -263,7 +263,7 @@ def _region_plan(
         saved=_describe(profile, largest, tokens / profile.tokens),
         note=note,
         block_bytes=tuple(
-            profile.bytes_at(profile.plain_point(), tokens / profile.tokens)
+            profile.bytes_at(profile.plain_point, tokens / profile.tokens)
             if p
             else points[i].bytes
             for i, p in zip(chosen, plain)
