@@ -263,9 +263,7 @@ def _region_plan(
         saved=_describe(profile, largest, tokens / profile.tokens),
         note=note,
         block_bytes=tuple(
-            profile.bytes_at(profile.plain_point, tokens / profile.tokens)
-            if p
-            else points[i].bytes
+            profile.bytes_at(profile.plain_point, tokens / profile.tokens) if p else points[i].bytes
             for i, p in zip(chosen, plain)
         ),
         anchors=anchors,
