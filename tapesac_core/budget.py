@@ -61,6 +61,7 @@ class MemoryBudget:
         self.config = config
         self.total = total
         self._said_unfit = False
+        self._said_over_budget = False
 
     def limit_bytes(self) -> int:
         """The memory limit in bytes on this device (or host, on CPU)."""
@@ -94,15 +95,17 @@ class MemoryBudget:
         self,
         reading: MemoryReading,
         static: int,
-        plan: Plan,
+        plan: Plan | None,
         predicted_peak: int | None,
         memory: MemoryModel,
     ) -> Correction:
-        """What a metered planned step asks of the memory model: memory outside the blocks
-        measured anew if it moved, the error of its peak beyond the margin (the move taken out),
-        a fragmentation raise near the limit (none if the move explains it, or when nothing
-        fits: the lowest-peak plan already runs)."""
+        """What a metered step asks of the memory model: memory outside the blocks measured
+        anew if it moved; for a planned step (``plan`` not None) also the error of its peak
+        beyond the margin (the move taken out) and a fragmentation raise near the limit (none if
+        the move explains it, or when nothing fits: the lowest-peak plan already runs)."""
         growth = self.outside_moved(static, memory)
+        if plan is None:  # a must-only step: nothing saved that a smaller plan could give back
+            return Correction(outside_growth=growth)
         moved = 0 if growth is None else growth - memory.static_growth
         unfit = plan.predicted_peak > plan.capacity
         return Correction(
@@ -160,6 +163,18 @@ class MemoryBudget:
             ("+" if memory.static_growth >= 0 else "-") + format_bytes(abs(memory.static_growth)),
             format_bytes(self.limit_bytes() + missing),
         )
+
+    def say_over_budget(self, values: int) -> None:
+        """``values`` planned values of a step were replayed, not kept: their bytes exceeded what
+        the plan gave their block. Said once: sizes that depend on data recur every step."""
+        if values and not self._said_over_budget:
+            self._said_over_budget = True
+            logger.info(
+                "TapeSAC: %d planned values took more bytes than the plan gave their block "
+                "(sizes that depend on data, e.g. tokens routed per expert) and were replayed "
+                "instead, keeping the step under the limit",
+                values,
+            )
 
     def _peak_error(
         self,

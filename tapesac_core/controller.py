@@ -1,27 +1,27 @@
 """The step state machine (paper Algorithm 1): warm up, profile, solve per token bucket, apply.
 
-Each training step runs inside ``with controller.step(tokens=n):``. The first ``warmup_steps``
-run must-only; the next ``profile_steps`` time every op of every block (the reference block of
-each region type, the first with its most common op sequence, is kept; the first profiling step
-also samples the must-only step's peak memory); then each token bucket gets a plan, solved at the
+Each training step runs inside ``with controller.step(tokens=n):``. The first ``warmup_steps`` run
+must-only; the next ``profile_steps`` time every op of every block (the reference block of each
+region type, the first with its most common op sequence, is kept; the first profiling step also
+samples the must-only step's peak memory); then each token bucket gets a plan, solved at the
 bucket's upper edge under the memory limit and cached. A new bucket first runs ``control_steps``
 plain must-only steps, then one every ``control_every`` planned steps, so planned steps can be
 compared with them (measured speedup); measured and predicted speedups off by more than
-``speedup_band`` at ``mismatch_windows`` control steps in a row send every region back to
-profiling. A bucket without a plan whose tokens lie more than
-``resample_tolerance`` from every memory sample is sampled first, a region is profiled again when
-its tokens exceed ``reprofile_factor`` times its reference's, and an observed peak near the limit
-raises the fragmentation estimate (plans only shrink). Metered must-only steps (the first
-profiling step, sample steps) also record the memory timeline (``timeline.StepProbe``), from which
-the peak-aware model (``memory_model="peak"``, ``plan.peak``) predicts each plan's step peak; a
-metered planned step above its predicted peak by more than the margin adds the error to the model
-and solves again. Under torch.distributed all ranks agree
-each step on the largest token counts and on any flag, rank 0 solves with the smallest budget, and
-every rank applies the same plan.
+``speedup_band`` at ``mismatch_windows`` control steps in a row send every region back to profiling.
+A bucket without a plan whose tokens lie more than ``resample_tolerance`` from every memory sample
+is sampled first, a region is profiled again when its tokens exceed ``reprofile_factor`` times its
+reference's, and an observed peak near the limit raises the fragmentation estimate (plans only
+shrink). Metered must-only steps (the first profiling step, sample steps) also record the memory
+timeline (``timeline.StepProbe``), from which the peak-aware model (``memory_model="peak"``,
+``plan.peak``) predicts each plan's step peak; a metered planned step above its predicted peak by
+more than the margin adds the error to the model and solves again. Under torch.distributed all ranks
+agree each step on the largest token counts and on any flag, rank 0 solves with the smallest budget,
+and every rank applies the same plan.
 
 The parts, each a module of its own: ``TokenBuckets`` (tokens and buckets), ``MemoryBudget`` (the
 limit, the capacity, the corrections metered steps ask for), ``RankAgreement`` (collectives),
-``StepTimes``, ``SpeedupWatch`` and ``ReplayWalls`` (measured times).
+``StepTimes``, ``SpeedupWatch`` and ``ReplayWalls`` (measured times), ``StepSchedule`` (which mode
+each step runs, which steps are metered or verify).
 """
 
 from __future__ import annotations
@@ -42,23 +42,22 @@ from .compute_device import compute_device
 from .config import TapeSACConfig
 from .errors import TapeSACError
 from .measured_times import SpeedupWatch, StepTimes
-from .memory import MemoryMeter, MemoryReading, device_memory, memory_meter
+from .memory import MemoryMeter, MemoryReading, device_memory, marker, memory_meter
 from .plan.plan import Plan
 from .plan_cache import plans_from_state, plans_state
 from .profile import MemoryModel, MemorySample, RegionProfile
 from .profiling import Profiling
 from .ranks import RankAgreement
+from .schedule import StepSchedule
 from .solve import solve_plan
 from .step_frontier import StepFrontier, step_frontier
-from .step_report import Bucket, StepMode, StepReport
+from .step_report import CONTROL, FULL, PLANNED, PROFILE, SAMPLE, WARMUP, Bucket, StepReport
 from .timeline import StepProbe
 from .token_buckets import TokenBuckets
 from .verify import HiddenWrites
 
 logger = logging.getLogger(__name__)
 
-WARMUP, PROFILE, SAMPLE = StepMode.WARMUP, StepMode.PROFILE, StepMode.SAMPLE
-CONTROL, PLANNED, FULL = StepMode.CONTROL, StepMode.PLANNED, StepMode.FULL
 _STATE_VERSION = 4  # 2: plans carry the step time model; must-only steps keep their tokens
 # 3: plans carry their predicted peak (the peak-aware memory model); 4: the memory model keeps
 # samples at a reference static and the growth of memory outside the blocks (plans as in 3)
@@ -106,10 +105,9 @@ class Controller:
         self.budget = MemoryBudget(config, lambda: device_memory(self.device))
         self.ranks = RankAgreement(process_group, self.device)
         self._speedups = SpeedupWatch(config.speedup_band, config.mismatch_windows)
+        self.schedule = StepSchedule(config, self.device.type)
         self._reprofile = False  # measured speedups disagree with the model: profile again
-        self._unmetered: dict[Bucket, int] = {}  # planned steps since the bucket's last metered
         self._pending = Correction()  # asked by this rank's last metered step; agreed at the next
-        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ public state
 
@@ -177,10 +175,10 @@ class Controller:
         local = self.buckets.per_region(tokens)
         per_region = self._agree_tokens(local)
         key = self.buckets.key(per_region)
-        if self.steps < self.config.warmup_steps:
+        if self.schedule.warms_up(self.steps):
             mode = WARMUP
         else:
-            mode = self._mode(key, *self._agree(key, per_region, local))
+            mode = self.schedule.mode(key, self.times, *self._agree(key, per_region, local))
         plan = self._plan(key) if mode == PLANNED else None
         report = StepReport(
             step=self.steps,
@@ -195,13 +193,11 @@ class Controller:
             if plan is not None:
                 stack.enter_context(use_plan(plan))
             torch_checkpointed = stack.enter_context(torch_checkpointing()) if mode == FULL else []
-            meter = stack.enter_context(self._meter()) if self._metered(mode, key) else None
+            metered = self.schedule.metered(mode, key, self.profiling.done)
+            meter = stack.enter_context(self._meter()) if metered else None
             # Must-only metered steps also measure the memory timeline (the peak-aware model).
-            probe = (
-                StepProbe(meter.mark)
-                if meter is not None and hasattr(meter, "mark") and mode in (PROFILE, SAMPLE)
-                else None
-            )
+            mark = marker(meter) if mode in (PROFILE, SAMPLE) else None
+            probe = StepProbe(mark) if mark is not None else None
             # The peak-aware model knows an earlier micro-batch's blocks freed their values before
             # the next forward; Eq. 8 ("sum") would count them alive together: refused there.
             plain: list[str] = []
@@ -209,7 +205,7 @@ class Controller:
                 trace(
                     time_nodes=mode == PROFILE,
                     one_micro_batch=self.config.memory_model == "sum",
-                    verify=self._verifies(mode),
+                    verify=self.schedule.verifies(mode, self.steps, self.profiling.done),
                     probe=probe,
                     plain=plain,
                 )
@@ -235,15 +231,7 @@ class Controller:
 
     def _finish(self, report: StepReport, reading: MemoryReading | None, static: int) -> None:
         blocks, key, mode = report.block_traces, report.bucket, report.mode
-        if report.over_budget:
-            self._say_once(
-                "over_budget",
-                logging.INFO,
-                "TapeSAC: %d planned values took more bytes than the plan gave their block "
-                "(sizes that depend on data, e.g. tokens routed per expert) and were "
-                "replayed instead, keeping the step under the limit",
-                report.over_budget,
-            )
+        self.budget.say_over_budget(report.over_budget)
         primary = self.buckets.primary(report.local_tokens)
         if reading is not None:
             report.peak = reading.peak
@@ -259,13 +247,10 @@ class Controller:
             # This rank's memory is that of its own batch: samples carry its own token count.
             self.memory.add(MemorySample.of(reading, tokens=primary, static=static))
         self._time(report, blocks, metered=reading is not None)
-        if mode == PLANNED and reading is not None:
+        if reading is not None:  # must-only steps (no plan) ask only for outside memory anew
             self._pending = self.budget.check(
                 reading, static, report.plan, report.predicted_peak, self.memory
             )
-        elif reading is not None:
-            moved = self.budget.outside_moved(static, self.memory)
-            self._pending = Correction(outside_growth=moved)
         report.predicted_speedup = self.plans[key].predicted_speedup if key in self.plans else None
         report.measured_speedup = self.times.speedup(key)
         report.measured_reason = self.times.unmeasured_reason(key, key in self.plans)
@@ -276,8 +261,8 @@ class Controller:
         self.steps += 1
 
     def _time(self, report: StepReport, blocks: list[BlockTrace], metered: bool) -> None:
-        """The step's seconds into its bucket's times. Metering slows a CPU step: a metered
-        planned step there is checked, not timed."""
+        """The step's seconds into its bucket's times (``StepSchedule.timed``: which planned
+        steps count)."""
         key, mode = report.bucket, report.mode
         if mode == CONTROL or (mode == WARMUP and report.step > 0):
             self.times.add_must_only(key, report.tokens, report.time)
@@ -292,11 +277,10 @@ class Controller:
         elif mode == FULL:
             self.times.add_full(key, report.time)
         elif mode == PLANNED:
-            self._unmetered[key] = 0 if metered else self._unmetered.get(key, 0) + 1
-            on_cpu_meter = metered and self.device.type == "cpu"
-            self.times.add_planned(key, None if on_cpu_meter else report.time)
+            self.schedule.planned(key, metered)
+            self.times.add_planned(key, report.time if self.schedule.timed(metered) else None)
 
-    # ------------------------------------------------------------------ modes
+    # ------------------------------------------------------------------ agreement
 
     def _agree(
         self, key: Bucket, tokens: dict[str, int], local: dict[str, int]
@@ -325,54 +309,14 @@ class Controller:
             ]
         )
         self._pending = Correction()
-        agreed = Correction(
-            fragmentation=fragmentation,
-            model_error=model_error,
-            outside_growth=pending.outside_growth,  # this rank's own memory
-        )
+        # The largest any rank asked; the memory outside the blocks stays this rank's own.
+        agreed = dataclasses.replace(pending, fragmentation=fragmentation, model_error=model_error)
         # Every rank solves again if any rank's memory changed: solving takes all of them.
         if self.budget.apply(agreed, self.memory) or moved:
             self._forget_plans()
         if profile:
             self._reprofile = False
         return bool(profile), bool(sample)
-
-    def _mode(self, key: Bucket, profile: bool, sample: bool) -> StepMode:
-        if profile:
-            return PROFILE
-        if sample:
-            return SAMPLE
-        controls = len(self.times.must_only.get(key, ()))
-        every = self.config.control_every
-        if controls < self.config.control_steps or (
-            every and controls and self.times.planned_since_control(key) >= every
-        ):
-            return CONTROL
-        full_every = self.config.full_control_every
-        if full_every and (
-            not self.times.full.get(key) or self.times.planned_since_full(key) >= full_every
-        ):
-            return FULL
-        return PLANNED
-
-    def _metered(self, mode: StepMode, key: Bucket) -> bool:
-        """Memory is metered in the first profiling step, sample steps, and planned steps: on
-        accelerators every one (allocator statistics cost nothing); on CPU, where metering slows
-        the step, a bucket's first and then one in ``meter_every``."""
-        if mode == PROFILE:
-            return self.profiling.done == 0
-        if mode == PLANNED:
-            every, since = self.config.meter_every, self._unmetered.get(key)
-            return self.device.type != "cpu" or since is None or bool(every and since >= every - 1)
-        return mode == SAMPLE
-
-    def _verifies(self, mode: StepMode) -> bool:
-        """Whether this step looks for writes the dispatcher cannot see (``verify.py``): the
-        first step if it warms up (neither timed nor metered: the check's syncs and temporaries
-        distort nothing), else the first profile step."""
-        if self.config.warmup_steps > 0:
-            return mode == WARMUP and self.steps == 0
-        return mode == PROFILE and self.profiling.done == 0
 
     # ------------------------------------------------------------------ plans
 
@@ -415,7 +359,7 @@ class Controller:
     def _forget_plans(self) -> None:
         """Every bucket is solved again (and its first planned step metered again on CPU)."""
         self.plans.clear()
-        self._unmetered.clear()
+        self.schedule.forget_plans()
 
     # ------------------------------------------------------------------ ranks and device
 
@@ -426,11 +370,6 @@ class Controller:
     def _synchronize(self) -> None:
         if self.device.type != "cpu":
             torch.accelerator.synchronize(self.device)
-
-    def _say_once(self, topic: str, level: int, message: str, *args: Any) -> None:
-        if topic not in self._warned:
-            self._warned.add(topic)
-            logger.log(level, message, *args)
 
     # ------------------------------------------------------------------ checkpoints
 

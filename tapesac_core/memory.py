@@ -210,6 +210,13 @@ def memory_meter(device: torch.device | str) -> MemoryMeter:
     return LiveTensorMeter() if device.type == "cpu" else AcceleratorMeter(device)
 
 
+def marker(meter: MemoryMeter | None) -> Callable[[], tuple[int, int]] | None:
+    """The ``mark`` of ``meter`` (peak bytes since the previous mark, and bytes now), which the
+    memory timeline needs: TapeSAC's own meters have one, a meter given to the controller (one
+    that only reads a window) need not, and its steps record no timeline."""
+    return meter.mark if isinstance(meter, (AcceleratorMeter, LiveTensorMeter)) else None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProfiledMemory:
     """Allocation events of one call, relative to the bytes live before it."""

@@ -42,6 +42,11 @@ class StepMode(str, Enum):
         return self not in (StepMode.PLANNED, StepMode.FULL)
 
 
+# Short names of the modes, for the controller and its schedule (and their callers).
+WARMUP, PROFILE, SAMPLE = StepMode.WARMUP, StepMode.PROFILE, StepMode.SAMPLE
+CONTROL, PLANNED, FULL = StepMode.CONTROL, StepMode.PLANNED, StepMode.FULL
+
+
 @dataclass(kw_only=True)
 class StepReport:
     """What one step did, for logs: its mode, plan, time, memory and replay counts."""

@@ -14,7 +14,18 @@ from tapesac_core.memory import MemoryReading
 from tapesac_core.plan import bucket, upper_edge
 from tapesac_core.profile import MemoryModel, MemorySample
 from tapesac_core.ranks import RankAgreement
-from tapesac_core.step_report import StepMode, bucket_name, bucket_of
+from tapesac_core.schedule import StepSchedule
+from tapesac_core.step_report import (
+    CONTROL,
+    FULL,
+    PLANNED,
+    PROFILE,
+    SAMPLE,
+    WARMUP,
+    StepMode,
+    bucket_name,
+    bucket_of,
+)
 from tapesac_core.token_buckets import TokenBuckets
 from tapesac_core.units import GiB, MiB
 
@@ -183,6 +194,90 @@ def test_speedup_watch_profiles_again_after_windows_in_a_row_at_most_twice() -> 
     answers = [watch.profile_again(key, 1.0, plan) for _ in range(8)]
     assert answers == [False, True, False, True, False, False, False, False]
     assert watch.reprofiles == 2
+
+
+# ---------------------------------------------------------------------- StepSchedule
+
+
+def _cadence(steps: int, **settings) -> str:
+    """The modes of ``steps`` steps of one bucket after warmup (c: control, f: full, p: planned),
+    each step's time fed back as the controller does."""
+    schedule = StepSchedule(TapeSACConfig(memory_limit=0.5, **settings), "cuda")
+    times, key, letters = StepTimes(), (3,), ""
+    for _ in range(steps):
+        mode = schedule.mode(key, times, profile=False, sample=False)
+        letters += {CONTROL: "c", FULL: "f", PLANNED: "p"}[mode]
+        if mode == CONTROL:
+            times.add_must_only(key, {"attention": 8}, 1.0)
+        elif mode == FULL:
+            times.add_full(key, 1.0)
+        else:
+            times.add_planned(key, 1.0)
+    return letters
+
+
+@pytest.mark.parametrize(
+    "settings, modes",
+    [
+        ({}, "c" + 25 * "p" + "c"),  # one control step, then one per 25 planned
+        (dict(control_steps=2, control_every=3, full_control_every=4), "ccfpppcpfppc"),
+        (dict(control_every=0), "c" + 10 * "p"),  # control steps only in a new bucket
+        (dict(control_steps=0, control_every=3), 6 * "p"),  # none to compare with: never
+    ],
+)
+def test_a_bucket_runs_control_full_and_planned_steps_at_their_cadence(settings, modes) -> None:
+    assert _cadence(len(modes), **settings) == modes
+
+
+def test_profiling_and_sampling_come_before_the_cadence() -> None:
+    schedule, times = StepSchedule(TapeSACConfig(memory_limit=0.5), "cpu"), StepTimes()
+    assert schedule.warms_up(1) and not schedule.warms_up(2)  # warmup_steps=2
+    assert schedule.mode((3,), times, profile=True, sample=True) == PROFILE
+    assert schedule.mode((3,), times, profile=False, sample=True) == SAMPLE
+    assert schedule.mode((3,), times, profile=False, sample=False) == CONTROL
+
+
+def _meterings(schedule: StepSchedule, key: tuple[int, ...], steps: int) -> str:
+    """Which of ``steps`` planned steps of bucket ``key`` are metered (m) and which not (-)."""
+    marks = ""
+    for _ in range(steps):
+        metered = schedule.metered(PLANNED, key, profiled=0)
+        schedule.planned(key, metered)
+        marks += "m" if metered else "-"
+    return marks
+
+
+def test_planned_steps_are_metered_every_one_on_accelerators_one_in_meter_every_on_cpu() -> None:
+    cpu = StepSchedule(TapeSACConfig(memory_limit=0.5, meter_every=3), "cpu")
+    assert _meterings(cpu, (3,), 7) == "m--m--m"
+    assert _meterings(cpu, (4,), 2) == "m-"  # each bucket's first planned step is metered
+    cpu.forget_plans()  # new plans: their first steps are metered again
+    assert _meterings(cpu, (3,), 2) == "m-"
+    never = StepSchedule(TapeSACConfig(memory_limit=0.5, meter_every=0), "cpu")
+    assert _meterings(never, (3,), 4) == "m---"
+    cuda = StepSchedule(TapeSACConfig(memory_limit=0.5, meter_every=3), "cuda")
+    assert _meterings(cuda, (3,), 4) == "mmmm"
+    # Metering slows a CPU step: a metered planned step there is not timed.
+    assert not cpu.timed(metered=True) and cpu.timed(metered=False) and cuda.timed(metered=True)
+
+
+def test_must_only_steps_are_metered_when_they_sample_memory() -> None:
+    schedule = StepSchedule(TapeSACConfig(memory_limit=0.5), "cuda")
+    assert schedule.metered(PROFILE, (3,), profiled=0)  # the first profiling step
+    assert not schedule.metered(PROFILE, (3,), profiled=1)
+    assert schedule.metered(SAMPLE, (3,), profiled=1)
+    assert not any(schedule.metered(m, (3,), profiled=0) for m in (WARMUP, CONTROL, FULL))
+
+
+def test_the_first_warmup_step_verifies_or_else_the_first_profile_step() -> None:
+    warm = StepSchedule(TapeSACConfig(memory_limit=0.5, warmup_steps=2), "cpu")
+    assert warm.verifies(WARMUP, step=0, profiled=0)
+    assert not warm.verifies(WARMUP, step=1, profiled=0)
+    assert not warm.verifies(PROFILE, step=2, profiled=0)
+    cold = StepSchedule(TapeSACConfig(memory_limit=0.5, warmup_steps=0), "cpu")
+    assert cold.verifies(PROFILE, step=0, profiled=0)
+    assert not cold.verifies(PROFILE, step=1, profiled=1)
+    assert not cold.verifies(PLANNED, step=5, profiled=0)
 
 
 # ---------------------------------------------------------------------- RankAgreement
