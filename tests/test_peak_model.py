@@ -1,5 +1,6 @@
 """The peak-aware memory model (plan/peak.py): pure functions, exact numbers."""
 
+import dataclasses
 import itertools
 import random
 
@@ -18,6 +19,7 @@ from tapesac_core.plan.peak import (
     Segment,
     Timeline,
     TimelineBlock,
+    forward_memory,
     predict,
     replay_memory,
     solve_peak,
@@ -48,6 +50,30 @@ def test_replay_memory_follows_replay_order_and_frees_at_last_read() -> None:
     taken = replay_memory(g, (), [c, b, a], taken={c})
     # c alive elsewhere (a block output): nothing replayed for it.
     assert taken.replay == (0, 30, 10) and taken.compute == (0, 30, 10)
+
+
+def test_forward_memory_keeps_saved_values_to_the_forward_end() -> None:
+    g = _chain()
+    a, b, c = (g.ids[n] for n in "abc")
+    # Each value lives until its last read: the peak is while c is computed from b (20 + 40).
+    assert forward_memory(g, ()) == 60
+    assert forward_memory(g, {a}) == 70  # a is still alive then
+    assert forward_memory(g, {c}) == 60  # c exists at that peak anyway
+    menu = RegionMenu(
+        sequence="s",
+        graph=g,
+        bytes=(0, 20, 80),  # at twice the graph's tokens
+        gains=(0.0, 1.0, 2.0),
+        saved=(frozenset(), frozenset({a}), frozenset({c})),
+        scale=2.0,
+    )
+    # The block's own forward segment moves by what of its set is not alive at its peak.
+    assert [o.forward for o in menu.options()] == [0, 0, -80]
+    assert [o.forward for o in menu.options(simulate=False)] == [0, 0, 0]
+    t = _timeline([100], [(0, 0)])
+    forward = dataclasses.replace(t.segments[0], phase="forward", own=0, unpack=0)
+    t = dataclasses.replace(t, segments=(forward,))
+    assert [predict(t, [o]).peak for o in menu.options()] == [100, 120, 100]
 
 
 def _timeline(peaks, first_last, own=None):
@@ -136,7 +162,7 @@ def _windows_timeline(rng: random.Random, groups: int, blocks: int, unpacks: int
     for g in range(groups):
         lo = g * blocks
         segs += [
-            Segment(peak=rng.randint(50, 100), first=lo, last=i, phase="forward")
+            Segment(peak=rng.randint(50, 100), first=lo, last=i, phase="forward", own=i, unpack=0)
             for i in range(lo, lo + blocks)
         ]
         segs.append(Segment(peak=rng.randint(50, 100), first=lo, last=lo + blocks - 1))
@@ -157,7 +183,8 @@ def _windows_timeline(rng: random.Random, groups: int, blocks: int, unpacks: int
 
 def test_solve_peak_is_exact_with_replay_deltas_and_micro_batches() -> None:
     """Several unpacks per window, replay and compute deltas (a saved value can lower a window
-    below its must-only peak), two micro-batches: the DP's gain equals brute force's best."""
+    below its must-only peak), forward deltas, two micro-batches: the DP's gain equals brute
+    force's best."""
     rng = random.Random(11)
     for trial in range(60):
         groups, blocks, unpacks = rng.randint(1, 2), rng.randint(1, 2), rng.randint(1, 3)
@@ -174,6 +201,7 @@ def test_solve_peak_is_exact_with_replay_deltas_and_micro_batches() -> None:
                         point=p,
                         replay=tuple(rng.randint(-40, 5) for _ in range(width)),
                         compute=tuple(rng.randint(-40, 5) for _ in range(width)),
+                        forward=-rng.randint(0, opts[-1].bytes),
                     )
                 )
             menus.append(opts)
@@ -249,7 +277,9 @@ def test_a_second_micro_batch_starts_from_freed_memory() -> None:
 
 
 def test_timeline_of_events_alive_ranges_and_labels() -> None:
-    ev = lambda kind, b, peak, vid=None: Event(kind=kind, block=b, peak=peak, current=0, vid=vid)  # noqa: E731
+    def ev(kind, b, peak, vid=None, current=0):
+        return Event(kind=kind, block=b, peak=peak, current=current, vid=vid)
+
     events = [
         ev(FORWARD_START, 0, 10),
         ev(FORWARD_END, 0, 20),
@@ -257,29 +287,36 @@ def test_timeline_of_events_alive_ranges_and_labels() -> None:
         ev(FORWARD_END, 1, 30),
         ev(UNPACK_START, 1, 50, 7),
         ev(UNPACK_END, 1, 45, 7),
-        ev(RELEASE, 1, 44),
+        ev(RELEASE, 1, 44, current=42),
         ev(UNPACK_START, 0, 40, 3),
         ev(UNPACK_END, 0, 38, 3),
-        ev(RELEASE, 0, 37),
+        ev(RELEASE, 0, 37, current=36),
     ]
     blocks = [TimelineBlock(region="r", index=i, sequence="s") for i in range(2)]
     t = timeline_of(events, blocks, tokens=8, static=5, end_peak=60, names=["L0", "L1"])
     got = [(s.peak, s.first, s.last, s.phase, s.own, s.unpack, s.label) for s in t.segments]
     assert got == [
         (10, 0, -1, "outside", None, None, "before the first block (embedding)"),
-        (20, 0, 0, "forward", None, None, "forward of L0"),
+        (20, 0, 0, "forward", 0, 0, "forward of L0"),
         (21, 0, 0, "outside", None, None, "forward, after L0"),
-        (30, 0, 1, "forward", None, None, "forward of L1"),
+        (30, 0, 1, "forward", 1, 0, "forward of L1"),
         (50, 0, 1, "outside", None, None, "between forward and backward (the loss)"),
         (45, 0, 1, "replay", 1, 0, "backward window of L1"),
         (44, 0, 1, "compute", 1, 0, "backward window of L1"),
-        (40, 0, 1, "outside", None, None, "backward, after L1 freed its values"),
+        # The instant of a release still holds the block's values (bytes in use then); the
+        # rest of the segment does not: a plan's bytes are not added to a later peak.
+        (42, 0, 1, "outside", None, None, "backward, as L1 frees its values"),
+        (40, 0, 0, "outside", None, None, "backward, after L1 freed its values"),
         (38, 0, 0, "replay", 0, 0, "backward window of L0"),
         (37, 0, 0, "compute", 0, 0, "backward window of L0"),
-        (60, 0, 0, "outside", None, None, "backward, after L0 freed its values"),
+        (36, 0, 0, "outside", None, None, "backward, as L0 frees its values"),
+        (60, 0, -1, "outside", None, None, "after backward (optimizer step)"),
     ]
     assert t.peak == 60 and t.scaled(115).peak == 115
     assert [s.peak for s in t.scaled(115).segments][:2] == [15, 35]  # 5 + (p - 5) * 2
+    # A plan saving 100 bytes in L0 adds them up to its release, not to the optimizer's 60.
+    saves = [Option(bytes=100, gain=1.0, point=1), Option(bytes=0, gain=0.0, point=0)]
+    assert predict(t, saves).peak == 50 + 100  # at the loss; the optimizer's 60 + 100 before
 
 
 def test_region_menu_options_carry_replay_deltas_scaled_to_tokens() -> None:

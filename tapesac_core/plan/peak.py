@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .model import PlanGraph
+from .model import PlanGraph, storages_bytes
 
 # Event kinds the sample step records, and the phase of the segment each one starts.
 FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE = (
@@ -182,17 +182,31 @@ def timeline_of(
     segments = []
     for k in range(len(events) + 1):
         # Segment k lies between event k-1 and event k.
-        # A block is released inside its finalizer, before its tensors go: the segment after
-        # the release still starts with them, so it counts them too.
-        alive = [i for i in range(n) if started[i] <= k - 1 and released[i] >= k - 1]
+        opener = events[k - 1] if k > 0 else None
+        if opener is not None and opener.kind == RELEASE:
+            # A block is released inside its finalizer, before its tensors go: the instant of
+            # the release still holds them (the event's bytes in use), what follows does not.
+            # Counting them over the whole segment would add a plan's saved bytes to a later
+            # peak (the optimizer step, after the first block's release).
+            holding = [i for i in range(n) if started[i] <= k - 1 and released[i] >= k - 1]
+            segments.append(
+                Segment(
+                    peak=opener.current,
+                    first=min(holding),
+                    last=max(holding),
+                    phase=OUTSIDE,
+                    label=f"backward, as {names[opener.block]} frees its values",
+                )
+            )
+        alive = [i for i in range(n) if started[i] <= k - 1 and released[i] > k - 1]
         first, last = (min(alive), max(alive)) if alive else (0, -1)
         peak = events[k].peak if k < len(events) else end_peak
-        opener = events[k - 1] if k > 0 else None
         phase, own, unpack = OUTSIDE, None, None
         if opener is None:
             label = "before the first block (embedding)"
         elif opener.kind == FORWARD_START:
-            phase, label = FORWARD, f"forward of {names[opener.block]}"
+            phase, own, unpack = FORWARD, opener.block, 0
+            label = f"forward of {names[opener.block]}"
         elif opener.kind in (UNPACK_START, UNPACK_END):
             phase = REPLAY if opener.kind == UNPACK_START else COMPUTE
             own, unpack = opener.block, positions[k - 1]
@@ -343,6 +357,39 @@ def replay_memory(
     return ReplayMemory(replay=tuple(replay), compute=tuple(compute))
 
 
+def forward_memory(graph: PlanGraph, saved: Iterable[int]) -> int:
+    """The most bytes a block's forward holds (beyond the graph's available values), simulated
+    in tape order: each node's outputs exist while it runs and live until their last read in
+    the forward, or to its end when they are in ``saved`` (kept for backward). Comparing two
+    save sets says how much of the later one's bytes exist at the forward's peak."""
+    keep = frozenset(saved)
+    storage, cost = graph.value_storage, list(graph.storage_bytes)
+    for v in graph.available:
+        cost[storage[v]] = 0
+    last_read = [-1] * len(storage)
+    for n, deps in enumerate(graph.node_deps):
+        for d in deps:
+            last_read[d] = n
+    refs = [0] * len(cost)  # storage -> values on it alive
+    dies: list[list[int]] = [[] for _ in graph.node_deps]
+    live = top = 0
+    for n, outs in enumerate(graph.node_outs):
+        for o in outs:
+            s = storage[o]
+            refs[s] += 1
+            if refs[s] == 1:
+                live += cost[s]
+            if o not in keep:
+                dies[max(n, last_read[o])].append(o)
+        top = max(top, live)
+        for o in dies[n]:
+            s = storage[o]
+            refs[s] -= 1
+            if not refs[s]:
+                live -= cost[s]
+    return top
+
+
 # ---------------------------------------------------------------------- choices and the solver
 
 
@@ -350,15 +397,19 @@ def replay_memory(
 class Option:
     """One choice for a block: the bytes it keeps beyond S0, the replay time it removes, and
     how it moves the block's replay bytes at each unpack of its window (``replay``, ``compute``
-    deltas against must-only; empty: not simulated, no change)."""
+    deltas against must-only; empty: not simulated, no change) and its own forward's peak
+    (``forward``: saved values made late in the forward are not yet alive at its peak)."""
 
     bytes: int
     gain: float
     point: int
     replay: tuple[int, ...] = ()
     compute: tuple[int, ...] = ()
+    forward: int = 0
 
     def delta(self, segment: Segment) -> int:
+        if segment.phase == FORWARD:
+            return self.forward
         deltas = self.replay if segment.phase == REPLAY else self.compute
         return (
             deltas[segment.unpack]
@@ -498,7 +549,8 @@ def _high(layer: np.ndarray) -> int:
 @dataclass(frozen=True)
 class _Columns:
     """A timeline's segments as arrays; -1 for no ``own`` block or unpack; ``phase`` is 0 for
-    replay, 1 for compute, -1 for any other phase (no option moves it)."""
+    replay, 1 for compute, 2 for a block's own forward (one column), -1 for any other phase (no
+    option moves it)."""
 
     peak: np.ndarray
     first: np.ndarray
@@ -508,7 +560,7 @@ class _Columns:
     unpack: np.ndarray
 
 
-_PHASES = {REPLAY: 0, COMPUTE: 1}
+_PHASES = {REPLAY: 0, COMPUTE: 1, FORWARD: 2}
 
 
 def _columns(timeline: Timeline) -> _Columns:
@@ -545,7 +597,7 @@ class _Deltas:
         key = (id(menu), phase)
         m = self.matrices.get(key)
         if m is None:
-            rows = [o.replay if phase == 0 else o.compute for o in menu]
+            rows = [(o.replay, o.compute, (o.forward,))[phase] for o in menu]
             m = np.zeros((len(menu), max(map(len, rows), default=0)), dtype=np.int64)
             for r, d in enumerate(rows):
                 m[r, : len(d)] = d
@@ -567,7 +619,7 @@ def _tops(
     rest = checked[mine[~own]]
     fixed = int(rest.max()) if len(rest) else None
     tops = np.full(len(deltas.menus[block]), -math.inf if fixed is None else fixed, dtype=float)
-    for phase in (0, 1):
+    for phase in (0, 1, 2):
         at = mine[own & (seg.phase[mine] == phase)]
         if len(at):
             positions = seg.unpack[at]
@@ -594,9 +646,7 @@ def menus_of(timeline: Timeline, regions: Mapping[str, RegionMenu]) -> list[list
             else (b.region,)
         )
         if key not in cache:
-            cache[key] = (
-                region.options(b.unpacks, b.taken, b.groups) if len(key) > 1 else region.options()
-            )
+            cache[key] = region.options(b.unpacks, b.taken, b.groups, simulate=len(key) > 1)
         menus.append(cache[key])
     return menus
 
@@ -624,23 +674,34 @@ class RegionMenu:
             )
 
     def options(
-        self, unpacks: Sequence[int] = (), taken: Iterable[int] = (), groups: Sequence[int] = ()
+        self,
+        unpacks: Sequence[int] = (),
+        taken: Iterable[int] = (),
+        groups: Sequence[int] = (),
+        *,
+        simulate: bool = True,
     ) -> list[Option]:
-        """Every point as an option; with ``unpacks``, each with its replay-byte deltas."""
-        if not unpacks:
+        """Every point as an option, with its forward-peak and replay-byte deltas simulated on
+        the region's tape for the block's ``unpacks`` (``simulate=False``: none, for a block
+        that ran another op sequence)."""
+        if not simulate:
             return [
                 Option(bytes=b, gain=g, point=i)
                 for i, (b, g) in enumerate(zip(self.bytes, self.gains))
             ]
-        base = replay_memory(self.graph, (), unpacks, taken, groups)
+        graph = self.graph
+        base = replay_memory(graph, (), unpacks, taken, groups) if unpacks else None
+        forward = forward_memory(graph, ())
         out = []
         for i, (b, g, s) in enumerate(zip(self.bytes, self.gains, self.saved)):
-            mem = base if not s else replay_memory(self.graph, s, unpacks, taken, groups)
-            out.append(
-                Option(
-                    bytes=b,
-                    gain=g,
-                    point=i,
+            # The set's bytes are counted from the forward's start; at its peak only those
+            # made (and not freed anyway) by then exist.
+            late = forward_memory(graph, s) - forward - storages_bytes(graph, s) if s else 0
+            option = Option(bytes=b, gain=g, point=i, forward=min(0, math.ceil(late * self.scale)))
+            if base is not None:
+                mem = base if not s else replay_memory(graph, s, unpacks, taken, groups)
+                option = dataclasses.replace(
+                    option,
                     replay=tuple(
                         math.ceil((x - y) * self.scale) for x, y in zip(mem.replay, base.replay)
                     ),
@@ -648,5 +709,5 @@ class RegionMenu:
                         math.ceil((x - y) * self.scale) for x, y in zip(mem.compute, base.compute)
                     ),
                 )
-            )
+            out.append(option)
         return out
