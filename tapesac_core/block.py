@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -39,6 +40,14 @@ class BlockTrace:
     replay_seconds: float = 0.0  # wall time its replays took in backward (host clock)
     forward_seconds: float | None = None  # wall time of its recorded forward (CPU profile steps)
     invisible_writes: list = field(default_factory=list)  # coordinates replay did not reproduce
+    # Its block, weakly: autograd's saved tensors hold the block until it frees the graph.
+    block: weakref.ReferenceType[Block] | None = field(default=None, repr=False)
+
+    @property
+    def released(self) -> bool:
+        """Whether autograd has freed the block's saved values: after its backward, or with the
+        graph of a forward that reached none (then ``unpacked`` is empty)."""
+        return self.block is not None and self.block() is None
 
     @property
     def saved_bytes(self) -> int:
@@ -136,7 +145,8 @@ class Block:
                 frozenset(),
                 {},
                 frozenset(),
-            )
+            ),
+            block=weakref.ref(self),
         )
 
     # ------------------------------------------------------------------ bookkeeping

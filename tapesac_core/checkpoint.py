@@ -236,6 +236,13 @@ def trace(
         _TRACE.reset(token)
 
 
+def traced_blocks() -> list[BlockTrace] | None:
+    """The list the innermost open ``trace`` collects into (it grows as blocks record), or
+    None outside any: for code that sees a controller step only from outside its ``with``."""
+    scope = _TRACE.get()
+    return scope.blocks if scope is not None else None
+
+
 @contextmanager
 def torch_checkpointing() -> Iterator[list[str]]:
     """Blocks run inside are not recorded: each runs under ``torch.utils.checkpoint(...,

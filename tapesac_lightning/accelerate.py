@@ -6,8 +6,10 @@ explicit ``TapeSACPlugin``; explicit fields win. With settings, ``prepare`` give
 classes TapeSAC (Accelerate's own activation checkpointing is switched off, never stacked) and lets
 Accelerate's FSDP2 path shard, save and load. One controller step runs per micro-batch: opened by
 the prepared model's first forward with grad enabled, closed after ``backward`` (accumulating
-micro-batches) or after the optimizer step that follows it. Without settings the class is
-exactly ``accelerate.Accelerator``.
+micro-batches) or after the optimizer step that follows it; more forwards before that backward
+belong to the step (DPO: chosen and rejected), except one that reaches no backward (a logging
+forward, a skipped batch: see ``StepDriver``). Without settings the class is exactly
+``accelerate.Accelerator``.
 """
 
 from __future__ import annotations

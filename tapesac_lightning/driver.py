@@ -7,6 +7,7 @@ closes; what opening and closing mean lives here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,6 +16,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from tapesac_core import Controller, StepReport, TapeSACError
+from tapesac_core.block import BlockTrace
+from tapesac_core.checkpoint import traced_blocks
+
+logger = logging.getLogger(__name__)
 
 TokenCounter = Callable[[Any], int | Mapping[str, int]]
 
@@ -42,7 +47,13 @@ class StepDiscarded(Exception):
 
 class StepDriver:
     """Opens and closes ``controller.step`` around micro-batches, for integrations that see a
-    training loop only through hooks (no ``with`` block spans the micro-batch)."""
+    training loop only through hooks (no ``with`` block spans the micro-batch).
+
+    Integrations that open a step at the model's forward tell each forward (``forward_begins``):
+    a forward with grad that reached no backward (a logging forward, a skipped batch) is then
+    found once autograd has freed its blocks with nothing read, and kept out of the controller's
+    measurements. Until then it cannot be told from the first of two forwards before one
+    backward (DPO: chosen and rejected), so it joins the open step."""
 
     def __init__(self, controller: Controller, count_tokens: TokenCounter) -> None:
         self.controller = controller
@@ -50,6 +61,11 @@ class StepDriver:
         # Set by integrations that see backward: the open step then needs only its optimizer step.
         self.backward_done = False
         self._step: Any = None
+        # The open step's block traces (its forwards append to them) and where each forward
+        # told by ``forward_begins`` starts among them.
+        self._blocks: list[BlockTrace] = []
+        self._forwards: list[int] = []
+        self._told_unused = False
 
     @property
     def is_open(self) -> bool:
@@ -58,25 +74,76 @@ class StepDriver:
     def open(self, batch: Any) -> None:
         """Start the step of a micro-batch; a step still open is discarded first."""
         self.discard(StepDiscarded("a new micro-batch began before this one finished"))
-        self.backward_done = False
         self._step = self.controller.step(tokens=self.count_tokens(batch))
         self._step.__enter__()
+        blocks = traced_blocks()  # the trace the step just opened
+        self._blocks = blocks if blocks is not None else []
+
+    def forward_begins(self) -> None:
+        """A forward of the model begins in the open step."""
+        self._forwards.append(len(self._blocks))
+
+    def only_unused_forwards(self) -> bool:
+        """Whether no forward of the open step reached a backward, on any rank: none trained.
+        A collective under torch.distributed: every rank asks at the same forward."""
+        unused = self._unused()
+        return not self._on_any_rank(not (unused and all(unused)))
+
+    def _unused(self) -> list[bool]:
+        """Per forward told by ``forward_begins``, whether it reached no backward (known once
+        autograd freed its blocks)."""
+        ends = [*self._forwards[1:], len(self._blocks)]
+        return [_reached_no_backward(self._blocks[s:e]) for s, e in zip(self._forwards, ends)]
 
     def close(self) -> StepReport | None:
-        """Finish the open step; its report (None if no step was open)."""
-        step, self._step = self._step, None
-        self.backward_done = False
+        """Finish the open step; its report (None if no step was open, or if a forward of it
+        reached no backward: its time and memory would count that forward, so it is discarded)."""
+        # A step's one forward is its micro-batch's own (its backward came). Of several, one that
+        # reached no backward is in the step's time and memory; every rank discards, or none.
+        if len(self._forwards) > 1 and self._on_any_rank(any(self._unused())):
+            self.leave_out_unused()
+            return None
+        step = self._end()
         if step is None:
             return None
         step.__exit__(None, None, None)
         return self.controller.report
 
+    def leave_out_unused(self) -> None:
+        """Discard the open step for its forwards that reached no backward; say so once."""
+        if not self._told_unused:
+            self._told_unused = True
+            logger.info(
+                "TapeSAC: a forward of the model with grad enabled reached no backward (a "
+                "forward for logging, a skipped batch): it is left out of TapeSAC's steps, and a "
+                "step it shared with a training micro-batch (its output still alive when that "
+                "micro-batch's forward began) is not measured. Fix: run forwards that do not "
+                "train under torch.no_grad()"
+            )
+        self.discard(StepDiscarded("a forward of the step reached no backward"))
+
     def discard(self, exception: BaseException) -> None:
         """End the open step with ``exception``: nothing it measured is kept."""
-        step, self._step = self._step, None
-        self.backward_done = False
+        step = self._end()
         if step is not None:
             step.__exit__(type(exception), exception, exception.__traceback__)
+
+    def _on_any_rank(self, flag: bool) -> bool:
+        """``flag`` of any rank: the ranks' steps stay one sequence (their plans are agreed)."""
+        return bool(self.controller.ranks.largest([int(flag)])[0])
+
+    def _end(self) -> Any:
+        """The open step, forgotten (None if none)."""
+        step, self._step = self._step, None
+        self.backward_done = False
+        self._blocks, self._forwards = [], []
+        return step
+
+
+def _reached_no_backward(blocks: list[BlockTrace]) -> bool:
+    """Whether a forward's blocks are all freed with no saved value read: autograd dropped its
+    graph without a backward through it. A block that saved nothing tells nothing."""
+    return any(b.tape.demand for b in blocks) and all(b.released and not b.unpacked for b in blocks)
 
 
 def open_at_forward(
@@ -84,15 +151,21 @@ def open_at_forward(
 ) -> RemovableHandle:
     """Opens a micro-batch's step at the model's first forward with grad enabled: later forwards
     of the same micro-batch and forwards under ``no_grad`` open none. A step still open whose
-    backward is done (its closing event never came) is ``finish``-ed first."""
+    backward is done (its closing event never came) is ``finish``-ed first; one whose every
+    forward already reached no backward (freed unread) is discarded, and this forward opens a
+    fresh step."""
 
     def before_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled():
             return  # evaluation: not a training step
         if driver.is_open and not driver.backward_done:
-            return  # another forward of the same micro-batch
+            if not driver.only_unused_forwards():
+                driver.forward_begins()
+                return  # another forward of the same micro-batch
+            driver.leave_out_unused()  # none of its forwards trained
         finish()
         driver.open((args, kwargs))
+        driver.forward_begins()
 
     # First of the pre-forward hooks, so the step also times FSDP's root all-gather.
     return model.register_forward_pre_hook(before_forward, prepend=True, with_kwargs=True)

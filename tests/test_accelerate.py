@@ -311,3 +311,94 @@ def test_hugging_face_checkpointing_inside_the_blocks_stops_the_run_naming_the_f
     assert done.returncode != 0
     assert "has Hugging Face activation checkpointing on" in done.stderr, done.stderr[-3000:]
     assert "gradient_checkpointing_disable()" in done.stderr
+
+
+FORWARDS_WITHOUT_BACKWARD = """
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from examples.data import batches
+from examples.models import DecoderLM, ModelConfig
+from tapesac_lightning import TapeSACAccelerator
+
+logging.basicConfig(level=logging.INFO)
+accelerator = TapeSACAccelerator()
+torch.manual_seed(0)
+model = DecoderLM(ModelConfig())
+optimizer = torch.optim.AdamW(model.parameters())
+model, optimizer = accelerator.prepare(model, optimizer)
+controller = accelerator.tapesac_controller
+source = batches(batch_size=4, max_len=96, min_len=96, seed=accelerator.process_index)
+glance = torch.randint(0, 256, (2, 32))  # 64 tokens: a training micro-batch has 384
+
+
+def loss_of(ids):
+    logits = model(ids)[:, :-1].float()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def train(loss):
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+records = []
+
+
+def record(case):
+    report = controller.report  # blocks: recorded, or run under torch's checkpoint (full steps)
+    blocks = report.blocks + report.torch_checkpointed + report.plain_blocks
+    records.append({"case": case, "steps": controller.steps, "step": report.step,
+                    "mode": report.mode, "blocks": blocks,
+                    "tokens": report.local_tokens["DecoderLayer"]})
+
+
+for case in ["logging"] * 3 + ["skip", "after skip"] + ["dpo"] * 2 + ["plain"]:
+    if case == "logging":  # a forward with grad for a log line, its output dropped at once
+        model(glance).float().mean().item()
+    if case == "dpo":  # two forwards (chosen, rejected), one backward
+        loss = loss_of(next(source)) + loss_of(next(source))
+    else:
+        loss = loss_of(next(source))
+    if case == "skip":  # a batch the loop skips: no backward; its loss lives on until rebound
+        records.append({"case": case, "steps": controller.steps})
+        continue
+    train(loss)
+    record(case)
+accelerator.end_training()
+Path(sys.argv[1], f"rank{accelerator.process_index}.json").write_text(json.dumps(records))
+"""
+
+
+def test_a_forward_without_backward_is_left_out_and_two_forwards_one_backward_are_one_step(
+    tmp_path,
+) -> None:
+    """A forward with grad that reaches no backward is not the next micro-batch's: a logging
+    forward whose output is gone before the next one begins is left out of the step; a skipped
+    batch still alive then spoils the step's measurements, which are discarded. Two forwards
+    before one backward (DPO: chosen and rejected) are one step with both forwards' blocks."""
+    script = tmp_path / "forwards_without_backward.py"
+    script.write_text(FORWARDS_WITHOUT_BACKWARD)
+    done = launch(config(tmp_path), str(tmp_path), script=(str(script),))
+    for rank in range(2):
+        records = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        by_case = lambda case: [r for r in records if r["case"] == case]  # noqa: E731
+        # Each training micro-batch after a logging forward is a step of its own: its four
+        # blocks, its 384 tokens (not the logging forward's 8 blocks and 64 tokens).
+        logging = by_case("logging")
+        assert [r["steps"] for r in logging] == [1, 2, 3]
+        assert all((r["blocks"], r["tokens"]) == (4, 384) for r in logging), logging
+        # The micro-batch trained after a skipped batch shares a step with it: not measured.
+        (skip,), (after_skip,) = by_case("skip"), by_case("after skip")
+        assert skip["steps"] == after_skip["steps"] == 3 and after_skip["step"] == 2
+        # Two forwards, one backward: one step of both forwards' eight blocks.
+        dpo = by_case("dpo")
+        assert [(r["steps"], r["blocks"], r["tokens"]) for r in dpo] == [(4, 8, 384), (5, 8, 384)]
+        (plain,) = by_case("plain")
+        assert (plain["steps"], plain["blocks"], plain["tokens"]) == (6, 4, 384)
+    assert done.stderr.count("reached no backward") == 2  # said once, on each rank
