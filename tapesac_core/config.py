@@ -123,7 +123,7 @@ class TapeSACConfig:
     memory_model: str = "peak"  # "peak": the step's measured memory timeline and the tapes
     # predict each plan's peak (plan.peak); "sum": the paper's Eq. 8
     plain_blocks: bool = False  # the peak-aware planner may run blocks plain (not checkpointed)
-    # where memory allows; off by default while its predictions of plain blocks run 3-10% high
+    # where memory allows; off by default until the integrations' tests pin their recorded runs
     peak_correction: bool = True  # a metered step above the predicted peak by more than the
     # margin adds the error to the model and solves again
 

@@ -25,7 +25,7 @@ assert upper_edge(bucket(4 * SEQ, 1.1), 1.1) == 4 * SEQ
 
 def _model(**overrides):
     torch.manual_seed(0)
-    model = DecoderLM(ModelConfig(dropout=0.1, **overrides))
+    model = DecoderLM(ModelConfig(**({"dropout": 0.1} | overrides)))
     tapesac_core.checkpoint_modules(model, {DecoderLayer, MoEDecoderLayer})
     return model
 
@@ -36,7 +36,8 @@ def _ids(step: int, vocab: int = 256, seq: int = SEQ):
 
 def _step_up(controller, plan) -> int | None:
     """The least the predicted peak rises when one block takes its next frontier point (the
-    plan's granularity), or None when every block already saves everything useful."""
+    plan's granularity; after the frontier, running plain), or None when every block already
+    runs its last option."""
     (region,) = plan.regions
     profile, tokens = controller.profiles[region], plan.regions[region].tokens
     points = scaled(
@@ -45,7 +46,10 @@ def _step_up(controller, plan) -> int | None:
     )
     timeline = controller.memory.timeline(tokens).scaled(plan.base)
     menus = menus_of(
-        timeline, region_menus(controller.profiles, {region: points}, {region: tokens})
+        timeline,
+        region_menus(
+            controller.profiles, {region: points}, {region: tokens}, controller.config.plain_blocks
+        ),
     )
     chosen = [
         next(i for i, o in enumerate(m) if o.bytes == plan.regions[region].block_bytes[b.index])
@@ -194,6 +198,17 @@ def test_moe_routing_on_fresh_batches_stays_under_the_limit():
         limit = int((must_only + fraction * everything) / 0.98)
         planned, _, _ = _run(base, limit, fresh=True, steps=8)
         assert max(p for p, _ in planned) <= limit
+    # On the batch it was sampled on, without dropout (the same routing), the MoE's predicted
+    # peak is never below the metered one: the 0.45% the harness reads low (131,328 B) is SDPA's
+    # CPU backward workspace (allocated and freed inside the op), which torch's profiler counts
+    # and no dispatcher-level meter can see; allocator statistics on accelerators do.
+    base = _model(moe=True, num_layers=3, dropout=0.0)
+    _, must_only, report = _run(base, "1GiB")
+    everything = report.plan.saved_bytes
+    planned, _, _ = _run(base, int((must_only + 0.3 * everything) / 0.98))
+    for measured, predicted in planned:
+        assert measured <= predicted + 1e-4 * measured, (predicted, measured)
+        assert predicted <= 1.03 * measured, (predicted, measured)
 
 
 def test_a_longer_sequence_mid_run_samples_again_and_stays_under_the_limit(dense):
