@@ -342,12 +342,25 @@ def run_summary(
             "are not metered (they may peak above must-only)"
         )
     if headroom is not None and headroom[1] > headroom[0]:
-        low, high = headroom
-        lines.append(
-            f"the limit sits {100 * (limit - low) / (high - low):.0f}% of the way from the "
-            f"must-only peak {format_bytes(low)} to the peak with everything useful "
-            f"saved {format_bytes(high)} (predicted, final plan's bucket)"
-        )
+        lines.append(_headroom_line(limit, *headroom))
     if plan is not None:
         lines += ["plan in effect at the end:", plan.explain(measured)]
     return "\n".join(lines)
+
+
+def _headroom_line(limit: int, low: int, high: int) -> str:
+    """Where the limit sits between the must-only peak and the peak with everything useful
+    saved; outside that range in words (a share above 100% reads as a fault)."""
+    ends = (
+        f"the must-only peak {format_bytes(low)} and the peak with everything useful saved "
+        f"{format_bytes(high)} (predicted, final plan's bucket)"
+    )
+    if limit >= high:
+        return f"the limit is above everything useful: it sits over both {ends}"
+    if limit <= low:
+        return f"the limit is at or below the must-only step: it sits under both {ends}"
+    return (
+        f"the limit sits {100 * (limit - low) / (high - low):.0f}% of the way from the "
+        f"must-only peak {format_bytes(low)} to the peak with everything useful "
+        f"saved {format_bytes(high)} (predicted, final plan's bucket)"
+    )

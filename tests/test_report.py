@@ -59,3 +59,13 @@ def test_run_summary_states_counts_speedups_peak_and_headroom() -> None:
         "the limit sits 50% of the way from the must-only peak 10.00 MiB "
         "to the peak with everything useful saved 30.00 MiB"
     )
+    # Outside the range the line says so in words, not as a share above 100% or below 0%.
+    above = run_summary(_steps(), limit=40 * MiB, plan=None, headroom=(10 * MiB, 30 * MiB))
+    assert above.splitlines()[5] == (
+        "the limit is above everything useful: it sits over both the must-only peak 10.00 MiB "
+        "and the peak with everything useful saved 30.00 MiB (predicted, final plan's bucket)"
+    )
+    below = run_summary(_steps(), limit=8 * MiB, plan=None, headroom=(10 * MiB, 30 * MiB))
+    assert below.splitlines()[5].startswith(
+        "the limit is at or below the must-only step: it sits under both the must-only peak"
+    )
