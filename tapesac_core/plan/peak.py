@@ -22,6 +22,7 @@ Python and numpy, no torch: timelines and plan graphs in, predictions and choice
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -673,6 +674,19 @@ class RegionMenu:
                 "a region menu needs one bytes, gain and set per point, the first at 0 bytes"
             )
 
+    @functools.cached_property
+    def forward_deltas(self) -> tuple[int, ...]:
+        """Per point, how its block's own forward peak moves (<= 0): the set's bytes are counted
+        from the forward's start, but at its peak only those made (and not freed anyway) by then
+        exist. The same for every block of the region, whatever its unpacks."""
+        graph = self.graph
+        forward = forward_memory(graph, ())
+        late = [
+            forward_memory(graph, s) - forward - storages_bytes(graph, s) if s else 0
+            for s in self.saved
+        ]
+        return tuple(min(0, math.ceil(x * self.scale)) for x in late)
+
     def options(
         self,
         unpacks: Sequence[int] = (),
@@ -691,13 +705,11 @@ class RegionMenu:
             ]
         graph = self.graph
         base = replay_memory(graph, (), unpacks, taken, groups) if unpacks else None
-        forward = forward_memory(graph, ())
         out = []
-        for i, (b, g, s) in enumerate(zip(self.bytes, self.gains, self.saved)):
-            # The set's bytes are counted from the forward's start; at its peak only those
-            # made (and not freed anyway) by then exist.
-            late = forward_memory(graph, s) - forward - storages_bytes(graph, s) if s else 0
-            option = Option(bytes=b, gain=g, point=i, forward=min(0, math.ceil(late * self.scale)))
+        for i, (b, g, s, forward) in enumerate(
+            zip(self.bytes, self.gains, self.saved, self.forward_deltas)
+        ):
+            option = Option(bytes=b, gain=g, point=i, forward=forward)
             if base is not None:
                 mem = base if not s else replay_memory(graph, s, unpacks, taken, groups)
                 option = dataclasses.replace(
