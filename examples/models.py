@@ -326,3 +326,23 @@ class DecoderLM(nn.Module):
         """Mean next-token cross-entropy: position t predicts token t + 1."""
         logits = self(input_ids)[:, :-1].float()
         return F.cross_entropy(logits.flatten(0, 1), input_ids[:, 1:].flatten())
+
+
+def tiny_qwen3(dropout: float) -> nn.Module:
+    """The examples' tiny Hugging Face ``Qwen3ForCausalLM`` over bytes (2 layers, GQA), seeded
+    identically on every rank (transformers is imported here: only its users need it)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_dropout=dropout,
+        )
+    )

@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
 
 from examples.data import batches
-from examples.models import DecoderLM, ModelConfig
+from examples.models import DecoderLM, ModelConfig, tiny_qwen3
 from examples.train_lightning import step_record, summary
 from tapesac_core import block_config
 from tapesac_lightning import TapeSACAccelerator
@@ -71,20 +71,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
                 moe_intermediate_size=128,
             )
         )
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    return Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            attention_dropout=args.dropout,
-        )
-    )
+    return tiny_qwen3(args.dropout)
 
 
 def loss_of(model: torch.nn.Module, ids: torch.Tensor, hf: bool) -> torch.Tensor:

@@ -24,14 +24,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import (
-    Qwen3Config,
-    Qwen3ForCausalLM,
     Trainer,
     TrainerCallback,
     TrainingArguments,
 )
 
 from examples.data import batches
+from examples.models import tiny_qwen3
 from examples.train_lightning import step_record, summary
 from tapesac_core import block_config
 from tapesac_lightning import TapeSACTrainerCallback
@@ -55,23 +54,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="runs/hf_trainer")
     p.add_argument("--out", default=None, help="write per-rank JSON results here")
     return p
-
-
-def qwen3(dropout: float) -> Qwen3ForCausalLM:
-    """A small Qwen3 over bytes, seeded identically on every rank."""
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            attention_dropout=dropout,
-        )
-    )
 
 
 def texts(args: argparse.Namespace, count: int) -> list[dict[str, torch.Tensor]]:
@@ -161,7 +143,7 @@ def describe(model: torch.nn.Module, trainer: Trainer) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> None:
     """Train as ``args`` say; rank 0 prints the summary."""
-    model = qwen3(args.dropout)
+    model = tiny_qwen3(args.dropout)
     tapesac = (
         TapeSACTrainerCallback(memory_limit=args.memory_limit) if args.baseline == "none" else None
     )

@@ -28,7 +28,13 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from examples.data import batches
-from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
+from examples.models import (
+    DecoderLayer,
+    DecoderLM,
+    ModelConfig,
+    MoEDecoderLayer,
+    tiny_qwen3,
+)
 from tapesac_core import Controller, StepReport
 from tapesac_core.report import run_summary
 from tapesac_lightning import TapeSACFSDPStrategy
@@ -329,21 +335,9 @@ def main() -> None:
 
 def hf_decoder(args: argparse.Namespace) -> tuple[pl.LightningModule, set[type[torch.nn.Module]]]:
     """A tiny-config Hugging Face Qwen3 in a LightningModule, its decoder layer as the policy."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        attention_dropout=args.dropout,
-    )
-    return LitHuggingFace(Qwen3ForCausalLM(config)), {Qwen3DecoderLayer}
+    return LitHuggingFace(tiny_qwen3(args.dropout)), {Qwen3DecoderLayer}
 
 
 class LitHuggingFace(LitDecoder):
