@@ -241,7 +241,8 @@ class Controller:
             report.predicted_peak = (
                 report.plan.peak_at_tokens(self.memory.base(primary)) + self.memory.static_growth
             )
-        if mode == PROFILE and self.profiling.take(blocks, report.tokens):
+        # A rank's tapes and replays are of its own batch, not of the agreed (largest) count.
+        if mode == PROFILE and self.profiling.take(blocks, report.local_tokens):
             self._forget_plans()
         if reading is not None and mode in (PROFILE, SAMPLE):
             # This rank's memory is that of its own batch: samples carry its own token count.
@@ -266,7 +267,7 @@ class Controller:
         key, mode = report.bucket, report.mode
         if mode == CONTROL or (mode == WARMUP and report.step > 0):
             self.times.add_must_only(key, report.tokens, report.time)
-            self.profiling.walls.add(blocks, report.tokens)
+            self.profiling.walls.add(blocks, report.local_tokens)
             if (
                 mode == CONTROL
                 and key in self.plans
@@ -290,7 +291,7 @@ class Controller:
         largest), applied."""
         known = key in self.plans  # solved earlier, or restored from a checkpoint
         grown = any(
-            tokens[r] > self.config.reprofile_factor * p.tokens for r, p in self.profiles.items()
+            local[r] > self.config.reprofile_factor * p.tokens for r, p in self.profiles.items()
         )
         needs_profile = grown or (not self.profiles and not known) or self._reprofile
         needs_sample = not known and not self.memory.covers(

@@ -197,3 +197,44 @@ def test_ranks_agree_on_a_flag_one_rank_raised_and_a_solve_failure_on_rank_0_rea
             "TapeSAC: solving the plan failed on rank 0: ValueError: no "
             "frontier for region DecoderLayer"
         )
+
+
+def _longer_rank_worker(rank: int, out: str) -> None:
+    model = _rank_model(rank, out)
+    controller = Controller(
+        model,
+        "1GiB",  # everything fits: every block runs plain, holding all autograd saves
+        warmup_steps=1,
+        profile_steps=1,
+        control_every=0,
+        meter_every=1,
+        plain_blocks=True,
+    )
+    steps = []
+    for step in range(7):
+        seq = 32 if rank == 0 and step == 1 else 56  # rank 0's profiling batch is the shorter
+        ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(step))
+        with controller.step(tokens=ids.numel()) as report:
+            model.loss(ids).backward()
+        model.zero_grad(set_to_none=True)
+        steps.append({"mode": report.mode, "peak": report.peak, "predicted": report.predicted_peak})
+    profile_tokens = controller.profiles["DecoderLayer"].tokens
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"steps": steps, "profile_tokens": profile_tokens}, f)
+    dist.destroy_process_group()
+
+
+def test_a_rank_profiles_its_own_batch_and_predicts_its_peak_when_another_rank_is_longer() -> None:
+    """The bucket is the longest rank's, but each rank's tapes are of its own batch: rank 0
+    (which solves) profiled at the agreed count would scale its blocks' bytes from too many
+    tokens and predict every plan's peak too low (under Lightning, 3-9% on the main job)."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_longer_rank_worker, args=(out,), nprocs=2, join=True)
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    assert [r["profile_tokens"] for r in ranks] == [2 * 32, 2 * 56]
+    assert [s["mode"] for s in ranks[0]["steps"]][-2:] == ["planned", "planned"]
+    for r in ranks:
+        planned = [s for s in r["steps"] if s["mode"] == "planned" and s["peak"]]
+        assert planned
+        for s in planned:  # within the 2% margin either way
+            assert 0.98 <= s["peak"] / s["predicted"] <= 1.02, ranks
