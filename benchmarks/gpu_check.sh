@@ -8,6 +8,8 @@
 #                once, the MoE example bitwise under deterministic algorithms
 #   3 timing     CUDA-event node times against the wall time of the same forward
 #   4 limit      allocator peaks of planned steps against the Controller's limit
+#   4b mixed     a plan mixing plain, attention-saving and must-only blocks on the ~1B model
+#                (bf16): bitwise with dropout, timed against no checkpointing and torch checkpoint
 #   5 frontier   TapeSAC vs full checkpointing vs torchtitan's policy (and the others in those
 #                families) on a Qwen3-style ~1B model, seq 2048, bf16
 # Everything goes under one folder (first argument, default gpu_check_<date>), each stage's
@@ -65,6 +67,7 @@ stage 2_correctness "$PY" benchmarks/gpu_stages.py correctness --device "$DEVICE
 stage 2b_readiness "$PY" benchmarks/gpu_stages.py readiness --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/2b_readiness.json"
 stage 3_timing "$PY" benchmarks/gpu_stages.py timing --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/3_timing.json"
 stage 4_limit "$PY" benchmarks/gpu_stages.py limit --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/4_limit.json"
+stage 4b_mixed "$PY" benchmarks/gpu_stages.py mixed --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/4b_mixed.json"
 stage 5_frontier "$PY" benchmarks/frontier.py --device "$DEVICE" "${FRONTIER[@]}" \
   --families none,full,torch_sac,tapesac_policy,tapesac --out-dir "$OUT/frontier" --markdown "$OUT/RESULTS.md"
 

@@ -12,6 +12,8 @@ Stages (``--device cuda`` on a GPU, ``cpu`` to test the script here):
                    blocks' forward: their sum lies within the wall time and is not negligible.
 * ``limit``        TapeSAC's Controller under an absolute limit between the must-only peak and
                    no checkpointing: planned steps' metered peaks (allocator on GPU) stay under it.
+* ``mixed``        a plan mixing plain, attention-saving and must-only blocks on the ~1B model
+                   (bf16): bitwise, and timed against no checkpointing and torch's checkpoint.
 
 Run: python benchmarks/gpu_stages.py STAGE --device cuda --size small --out FILE
 """
@@ -342,12 +344,108 @@ def readiness(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _grads(model: Any, ids: Any, plan: Any) -> tuple[Any, list]:
+    """Loss and gradients of one step with dropout from a fixed seed, under ``plan``."""
+    import torch
+
+    import tapesac_core
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)
+    with tapesac_core.use_plan(plan):
+        loss = model.loss(ids)
+        loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _largest_difference(a: tuple[Any, list], b: tuple[Any, list]) -> float:
+    return max(
+        (x.float() - y.float()).abs().max().item() for x, y in zip([a[0], *a[1]], [b[0], *b[1]])
+    )
+
+
+def mixed(args: argparse.Namespace) -> dict[str, Any]:
+    """A mixed plan (plain blocks between blocks saving attention and must-only blocks) on the
+    frontier's Qwen3-style ~1B model in bf16 (its tiny size on CPU, fp32), dropout 0.1: loss and
+    gradients bitwise those without checkpointing, and its step timed, interleaved, against no
+    checkpointing and torch's checkpoint on every block (medians and quartiles of per-round
+    ratios)."""
+    import copy
+
+    import torch
+
+    import tapesac_core
+    from benchmarks.baselines import wrap_torch
+    from benchmarks.common import quartiles
+    from benchmarks.measure import interleaved_rounds
+    from benchmarks.method import Method
+    from benchmarks.workload import build_model
+
+    device = torch.device(args.device)
+    base, block, seq, batch = build_model("dense", "1b" if args.size == "small" else "tiny", 0.1)
+    base = base.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    ids = torch.randint(
+        0, base.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)
+    ).to(device)
+    ours = copy.deepcopy(base)
+    tapesac_core.checkpoint_modules(ours, {block})
+    with tapesac_core.trace() as blocks:
+        ours.loss(ids)  # recorded only, to name the attention kernel's outputs
+    region = blocks[0].tape.region
+    sdpa = next(n.name for n in blocks[0].tape.nodes if "scaled_dot_product" in n.name)
+    pattern = [tapesac_core.PLAIN, {(sdpa, 0, 0), (sdpa, 0, 1)}, tapesac_core.PLAIN, set()]
+    plan = {region: [pattern[i % len(pattern)] for i in range(len(blocks))]}
+    del blocks
+
+    # Bitwise needs a repeatable reference: deterministic kernels where the device has them.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    reference, again = _grads(base, ids, {}), _grads(base, ids, {})
+    with tapesac_core.trace() as blocks:
+        result = _grads(ours, ids, plan)
+    recorded = len(blocks)
+    del blocks
+    torch.use_deterministic_algorithms(False)
+    noise = _largest_difference(reference, again)
+    difference = _largest_difference(reference, result)
+    out: dict[str, Any] = {
+        "device": args.device,
+        "plan": [("plain" if e is tapesac_core.PLAIN else len(e)) for e in plan[region]],
+        "recorded_blocks": recorded,
+        "reference_repeatable": noise == 0,
+        "bitwise_equal": difference == 0,
+        "largest_difference": difference,
+        "reference_noise": noise,
+    }
+    del reference, again, result
+
+    methods = [
+        Method("none", "none", base),
+        Method("full", "full", wrap_torch(copy.deepcopy(base), block, early_stop=True)),
+        Method("mixed", "tapesac", ours, context=lambda: tapesac_core.use_plan(plan)),
+    ]
+    rounds = interleaved_rounds(
+        methods, ids, device, warmup=2, steps=10 if device.type == "cuda" else 5
+    )
+    for other in ("none", "full"):
+        q1, median, q3 = quartiles([r["mixed"] / r[other] for r in rounds])
+        out[f"time_vs_{other}"] = {"median": median, "q1": q1, "q3": q3, "rounds": len(rounds)}
+    out["errors"] = {m.name: m.error for m in methods if m.error}
+    # Without a repeatable reference, within its own run-to-run noise is what can be asked.
+    exact = out["bitwise_equal"] or (not out["reference_repeatable"] and difference <= noise)
+    planned = sum(e is not tapesac_core.PLAIN for e in plan[region])
+    out["ok"] = exact and recorded == planned and not out["errors"]
+    return out
+
+
 STAGES = {
     "versions": versions,
     "correctness": correctness,
     "timing": timing,
     "limit": limit,
     "readiness": readiness,
+    "mixed": mixed,
 }
 
 

@@ -203,6 +203,11 @@ def parser() -> argparse.ArgumentParser:
         help="a full-checkpointing control step per this many planned steps (0: none)",
     )
     p.add_argument("--baseline", choices=["none", "torch"], default="none")
+    p.add_argument(
+        "--no-plain-blocks",
+        action="store_true",
+        help="record every block (no block runs plain, as without checkpointing)",
+    )
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--min-len", type=int, default=64)
@@ -294,6 +299,7 @@ def run(
             activation_checkpointing_policy=policy or {DecoderLayer, MoEDecoderLayer},
             save_distributed_checkpoint=not args.full_checkpoint,
             full_control_every=args.full_control_every,
+            plain_blocks=not args.no_plain_blocks,
             **options,
         )
     record = Record(Path(args.out) if args.out else None)

@@ -122,8 +122,8 @@ class TapeSACConfig:
     knapsack_resolution: int = 4096
     memory_model: str = "peak"  # "peak": the step's measured memory timeline and the tapes
     # predict each plan's peak (plan.peak); "sum": the paper's Eq. 8
-    plain_blocks: bool = False  # the peak-aware planner may run blocks plain (not checkpointed)
-    # where memory allows; off by default until the integrations' tests pin their recorded runs
+    plain_blocks: bool = True  # the peak-aware planner may run blocks plain (not checkpointed)
+    # where memory allows (False: every block is recorded, as before plain blocks existed)
     peak_correction: bool = True  # a metered step above the predicted peak by more than the
     # margin adds the error to the model and solves again
 

@@ -81,24 +81,33 @@ def torch_baseline(tmp: Path, *args: str, **changes) -> list[dict]:
     return fit(tmp, "torch", yaml_path, *args, "--baseline", "torch")
 
 
-def assert_really_tapesac(ranks: list[dict]) -> None:
-    """Planned steps ran non-empty plans with fewer replayed nodes, the same plan on both ranks."""
+RECORDED = {"tapesac_plain_blocks": False}  # every block recorded: plans save, none runs plain
+
+
+def assert_really_tapesac(ranks: list[dict], recorded: bool = True) -> None:
+    """Planned steps ran non-empty plans with fewer replayed nodes, the same plan on both ranks:
+    saving values in every block (``recorded``), else running some blocks plain (the default
+    with memory to spare)."""
     steps = ranks[0]["steps"]
+    blocks = ranks[0]["run"]["tapesac_blocks"]
     planned = [s for s in steps if s["mode"] == "planned"]
-    assert planned and all(not s["plan_empty"] and s["saved_bytes"] > 0 for s in planned)
+    assert planned and all(not s["plan_empty"] for s in planned)
+    if recorded:
+        assert all(s["blocks"] == blocks and s["saved_bytes"] > 0 for s in planned)
+    else:
+        assert any(s["blocks"] < blocks for s in planned)
     must_only = [s["replayed"] for s in steps if s["mode"] not in ("planned", "full")]
     assert max(s["replayed"] for s in planned) < min(must_only)
     assert [s["plan"] for s in steps] == [s["plan"] for s in ranks[1]["steps"]]
     # Full-checkpointing control steps ran torch.utils.checkpoint on every block, recording none.
     full = [s for s in steps if s["mode"] == "full"]
-    blocks = ranks[0]["run"]["tapesac_blocks"]
     assert full and all((s["blocks"], s["torch_checkpointed"]) == (0, blocks) for s in full)
 
 
 def test_launch_shards_the_run_is_bitwise_torch_checkpoint_and_logs_from_rank_0(tmp_path) -> None:
     tapesac = fit(tmp_path, "tapesac", config(tmp_path), *SHORT)
     assert losses(tapesac) == losses(torch_baseline(tmp_path, *SHORT))
-    assert_really_tapesac(tapesac)
+    assert_really_tapesac(tapesac, recorded=False)  # the default: blocks run plain
     for rank, result in enumerate(tapesac):
         assert result["run"] == {
             "rank": rank,
@@ -152,7 +161,7 @@ def test_tapesac_checkpoint_modules_names_other_blocks_than_fsdp_wraps(tmp_path)
 
 def test_hugging_face_qwen3_named_by_class_in_the_yaml(tmp_path) -> None:
     args = (*SHORT, "--hf")
-    yaml_path = config(tmp_path, fsdp_transformer_layer_cls_to_wrap="Qwen3DecoderLayer")
+    yaml_path = config(tmp_path, fsdp_transformer_layer_cls_to_wrap="Qwen3DecoderLayer", **RECORDED)
     tapesac = fit(tmp_path, "tapesac", yaml_path, *args)
     baseline = torch_baseline(
         tmp_path, *args, fsdp_transformer_layer_cls_to_wrap="Qwen3DecoderLayer"
@@ -164,14 +173,15 @@ def test_hugging_face_qwen3_named_by_class_in_the_yaml(tmp_path) -> None:
 
 
 def test_bf16_mixed_precision_is_bitwise_torch_checkpoint(tmp_path) -> None:
-    tapesac = fit(tmp_path, "tapesac", config(tmp_path, mixed_precision="bf16"), *SHORT)
+    yaml_path = config(tmp_path, mixed_precision="bf16", **RECORDED)
+    tapesac = fit(tmp_path, "tapesac", yaml_path, *SHORT)
     assert losses(tapesac) == losses(torch_baseline(tmp_path, *SHORT, mixed_precision="bf16"))
     assert_really_tapesac(tapesac)
 
 
 def test_accumulation_and_no_grad_evaluation_count_one_step_per_micro_batch(tmp_path) -> None:
     args = (*SHORT, "--accumulate", "2", "--eval-every", "3")
-    tapesac = fit(tmp_path, "tapesac", config(tmp_path), *args)
+    tapesac = fit(tmp_path, "tapesac", config(tmp_path, **RECORDED), *args)
     baseline = torch_baseline(tmp_path, *args)
     assert losses(tapesac) == losses(baseline)
     assert [[s["eval_loss"] for s in r["steps"] if "eval_loss" in s] for r in tapesac] == [

@@ -260,6 +260,7 @@ def test_gpu_check_script_passes_on_cpu_at_tiny_size(tmp_path: Path) -> None:
         "2b_readiness",
         "3_timing",
         "4_limit",
+        "4b_mixed",
         "5_frontier",
     ):
         assert f"{stage}: PASS" in summary
@@ -271,6 +272,10 @@ def test_gpu_check_script_passes_on_cpu_at_tiny_size(tmp_path: Path) -> None:
     assert (
         readiness["8_moe_bitwise_deterministic"]
         and len(set(readiness["3_fragmentation_estimates"])) <= 2
+    )
+    mixed = json.loads((tmp_path / "check" / "4b_mixed.json").read_text())
+    assert (
+        mixed["bitwise_equal"] and mixed["plan"] == ["plain", 2] and mixed["recorded_blocks"] == 1
     )
     assert (tmp_path / "check" / "frontier" / "frontier_dense_tiny.json").is_file()
 

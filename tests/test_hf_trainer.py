@@ -21,24 +21,25 @@ SHORT = ("--steps", "6", "--min-len", "96", "--max-len", "96", "--accumulate", "
 SCRIPT = ("-m", "examples.train_hf_trainer")
 
 
-def config(tmp: Path, tapesac: bool = True) -> Path:
-    """The example YAML, with or without its tapesac_* keys."""
+def config(tmp: Path, tapesac: bool = True, **keys) -> Path:
+    """The example YAML, with or without its tapesac_* keys, ``keys`` added to its fsdp_config."""
     data = json.loads(json.dumps(EXAMPLE))
     if not tapesac:
         data["fsdp_config"] = {
             k: v for k, v in data["fsdp_config"].items() if not k.startswith("tapesac_")
         }
+    data["fsdp_config"].update(keys)
     path = tmp / f"config{len(list(tmp.glob('config*')))}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
 
-def fit(tmp: Path, name: str, *args: str, tapesac: bool = True) -> list[dict]:
+def fit(tmp: Path, name: str, *args: str, tapesac: bool = True, **keys) -> list[dict]:
     """Each rank's JSON; the Trainer's output_dir is ``tmp/name/output``."""
     out = tmp / name
     baseline = () if tapesac else ("--baseline", "hf")
     launch(
-        config(tmp, tapesac),
+        config(tmp, tapesac, **keys),
         *args,
         *baseline,
         "--output-dir",
@@ -55,7 +56,8 @@ def losses(ranks: list[dict]) -> list[list[float]]:
 
 
 def test_trainer_is_bitwise_its_own_checkpointing_one_step_per_micro_batch(tmp_path) -> None:
-    tapesac = fit(tmp_path, "tapesac", *SHORT)
+    # Every block recorded (no block plain): the plans save values and replay the rest.
+    tapesac = fit(tmp_path, "tapesac", *SHORT, tapesac_plain_blocks=False)
     baseline = fit(tmp_path, "hf", *SHORT, tapesac=False)
     assert losses(tapesac) == losses(baseline)  # attention dropout on, 2 micro-batches per step
     assert [len(r["steps"]) for r in tapesac] == [12, 12]
