@@ -479,10 +479,11 @@ def checkpoint_module(
     numbers; any other op outside PyTorch's own libraries has its device's generator captured
     for replay. Raises ``TapeSACError`` if ``module`` is already checkpointed, lies inside a
     checkpointed module, or contains one (a block inside a block fails at its first forward)."""
-    return _wrap(module, region, None, HiddenWrites(), _op_names(deterministic_ops))
+    return _wrap(module, region, None, HiddenWrites(), op_names(deterministic_ops))
 
 
-def _op_names(ops: Iterable[str]) -> frozenset[str]:
+def op_names(ops: Iterable[str]) -> frozenset[str]:
+    """``deterministic_ops`` as a set, each name checked (``namespace::name``)."""
     names = frozenset(ops)
     bad = sorted(n for n in names if not isinstance(n, str) or "::" not in n)
     if bad:
@@ -641,7 +642,7 @@ def checkpoint_modules(
     ``deterministic_ops`` as for ``checkpoint_module``. A selected module inside or around a
     module checkpointed earlier is a ``TapeSACError``."""
     selects, region_of = module_selector(policy), region_namer(regions)
-    declared = _op_names(deterministic_ops)
+    declared = op_names(deterministic_ops)
     paths: list[str] = []
     chosen: list[torch.nn.Module] = []
     for path, module in model.named_modules():

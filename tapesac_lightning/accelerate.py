@@ -28,8 +28,10 @@ from typing_extensions import override
 
 from tapesac_core import Controller, TapeSACConfig, TapeSACError, block_config
 from tapesac_core.checkpoint import (
+    Policy,
     Regions,
     checkpoint_modules,
+    op_names,
     region_namer,
     repeated_block_classes,
     repeated_blocks,
@@ -52,14 +54,16 @@ class TapeSACPlugin:
     ``memory_limit`` as for ``TapeSACConfig`` (default 0.9); ``checkpoint_modules``: block class
     names or classes (default: the config's ``fsdp_transformer_layer_cls_to_wrap``, else modules
     repeated in a ``ModuleList``); ``regions`` names region types; ``tokens`` counts the tokens of
-    the model's forward inputs, given as ``(args, kwargs)``; ``settings``: other ``TapeSACConfig``
-    fields.
+    the model's forward inputs, given as ``(args, kwargs)``; ``deterministic_ops``: custom ops
+    (``"namespace::name"``) declared not to draw random numbers (``checkpoint_modules``);
+    ``settings``: other ``TapeSACConfig`` fields.
     """
 
     memory_limit: float | int | str | None = None
     checkpoint_modules: Collection[str | type[torch.nn.Module]] | None = None
     regions: Regions | None = None
     tokens: TokenCounter | None = None
+    deterministic_ops: Collection[str] | None = None
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -67,6 +71,10 @@ class TapeSACPlugin:
             object.__setattr__(self, "checkpoint_modules", (self.checkpoint_modules,))
         if self.checkpoint_modules is not None:
             object.__setattr__(self, "checkpoint_modules", tuple(self.checkpoint_modules))
+        if isinstance(self.deterministic_ops, str):
+            object.__setattr__(self, "deterministic_ops", (self.deterministic_ops,))
+        if self.deterministic_ops is not None:
+            object.__setattr__(self, "deterministic_ops", tuple(op_names(self.deterministic_ops)))
         unknown = sorted(set(self.settings) - set(_CONFIG_FIELDS))
         if unknown:
             raise TapeSACError(
@@ -80,6 +88,12 @@ class TapeSACPlugin:
         """The controller's configuration."""
         limit = 0.9 if self.memory_limit is None else self.memory_limit
         return TapeSACConfig(memory_limit=limit, **self.settings)
+
+    def checkpoint(self, model: torch.nn.Module, policy: Policy) -> list[str]:
+        """``checkpoint_modules`` on ``model`` with these settings' regions and declared ops."""
+        return checkpoint_modules(
+            model, policy, self.regions, deterministic_ops=self.deterministic_ops or ()
+        )
 
     def over(self, fallback: TapeSACPlugin | None) -> TapeSACPlugin:
         """These settings, with the fields left unset taken from ``fallback``."""
@@ -100,19 +114,20 @@ class TapeSACPlugin:
         fields: dict[str, Any] = {"settings": {}}
         for key, value in keys.items():
             name = key.removeprefix(PREFIX)
-            if name in ("memory_limit", "checkpoint_modules"):
+            if name in ("memory_limit", "checkpoint_modules", "deterministic_ops"):
                 fields[name] = value
             elif name in _CONFIG_FIELDS:
                 fields["settings"][name] = value
             else:
                 raise TapeSACError(
                     f"unknown key fsdp_config.{PREFIX}{name} in the accelerate config. Fix: use "
-                    f"{PREFIX}memory_limit, {PREFIX}checkpoint_modules or {PREFIX}<field> for a "
+                    f"{PREFIX}memory_limit, {PREFIX}checkpoint_modules, {PREFIX}deterministic_ops "
+                    f"or {PREFIX}<field> for a "
                     f"TapeSACConfig field ({', '.join(_CONFIG_FIELDS)})"
                 )
         try:
             return cls(**fields)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, TapeSACError) as e:
             written = ", ".join(f"{PREFIX}{k.removeprefix(PREFIX)}: {v!r}" for k, v in keys.items())
             raise TapeSACError(
                 f"the accelerate config's fsdp_config ({written}) is not valid. Fix: {e}"
@@ -249,7 +264,7 @@ class TapeSACAccelerator(Accelerator):
             names = self.state.fsdp_plugin.transformer_cls_names_to_wrap
             key = "fsdp_transformer_layer_cls_to_wrap"
         policy = named_blocks(model, names, key) if names else repeated_blocks(model)
-        checkpoint_modules(model, policy, plugin.regions)
+        plugin.checkpoint(model, policy)
 
     def _drive(self, model: torch.nn.Module) -> None:
         """A controller for the prepared model, its steps driven by hooks that survive ``prepare``."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -19,6 +19,7 @@ from tapesac_core.checkpoint import (
     Regions,
     checkpoint_modules,
     module_selector,
+    op_names,
     region_namer,
     repeated_blocks,
 )
@@ -54,7 +55,8 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
     TapeSAC. The first fit steps warm up and profile; later steps run the plan for their token
     bucket. ``memory_limit``: a fraction of device memory (of physical memory on CPU), a size
     such as ``"20GiB"``, or an int of bytes. ``regions`` names region types (class -> name, or
-    a callable); ``tokens`` counts a batch's tokens. ``mp_policy`` (FSDP2's
+    a callable); ``tokens`` counts a batch's tokens; ``deterministic_ops`` declares custom ops
+    (``"namespace::name"``) that draw no random numbers (``checkpoint_modules``). ``mp_policy`` (FSDP2's
     ``MixedPrecisionPolicy``), ``reshard_after_forward`` and ``offload_policy`` go to every
     ``fully_shard`` call the strategy makes (Lightning's ``ModelParallelStrategy`` takes none of
     them). Further keywords are ``TapeSACConfig``'s.
@@ -68,6 +70,7 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
         auto_wrap_policy: Policy | None = None,
         regions: Regions | None = None,
         tokens: TokenCounter | None = None,
+        deterministic_ops: Iterable[str] = (),
         data_parallel_size: Literal["auto"] | int = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -96,6 +99,7 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
         region_namer(regions)  # validates
         self._regions = regions
         self._tokens = tokens or tokens_in
+        self._deterministic_ops = op_names(deterministic_ops)  # validated now, applied at setup
         # Only the options given: fully_shard's own defaults stay in charge of the others.
         self._fsdp_options = {
             k: v
@@ -134,7 +138,12 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
 
         if not any(block_config(m) for m in module.modules()):
             try:
-                checkpoint_modules(module, self._policy or repeated_blocks(module), self._regions)
+                checkpoint_modules(
+                    module,
+                    self._policy or repeated_blocks(module),
+                    self._regions,
+                    deterministic_ops=self._deterministic_ops,
+                )
             except TapeSACError as e:
                 raise TapeSACError(
                     f"{e}. The policy came from TapeSACFSDPStrategy("

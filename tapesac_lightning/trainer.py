@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -24,7 +24,6 @@ from tapesac_core import Controller, TapeSACError, block_config
 from tapesac_core.checkpoint import (
     Policy,
     Regions,
-    checkpoint_modules,
     module_selector,
     repeated_blocks,
 )
@@ -50,7 +49,8 @@ class TapeSACTrainerCallback(TrainerCallback):
     ``Module -> bool`` callable (default: the YAML's ``tapesac_checkpoint_modules``, else the
     model's ``_no_split_modules`` classes, else modules repeated in a ``ModuleList``).
     ``regions`` names region types, ``tokens`` counts the tokens of the model's forward inputs
-    ``(args, kwargs)``; further keywords are ``TapeSACConfig``'s. ``controller`` is the
+    ``(args, kwargs)``, ``deterministic_ops`` declares custom ops that draw no random numbers
+    (``checkpoint_modules``); further keywords are ``TapeSACConfig``'s. ``controller`` is the
     controller once training began.
     """
 
@@ -61,13 +61,18 @@ class TapeSACTrainerCallback(TrainerCallback):
         activation_checkpointing_policy: Policy | None = None,
         regions: Regions | None = None,
         tokens: TokenCounter | None = None,
+        deterministic_ops: Collection[str] | None = None,
         **settings: Any,
     ) -> None:
         if activation_checkpointing_policy is not None:  # validated now, applied at on_init_end
             module_selector(activation_checkpointing_policy, "activation_checkpointing_policy")
         self._policy = activation_checkpointing_policy
         given = TapeSACPlugin(
-            memory_limit=memory_limit, regions=regions, tokens=tokens, settings=settings
+            memory_limit=memory_limit,
+            regions=regions,
+            tokens=tokens,
+            deterministic_ops=deterministic_ops,
+            settings=settings,
         )
         self.plugin = given.over(TapeSACPlugin.from_environment())
         self.controller: Controller | None = None
@@ -117,7 +122,7 @@ class TapeSACTrainerCallback(TrainerCallback):
             return
         policy, source = self._select(model)
         try:
-            checkpoint_modules(model, policy, self.plugin.regions)
+            self.plugin.checkpoint(model, policy)
         except TapeSACError as e:
             raise TapeSACError(f"{e}. The blocks came from {source}") from None
 

@@ -268,6 +268,10 @@ def test_plugin_from_yaml_keys_and_explicit_fields_win() -> None:
     assert (merged.config().warmup_steps, merged.config().profile_steps) == (3, 4)
     with pytest.raises(TapeSACError, match="unknown TapeSAC setting 'warmup'"):
         TapeSACPlugin(settings={"warmup": 1})
+    declared = TapeSACPlugin.from_keys({"tapesac_deterministic_ops": "mylib::fused_norm"})
+    assert declared.deterministic_ops == ("mylib::fused_norm",)
+    with pytest.raises(TapeSACError, match="tapesac_deterministic_ops.*'namespace::name'"):
+        TapeSACPlugin.from_keys({"tapesac_deterministic_ops": ["fused_norm"]})
 
 
 @pytest.fixture

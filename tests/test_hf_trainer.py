@@ -161,6 +161,20 @@ def test_hugging_face_layer_flag_is_switched_off_with_one_info_line(
     assert callback.controller.steps == 3
 
 
+def test_declared_deterministic_ops_reach_every_block(tmp_path, fresh_accelerate_state) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from tapesac_core import block_config
+    from tapesac_lightning import TapeSACTrainerCallback
+
+    model = tiny_qwen3()
+    callback = TapeSACTrainerCallback(memory_limit="20MiB", deterministic_ops={"mylib::norm"})
+    args = TrainingArguments(tmp_path, max_steps=1, report_to=[], use_cpu=True)
+    Trainer(model=model, args=args, train_dataset=[], callbacks=[callback])
+    configs = [block_config(m) for m in model.model.layers]
+    assert configs and all(c.deterministic_ops == {"mylib::norm"} for c in configs)
+
+
 def test_model_init_without_the_wrapper_names_the_fix(tmp_path, fresh_accelerate_state) -> None:
     from transformers import Trainer, TrainingArguments
 

@@ -77,3 +77,13 @@ def test_a_policy_chooses_the_blocks_and_auto_wrap_policy_what_is_sharded() -> N
     )
     assert paths == ["mixed.1", "head"]
     assert sharded == ["", "layers.0", "layers.1", "layers.2", "mixed.0"]
+
+
+def test_deterministic_ops_reach_every_block_and_a_bad_name_fails_at_construction() -> None:
+    from tapesac_core import TapeSACError, block_config
+
+    _, _, model = _applied(deterministic_ops={"mylib::fused_norm"})
+    configs = [block_config(m) for m in model.layers]
+    assert all(c.deterministic_ops == {"mylib::fused_norm"} for c in configs)
+    with pytest.raises(TapeSACError, match="'namespace::name'"):
+        TapeSACFSDPStrategy(0.5, deterministic_ops={"fused_norm"})
