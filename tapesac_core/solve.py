@@ -174,6 +174,7 @@ def _with_plain(
         bytes=(*menu.bytes, profile.bytes_at(plain, tokens / profile.tokens)),
         gains=(*menu.gains, points[0].time + profile.recording_overhead),
         saved=(*menu.saved, profile.graph.value_ids(plain.saved)),
+        plain_last=True,
     )
 
 

@@ -143,3 +143,23 @@ def test_the_planner_runs_blocks_plain_where_memory_allows_and_the_limit_holds()
     assert report.peak <= limit, (report.peak, limit)
     assert report.plain_blocks < 4 and report.plain_blocks + report.blocks == 4
     assert_bitwise(_step(reference, ids, 4), got)
+
+
+def test_plain_blocks_peak_as_predicted_autograd_freeing_their_values_in_backward() -> None:
+    """A plain block's saved values go when autograd's node that reads them last has run, not
+    at the block's end: predicted so, the all-plain step's peak is the metered one."""
+    torch.manual_seed(0)
+    shape = dict(hidden_size=256, num_heads=8, head_dim=32, intermediate_size=768)
+    model = DecoderLM(ModelConfig(num_layers=4, num_kv_heads=4, **shape))
+    tapesac_core.checkpoint_modules(model, {DecoderLayer})
+    ids = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(1))
+    controller = tapesac_core.Controller(
+        model, "1GiB", warmup_steps=1, profile_steps=1, control_every=0, meter_every=1
+    )
+    ratios = []
+    for seed in range(5):
+        report, _ = _planned_step(controller, model, ids, seed)
+        if report.mode == "planned":
+            assert report.plain_blocks == 4
+            ratios.append(report.peak / report.predicted_peak)
+    assert ratios and all(abs(r - 1) < 0.002 for r in ratios), ratios

@@ -663,6 +663,7 @@ class RegionMenu:
     gains: tuple[float, ...]
     saved: tuple[frozenset[int], ...]
     scale: float = 1.0
+    plain_last: bool = False  # the last point is the block run plain (``_with_plain``)
 
     def __post_init__(self) -> None:
         if (
@@ -721,5 +722,39 @@ class RegionMenu:
                         math.ceil((x - y) * self.scale) for x, y in zip(mem.compute, base.compute)
                     ),
                 )
+                if self.plain_last and i == len(self.saved) - 1:
+                    option = _freed_by_autograd(option, graph, s, unpacks, groups, self.scale)
             out.append(option)
         return out
+
+
+def _freed_by_autograd(
+    option: Option,
+    graph: PlanGraph,
+    saved: frozenset[int],
+    unpacks: Sequence[int],
+    groups: Sequence[int],
+    scale: float,
+) -> Option:
+    """``option`` of a block run plain, whose saved values autograd frees in its backward: a
+    storage once the node call (``groups`` entry; without groups, the unpack) that reads it
+    last is done, not when the block is released as the tape's are."""
+    group = list(groups) if groups else list(range(len(unpacks)))
+    storage, sizes = graph.value_storage, graph.storage_bytes
+    last: dict[int, int] = {}
+    for v, g in zip(unpacks, group):
+        last[storage[v]] = g
+    ours = {storage[v] for v in saved} - graph.held_storages
+    # Storages of the set never unpacked in this window stay until the release.
+    ends = sorted((last[s], sizes[s]) for s in ours if s in last)
+    freed, done, j = [], 0, 0
+    for g in group:
+        while j < len(ends) and ends[j][0] < g:
+            done += ends[j][1]
+            j += 1
+        freed.append(math.ceil(done * scale))
+    return dataclasses.replace(
+        option,
+        replay=tuple(x - f for x, f in zip(option.replay, freed)),
+        compute=tuple(x - f for x, f in zip(option.compute, freed)),
+    )
