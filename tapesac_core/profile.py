@@ -37,25 +37,27 @@ class RegionProfile:
     # Seconds a block's recording costs beyond its ops (bookkeeping per op, measured on CPU
     # profile steps; 0 elsewhere): what a plain block saves on top of its replay.
     recording_overhead: float = 0.0
+    # The most bytes a block of the region kept or would keep run plain, over every block
+    # profiled (``plain_bytes``): where sizes depend on data (tokens routed to an expert) a
+    # block can keep more than the reference; 0 leaves the reference's bytes.
+    plain_worst: int = 0
 
     @property
-    def plain_allowed(self) -> bool:
-        """Whether a block may run plain under a byte budget: its sizes must not depend on data
-        (every block ran the reference's op sequence, no output of data-dependent shape)."""
-        return all(self.shares_reference) and DYNAMIC_SHAPE not in self.tape.mandatory.values()
+    def data_dependent(self) -> bool:
+        """Whether the region's saved sizes may depend on data: a block ran another op sequence
+        (data-dependent control flow) or an op's output shape depends on values."""
+        return not all(self.shares_reference) or DYNAMIC_SHAPE in self.tape.mandatory.values()
 
     @functools.cached_property
     def plain_point(self) -> Point:
-        """Running a block plain as a save set: everything autograd saves (the demand set beyond
-        S0 and the leaves, less the block's outputs, alive anyway as the next block's input), and
-        no replay left."""
-        graph, tape = self.graph, self.tape
-        outputs = {tape.values[v].sid for v in tape.outputs}
-        demand = {v for v in graph.demand - graph.available if tape.values[v].sid not in outputs}
+        """Running a block plain as a save set: everything autograd saves (``plain_demand``), no
+        replay left, and the bytes of the region's worst block (``plain_worst``): what a block
+        of data-dependent sizes may keep is bounded by the most any block kept when profiled."""
+        demand = plain_demand(self.graph, self.tape)
         return Point(
-            bytes=saved_bytes(graph, demand),
+            bytes=max(saved_bytes(self.graph, demand), self.plain_worst),
             time=0.0,
-            saved=frozenset(graph.value_names[v] for v in demand),
+            saved=frozenset(self.graph.value_names[v] for v in demand),
         )
 
     @property
@@ -109,6 +111,19 @@ class RegionProfile:
         return sum(self.node_time.get(i, self.forward_time.get(i, 0.0)) for i in range(last + 1))
 
 
+def plain_demand(graph: TapeGraph, tape: Tape) -> set[int]:
+    """What a block run plain keeps: every value autograd saves (the demand set beyond S0 and
+    the leaves), less the block's outputs, alive anyway as the next block's input."""
+    outputs = {tape.values[v].sid for v in tape.outputs}
+    return {v for v in graph.demand - graph.available if tape.values[v].sid not in outputs}
+
+
+def plain_bytes(tape: Tape) -> int:
+    """The bytes a block would keep run plain, from its own tape (its own sizes)."""
+    graph = graph_of(tape, {})
+    return saved_bytes(graph, plain_demand(graph, tape))
+
+
 def _repeated(samples: list[Mapping[int, float]]) -> dict[int, float]:
     """Per node, the median over the blocks that timed it (one run each): with three or more
     blocks a single disturbed run cannot set a node's time; with two, the minimum keeps the
@@ -144,6 +159,7 @@ def region_profiles(blocks: list[BlockTrace], tokens: dict[str, int]) -> dict[st
             ),
             shares_reference=tuple(b.tape.fingerprint == common for b in traces),
             recording_overhead=_recording_overhead(same),
+            plain_worst=max(plain_bytes(b.tape) for b in traces),
         )
     return profiles
 
@@ -175,6 +191,8 @@ def merged(old: RegionProfile | None, new: RegionProfile) -> RegionProfile:
         forward_time=forward,
         shares_reference=new.shares_reference,
         recording_overhead=min(old.recording_overhead, new.recording_overhead),
+        # The worst block over every profiling step, not the last step's alone.
+        plain_worst=max(new.plain_worst, math.ceil(old.plain_worst * f)),
     )
 
 

@@ -166,8 +166,6 @@ def _with_plain(
     """``menu`` with one more option after its frontier (index ``len(points)``): the block runs
     plain. It keeps everything autograd saves, replays nothing, and saves its recording's cost
     too, so it beats the frontier's last point wherever both fit."""
-    if not profile.plain_allowed:
-        return menu
     plain = profile.plain_point
     return dataclasses.replace(
         menu,
@@ -249,13 +247,19 @@ def _region_plan(
     anchors = tuple(frozenset(graph.anchors[v] for v in graph.value_ids(b)) for b in blocks)
     modules = {a.module: graph.module_digests[a.module] for b in anchors for a in b}
     others = len(blocks) - sum(profile.shares_reference)
-    note = (
-        f"{others} of {len(blocks)} blocks ran another op sequence (data-dependent control "
-        "flow): they save what the plan names in submodules whose ops match the reference "
-        "block's (anchored coordinates)"
-        if others
-        else ""
-    )
+    notes = []
+    if others:
+        notes.append(
+            f"{others} of {len(blocks)} blocks ran another op sequence (data-dependent control "
+            "flow): they save what the plan names in submodules whose ops match the reference "
+            "block's (anchored coordinates)"
+        )
+    if any(plain) and profile.data_dependent:
+        notes.append(
+            "saved sizes depend on data: a plain block is given the bytes of the most any block "
+            "of the region kept when profiled"
+        )
+    note = "; ".join(notes)
     largest = points[max((i for i in chosen if i < len(points)), default=0)]
     return RegionPlan(
         sequence=profile.sequence,
