@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rounds,
             plan_info.get("static_bytes_at_planning", 0),
             plan_info.get("must_only_base_at_batch"),
+            w.batch * w.seq,
         ),
         "wall_s": time.perf_counter() - started,
     }

@@ -10,12 +10,16 @@ from benchmarks.method import Method
 
 
 def rows(
-    methods: list[Method], rounds: list[dict[str, float]], static: int = 0, base: int | None = None
+    methods: list[Method],
+    rounds: list[dict[str, float]],
+    static: int = 0,
+    base: int | None = None,
+    tokens: int | None = None,
 ) -> list[dict[str, Any]]:
     """One row per method; a planned row's predicted peak is the Controller's above ``static``,
     the bytes live at the step's start when it planned: its memory model's (scaled from the
-    bucket's upper edge to this batch, whose must-only peak it models as ``base``), or Eq. 8's
-    must-only peak + saved bytes."""
+    bucket's upper edge to this batch of ``tokens``, whose must-only peak it models as
+    ``base``), or Eq. 8's must-only peak + saved bytes."""
     by = {m.name: m for m in methods}
     none, full = by.get("none"), by.get("full")
     out = []
@@ -31,7 +35,7 @@ def rows(
             "backward_flops": m.backward_flops,
         }
         if m.plan is not None and hasattr(m.plan, "saved_bytes"):
-            row |= plan_columns(m.plan, static, base)
+            row |= plan_columns(m.plan, static, base, tokens)
         if m.times:
             row |= time_columns(m.times)
         if none is not None and m.backward_flops is not None and none.backward_flops is not None:
@@ -47,8 +51,11 @@ def rows(
     return out
 
 
-def plan_columns(plan: Any, static: int, base: int | None) -> dict[str, Any]:
-    predicted = plan.peak_at_tokens(base) if plan.predicted_peak and base else 0
+def plan_columns(plan: Any, static: int, base: int | None, tokens: int | None) -> dict[str, Any]:
+    predicted = 0
+    if plan.predicted_peak and base and tokens:
+        edge = max(p.tokens for p in plan.regions.values())
+        predicted = plan.peak_at_tokens(base, tokens / edge)
     return {
         "plan_saved_bytes": plan.saved_bytes,
         "plan_predicted_speedup": plan.predicted_speedup,

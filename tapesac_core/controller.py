@@ -238,8 +238,10 @@ class Controller:
         if report.plan is not None and report.plan.predicted_peak:
             # At this rank's own tokens (the plan was solved at its bucket's upper edge), with the
             # memory outside the blocks it was solved for.
+            edge = self.buckets.primary({r: p.tokens for r, p in report.plan.regions.items()})
             report.predicted_peak = (
-                report.plan.peak_at_tokens(self.memory.base(primary)) + self.memory.static_growth
+                report.plan.peak_at_tokens(self.memory.base(primary), primary / edge)
+                + self.memory.static_growth
             )
         # A rank's tapes and replays are of its own batch, not of the agreed (largest) count.
         if mode == PROFILE and self.profiling.take(blocks, report.local_tokens):

@@ -326,4 +326,4 @@ def test_memory_that_does_not_grow_with_tokens_stays_unscaled() -> None:
         static=memory.timeline(4000).static,
     )
     # At half the tokens only what grows with them halves: 16 MiB + 2000 KiB + 500 KiB.
-    assert plan.peak_at_tokens(memory.base(2000)) == 16 * MiB + 2500 * 1024
+    assert plan.peak_at_tokens(memory.base(2000), 0.5) == 16 * MiB + 2500 * 1024

@@ -12,8 +12,8 @@ from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLaye
 from tapesac_core import PLAIN
 from tapesac_core.checkpoint import trace
 from tapesac_core.memory import profile_memory
-from tapesac_core.profile import plain_bytes
 from tapesac_core.plan.plan import Plan, RegionPlan
+from tapesac_core.profile import plain_bytes
 
 
 def _model(moe: bool = False) -> tuple[DecoderLM, DecoderLM, torch.Tensor]:

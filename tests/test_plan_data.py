@@ -173,8 +173,9 @@ def test_a_version_1_plan_still_reads_for_reports_and_explain_names_the_peak() -
     assert (
         "predicted step peak 13.00 GiB (peak-aware timeline model), at backward window of layers.3"
     ) in plan.explain()
-    # At a step whose must-only peak is 11 GiB (the plan's is 12): 10 + 3 * (1 / 2) GiB.
-    assert plan.peak_at_tokens(11 * GiB) == int(11.5 * GiB)
+    # At a step of half the plan's tokens whose must-only peak is 11 GiB (the plan's is 12): that
+    # peak plus half the 1 GiB the plan adds to it.
+    assert plan.peak_at_tokens(11 * GiB, 0.5) == int(11.5 * GiB)
 
 
 # Plan.to_json() of the plan below, written by the code at commit 27189ec (before Coord and

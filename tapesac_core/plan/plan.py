@@ -63,16 +63,16 @@ class Plan:
     peak_at: str = ""  # where in the step it falls
     static: int = 0  # of the peak, what does not scale with tokens
 
-    def peak_at_tokens(self, base: int) -> int:
-        """The predicted peak for a step of the bucket whose must-only peak is ``base`` (the plan
-        is solved at the bucket's upper edge, where it is ``self.base``): what the peak adds to
-        the static memory scales with what the must-only peak adds (sizes scale with tokens)."""
-        grow = self.base - self.static
-        if not self.predicted_peak or grow <= 0:
+    def peak_at_tokens(self, base: int, factor: float) -> int:
+        """The predicted peak for a step of the bucket whose must-only peak is ``base`` and whose
+        tokens are ``factor`` times the plan's (it is solved at the bucket's upper edge, where its
+        must-only peak is ``self.base``): that must-only peak as measured, plus what the plan adds
+        to it scaled with tokens (saved values and replay temporaries grow with them, §3.4.1).
+        Scaling the addition with the must-only peak's growth instead under-predicts: that
+        peak also holds memory that does not grow with tokens (gradients, routing tables)."""
+        if not self.predicted_peak:
             return self.predicted_peak
-        return round(
-            self.static + (self.predicted_peak - self.static) * (base - self.static) / grow
-        )
+        return round(base + (self.predicted_peak - self.base) * factor)
 
     def coordinates(self) -> dict[str, list[frozenset[Coord]]]:
         """The form ``use_plan`` takes: per region, one coordinate set per block."""
