@@ -332,16 +332,12 @@ class Recorder(TorchDispatchMode):
             vid, entry = self.vid_of(t), None
         counts = block.pack_count
         counts[vid] = counts.get(vid, 0) + 1
-        if (
-            block.verify
-            and vid not in block.held
-            and vid not in block.fingerprints
-            and self.values[vid].kind == OP
-        ):
-            block.fingerprints[vid] = fingerprint(t)
+        # A value's first pack (later ones find it held or referenced) is its only bookkeeping.
         if vid not in block.held and vid not in block.refs:
             value = self.values[vid]
             if value.kind == OP:
+                if block.verify:
+                    block.fingerprints[vid] = fingerprint(t)
                 if self.uninitialised and value.sid in self.uninitialised:
                     self.hold(vid, t, INVISIBLE_WRITE)
                 else:  # taken as it is at backward if still alive there (a block output, say)
