@@ -305,11 +305,11 @@ def test_timeline_of_events_alive_ranges_and_labels() -> None:
         (44, 0, 1, "compute", 1, 0, "backward window of L1"),
         # The instant of a release still holds the block's values (bytes in use then); the
         # rest of the segment does not: a plan's bytes are not added to a later peak.
-        (42, 0, 1, "outside", None, None, "backward, as L1 frees its values"),
+        (42, 0, 1, "releasing", 1, 0, "backward, as L1 frees its values"),
         (40, 0, 0, "outside", None, None, "backward, after L1 freed its values"),
         (38, 0, 0, "replay", 0, 0, "backward window of L0"),
         (37, 0, 0, "compute", 0, 0, "backward window of L0"),
-        (36, 0, 0, "outside", None, None, "backward, as L0 frees its values"),
+        (36, 0, 0, "releasing", 0, 0, "backward, as L0 frees its values"),
         (60, 0, -1, "outside", None, None, "after backward (optimizer step)"),
     ]
     assert t.peak == 60 and t.scaled(115).peak == 115
@@ -317,6 +317,10 @@ def test_timeline_of_events_alive_ranges_and_labels() -> None:
     # A plan saving 100 bytes in L0 adds them up to its release, not to the optimizer's 60.
     saves = [Option(bytes=100, gain=1.0, point=1), Option(bytes=0, gain=0.0, point=0)]
     assert predict(t, saves).peak == 50 + 100  # at the loss; the optimizer's 60 + 100 before
+    # A block whose values autograd frees in its window (a plain block) holds fewer at its own
+    # release, and only there.
+    plain = Option(bytes=100, gain=1.0, point=1, release=-90)
+    assert [plain.delta(s) for s in t.segments if s.own == 1] == [0, 0, 0, -90]
 
 
 def test_region_menu_options_carry_replay_deltas_scaled_to_tokens() -> None:

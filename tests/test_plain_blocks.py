@@ -147,13 +147,17 @@ def test_the_planner_runs_blocks_plain_where_memory_allows_and_the_limit_holds()
     assert_bitwise(_step(reference, ids, 4), got)
 
 
-def test_plain_blocks_peak_as_predicted_autograd_freeing_their_values_in_backward() -> None:
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_plain_blocks_peak_as_predicted_autograd_freeing_their_values_in_backward(moe) -> None:
     """A plain block's saved values go when autograd's node that reads them last has run, not
-    at the block's end: predicted so, the all-plain step's peak is the metered one."""
+    at the block's end: predicted so (also at the instant of its release, where the MoE's
+    all-plain step peaks in the model otherwise), the all-plain step's peak is the metered one."""
     torch.manual_seed(0)
     shape = dict(hidden_size=256, num_heads=8, head_dim=32, intermediate_size=768)
-    model = DecoderLM(ModelConfig(num_layers=4, num_kv_heads=4, **shape))
-    tapesac_core.checkpoint_modules(model, {DecoderLayer})
+    model = DecoderLM(
+        ModelConfig(num_layers=4, num_kv_heads=4, moe=moe, moe_intermediate_size=256, **shape)
+    )
+    tapesac_core.checkpoint_modules(model, {DecoderLayer, MoEDecoderLayer})
     ids = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(1))
     controller = tapesac_core.Controller(
         model, "1GiB", warmup_steps=1, profile_steps=1, control_every=0, meter_every=1

@@ -41,6 +41,7 @@ FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE = (
     "release",
 )
 FORWARD, REPLAY, COMPUTE, OUTSIDE = "forward", "replay", "compute", "outside"
+RELEASING = "releasing"  # the instant a block is released: it still holds its saved values
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,7 +196,9 @@ def timeline_of(
                     peak=opener.current,
                     first=min(holding),
                     last=max(holding),
-                    phase=OUTSIDE,
+                    phase=RELEASING,
+                    own=opener.block,
+                    unpack=0,
                     label=f"backward, as {names[opener.block]} frees its values",
                 )
             )
@@ -398,8 +401,9 @@ def forward_memory(graph: PlanGraph, saved: Iterable[int]) -> int:
 class Option:
     """One choice for a block: the bytes it keeps beyond S0, the replay time it removes, and
     how it moves the block's replay bytes at each unpack of its window (``replay``, ``compute``
-    deltas against must-only; empty: not simulated, no change) and its own forward's peak
-    (``forward``: saved values made late in the forward are not yet alive at its peak)."""
+    deltas against must-only; empty: not simulated, no change), its own forward's peak
+    (``forward``: saved values made late in the forward are not yet alive at its peak) and the
+    instant of its release (``release``: a plain block's values autograd freed by then)."""
 
     bytes: int
     gain: float
@@ -407,10 +411,13 @@ class Option:
     replay: tuple[int, ...] = ()
     compute: tuple[int, ...] = ()
     forward: int = 0
+    release: int = 0
 
     def delta(self, segment: Segment) -> int:
         if segment.phase == FORWARD:
             return self.forward
+        if segment.phase == RELEASING:
+            return self.release
         deltas = self.replay if segment.phase == REPLAY else self.compute
         return (
             deltas[segment.unpack]
@@ -550,8 +557,8 @@ def _high(layer: np.ndarray) -> int:
 @dataclass(frozen=True)
 class _Columns:
     """A timeline's segments as arrays; -1 for no ``own`` block or unpack; ``phase`` is 0 for
-    replay, 1 for compute, 2 for a block's own forward (one column), -1 for any other phase (no
-    option moves it)."""
+    replay, 1 for compute, 2 for a block's own forward and 3 for its release (one column each),
+    -1 for any other phase (no option moves it)."""
 
     peak: np.ndarray
     first: np.ndarray
@@ -561,7 +568,7 @@ class _Columns:
     unpack: np.ndarray
 
 
-_PHASES = {REPLAY: 0, COMPUTE: 1, FORWARD: 2}
+_PHASES = {REPLAY: 0, COMPUTE: 1, FORWARD: 2, RELEASING: 3}
 
 
 def _columns(timeline: Timeline) -> _Columns:
@@ -598,7 +605,7 @@ class _Deltas:
         key = (id(menu), phase)
         m = self.matrices.get(key)
         if m is None:
-            rows = [(o.replay, o.compute, (o.forward,))[phase] for o in menu]
+            rows = [(o.replay, o.compute, (o.forward,), (o.release,))[phase] for o in menu]
             m = np.zeros((len(menu), max(map(len, rows), default=0)), dtype=np.int64)
             for r, d in enumerate(rows):
                 m[r, : len(d)] = d
@@ -620,7 +627,7 @@ def _tops(
     rest = checked[mine[~own]]
     fixed = int(rest.max()) if len(rest) else None
     tops = np.full(len(deltas.menus[block]), -math.inf if fixed is None else fixed, dtype=float)
-    for phase in (0, 1, 2):
+    for phase in (0, 1, 2, 3):
         at = mine[own & (seg.phase[mine] == phase)]
         if len(at):
             positions = seg.unpack[at]
@@ -738,7 +745,8 @@ def _freed_by_autograd(
 ) -> Option:
     """``option`` of a block run plain, whose saved values autograd frees in its backward: a
     storage once the node call (``groups`` entry; without groups, the unpack) that reads it
-    last is done, not when the block is released as the tape's are."""
+    last is done, not when the block is released as the tape's are (so none is left at the
+    release of those read in the window)."""
     group = list(groups) if groups else list(range(len(unpacks)))
     storage, sizes = graph.value_storage, graph.storage_bytes
     last: dict[int, int] = {}
@@ -757,4 +765,5 @@ def _freed_by_autograd(
         option,
         replay=tuple(x - f for x, f in zip(option.replay, freed)),
         compute=tuple(x - f for x, f in zip(option.compute, freed)),
+        release=-math.ceil(sum(size for _, size in ends) * scale),
     )
