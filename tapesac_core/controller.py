@@ -238,9 +238,11 @@ class Controller:
         if report.plan is not None and report.plan.predicted_peak:
             # At this rank's own tokens (the plan was solved at its bucket's upper edge), with the
             # memory outside the blocks it was solved for.
-            edge = self.buckets.primary({r: p.tokens for r, p in report.plan.regions.items()})
+            edges = {r: p.tokens for r, p in report.plan.regions.items()}
+            # A plan of no region (one a resumed run can hold) adds nothing to scale.
+            factor = primary / self.buckets.primary(edges) if edges else 1.0
             report.predicted_peak = (
-                report.plan.peak_at_tokens(self.memory.base(primary), primary / edge)
+                report.plan.peak_at_tokens(self.memory.base(primary), factor)
                 + self.memory.static_growth
             )
         # A rank's tapes and replays are of its own batch, not of the agreed (largest) count.
