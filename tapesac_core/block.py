@@ -15,7 +15,7 @@ from .errors import TapeSACError
 from .plan.coords import Anchor, Coord
 from .recorder import is_subclass_with_dispatch
 from .replay import Replay, read_counts
-from .tape import BUFFER, OP, PARAM, Node, Packed, Tape, Value, producer_closure
+from .tape import BUFFER, OP, PARAM, Node, Tape, Value
 from .timing import NodeTimer
 from .verify import HiddenWrites
 
@@ -79,11 +79,6 @@ class BlockPlan(NamedTuple):
     plain: bool = False
 
 
-def unpack(packed: Packed) -> torch.Tensor:
-    """The saved-tensor unpack hook of every block."""
-    return packed.block.unpack(packed)
-
-
 class Block:
     """State of one checkpointed block call, from its forward to the end of its backward."""
 
@@ -119,6 +114,9 @@ class Block:
         self.kept: frozenset[int] = frozenset()  # held, or fetched by name: set in finish
         self.refs: dict[int, Any] = {}
         self.pack_count: dict[int, int] = {}  # packs per value: its keys are the demand set P
+        # Per pack, the value packed: autograd's handle is the pack's index (an int, which the
+        # garbage collector does not track), and the block's unpack hook resolves it.
+        self.handles: list[int] = []
         self.current_module: str | None = None
         self._module_stack: list[str] = []
         self.timer: Any = None
@@ -129,7 +127,7 @@ class Block:
         self.writes_in_place = False
         self.reads: dict[int, int] = {}  # reads per value in one backward, if none is taken alive
         self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
-        self.device_types: set[str] = set()
+        self.device_types: set[str] = set()  # of the recorded layouts (Recorder._layout)
         self.verify = False  # fingerprint packed values; replay compares (see verify.py)
         self.deterministic_ops: frozenset[str] = frozenset()  # custom ops declared not random
         self.fingerprints: dict[int, torch.Tensor] = {}
@@ -179,7 +177,11 @@ class Block:
         if owner is None:
             path, _, attr = value.name.rpartition(".")
             owner = self._owners[value.vid] = (self.module.get_submodule(path), attr)
-        t = getattr(*owner)
+        module, attr = owner
+        # The registry first: Module.__getattr__ is a Python frame per unpack of a parameter.
+        t = (module._parameters if value.kind == PARAM else module._buffers).get(attr)
+        if t is None:
+            t = getattr(module, attr)
         if is_subclass_with_dispatch(t):
             raise TapeSACError(
                 f"block {self.name!r}: {value.kind} {value.name!r} is a {type(t).__name__} at "
@@ -187,9 +189,6 @@ class Block:
                 "the checkpointed module or above it (fully_shard(block) after checkpoint_module)"
             )
         return t
-
-    def closure(self, targets: Any, available: Callable[[int], bool]) -> set[int]:
-        return producer_closure(self.nodes, self.values, targets, available)
 
     def finish(self, outputs: frozenset[int]) -> None:
         """End of forward: freeze the tape; drop kept tensors no replay or unpack can reach."""
@@ -212,13 +211,10 @@ class Block:
         if self.plan_budget is not None and tape.saved_bytes(self.planned) > self.plan_budget:
             self.planned = self._within_budget(tape, self.plan_budget)
         tape.planned = frozenset(self.planned)
-        # One closure walk serves what the block keeps and what its replays will read: the
-        # values read are the deps of the closure and the demand (tape.needed_sources).
+        # The reads of one backward say what the block keeps: a kept value is demanded or read
+        # by a replayed node (tape.needed_sources).
         available = tape.always_available | tape.planned
-        closure = producer_closure(
-            tape.nodes, tape.values, tape.demand - available, available.__contains__
-        )
-        self.reads = read_counts(self, closure, available.__contains__)
+        self.reads = read_counts(self.nodes, tape.demand, self.pack_count, available.__contains__)
         needed = {v for v in available if v in tape.demand or v in self.reads}
         for vid in [v for v in self.held if v not in needed]:
             del self.held[vid]
@@ -233,7 +229,6 @@ class Block:
                 self.region,
                 ", ".join(str(tuple(c)) for c in sorted(missing)),  # as use_plan takes them
             )
-        self.device_types = {v.meta.device.type for v in self.values if v.meta is not None}
         self.trace.tape = tape
         self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
 
@@ -278,8 +273,9 @@ class Block:
 
     # ------------------------------------------------------------------ backward
 
-    def unpack(self, packed: Packed) -> torch.Tensor:
-        """Autograd unpacks a saved value: return it, replaying its producers if needed."""
+    def unpack(self, handle: int) -> torch.Tensor:
+        """The block's saved-tensor unpack hook: the value of ``handle``, replaying its producers
+        if needed. Autograd holds the hook with every saved tensor, and so the block."""
         active = self._active_recording()
         if self.recording or active is not None:
             raise TapeSACError(
@@ -294,19 +290,19 @@ class Block:
                 "TapeSAC block is not supported. Fix: do not checkpoint this module for "
                 "higher-order gradients, or use torch.utils.checkpoint for it"
             )
-        vid = packed.vid
+        vid = self.handles[handle]
         self.trace.unpacked.add(vid)
         if self.probe is not None:
-            return self.probe.unpack(vid, lambda: self._take(vid, packed, gid))
-        return self._take(vid, packed, gid)
+            return self.probe.unpack(vid, lambda: self._take(vid, handle, gid))
+        return self._take(vid, handle, gid)
 
-    def _take(self, vid: int, packed: Packed, gid: int) -> torch.Tensor:
+    def _take(self, vid: int, handle: int, gid: int) -> torch.Tensor:
         t = self.held.get(vid)
         if t is not None:
             return t
         if self.is_kept(vid):
             return self._fetch(self.values[vid])
-        return self._replay_for(gid).take(vid, packed)
+        return self._replay_for(gid).take(vid, handle)
 
     def _replay_for(self, gid: int) -> Replay:
         """One replay state per backward pass; a second backward (retain_graph) replays again."""

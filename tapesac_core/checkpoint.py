@@ -38,7 +38,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_leaves
 
-from .block import PLAIN, Block, BlockPlan, BlockTrace, Plain, unpack
+from .block import PLAIN, Block, BlockPlan, BlockTrace, Plain
 from .errors import TapeSACError
 from .plan.coords import Anchor, Coord
 from .plan.plan import Plan
@@ -402,7 +402,7 @@ def _run_block(
     try:
         with (
             _autocast_weight_cache_disabled(),
-            torch.autograd.graph.saved_tensors_hooks(recorder.pack, unpack),
+            torch.autograd.graph.saved_tensors_hooks(recorder.pack, block.unpack),
             recorder,
         ):
             out = fn(*args, **kwargs)

@@ -10,7 +10,7 @@ Contract (what makes replay exact):
   ``tapesac.alias`` node that depends on the write).
 * Parameters and buffers are recorded by name and fetched again at replay; block inputs are kept.
 * Saved values (S0 and the plan) are held strongly, detached: nothing a block holds may keep its
-  own graph alive (the graph holds the block through the saved-tensor handles). If forward
+  own graph alive (the graph holds the block through its unpack hook). If forward
   later writes into a held value's storage, the held tensor is moved to a copy of the storage
   first, so it keeps the content autograd saw.
 
@@ -24,7 +24,7 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import TapeSACError
 from .ops import OpInfo, arg, has_dynamic_shape, is_random_call, op_info
@@ -41,7 +41,6 @@ from .tape import (
     PARAM,
     Meta,
     Node,
-    Packed,
     Slot,
     Value,
 )
@@ -89,11 +88,13 @@ def on_storage(t: Tensor, storage: torch.UntypedStorage) -> Tensor:
 def detached(t: Tensor) -> Tensor:
     """``t``'s storage, layout and version counter without its autograd graph, unrecorded.
 
-    Autograd's saved tensors reach the block through the pack hook's handles, so a block that
+    Autograd's saved tensors reach the block through its unpack hook, so a block that
     held a tensor with a ``grad_fn`` would close a cycle through C++ graph nodes the garbage
     collector cannot see: a forward whose backward never runs would leak the block forever.
     """
-    with _disable_current_modes():  # no dispatch mode (the recorder) sees this bookkeeping op
+    # No dispatch mode (the recorder) sees this bookkeeping op. The C++ guard, not
+    # ``_disable_current_modes``, which pops and pushes every mode in Python (16 µs a call).
+    with torch._C._DisableTorchDispatch():
         return t.detach()
 
 
@@ -118,6 +119,15 @@ _SLOTS = tuple(Slot(i) for i in range(64))  # immutable: slots are shared by eve
 # The arguments of a call whose arguments are exactly its tensor inputs, in order: one shared
 # tuple per count, so replay recognises them by identity and passes its tensors as they are.
 SLOT_ARGS = tuple(_SLOTS[:n] for n in range(len(_SLOTS) + 1))
+
+
+def _slot(i: int) -> Slot:
+    return _SLOTS[i] if i < len(_SLOTS) else Slot(i)
+
+
+def _slot_args(n: int) -> tuple[Slot, ...]:
+    """The arguments of a call whose arguments are its ``n`` tensor inputs, in order."""
+    return SLOT_ARGS[n] if n < len(SLOT_ARGS) else tuple(_slot(i) for i in range(n))
 
 
 def _meta(t: Tensor) -> Meta:
@@ -148,6 +158,9 @@ class Recorder(TorchDispatchMode):
         self.calls: dict[str, int] = {}
         self._leaves: dict[int, tuple[str, str]] | None = None  # rebuilt in this block, if it was
         self.timer = block.timer  # set before recording when node times are wanted
+        # Whether the hot path in __torch_dispatch__ may record this block's ops: nothing is
+        # timed, and the plan and hidden writes name nothing to hold (fixed for the block).
+        self.fast = block.timer is None and not block.plan_coords and not block.forced
         # OpOverload hashes in Python: look ops up by id (they live as long as the process).
         self.infos: dict[int, OpInfo] = {}
 
@@ -173,13 +186,19 @@ class Recorder(TorchDispatchMode):
         if version is None:
             version = t._version
         self.values.append(
-            Value(vid, node, j, sid, self.epochs.get(sid, 0), _meta(t), version, kind, name)
+            Value(vid, node, j, sid, self.epochs.get(sid, 0), self._layout(t), version, kind, name)
         )
         self.ptrs.append(storage.data_ptr())
         self.by_id[id(t)] = (weakref.ref(t), vid, version)
         if kind != OP and kind != EXTERNAL:
             self.leaf_sids.add(sid)
         return vid
+
+    def _layout(self, t: Tensor) -> Meta:
+        """``t``'s recorded layout; replay turns autocast off on the device types of layouts."""
+        meta = _meta(t)
+        self.block.device_types.add(meta.device.type)
+        return meta
 
     def vid_of(self, t: Tensor) -> int:
         """The value id of ``t`` as it is now, registering leaves and re-read aliases."""
@@ -322,27 +341,32 @@ class Recorder(TorchDispatchMode):
 
     # ------------------------------------------------------------------ pack hook
 
-    def pack(self, t: Tensor) -> Any:
-        """Autograd saves ``t``: record it in the demand set and hand autograd a handle."""
+    def pack(self, t: Tensor) -> int:
+        """Autograd saves ``t``: record it in the demand set and hand autograd a handle (the
+        pack's index in ``block.handles``)."""
         block = self.block
         entry = self.by_id.get(id(t))
         if entry is not None and entry[0]() is t and entry[2] == t._version:
             vid = entry[1]
         else:
             vid, entry = self.vid_of(t), None
+        handles = block.handles
+        handles.append(vid)
         counts = block.pack_count
-        counts[vid] = counts.get(vid, 0) + 1
-        # A value's first pack (later ones find it held or referenced) is its only bookkeeping.
-        if vid not in block.held and vid not in block.refs:
-            value = self.values[vid]
-            if value.kind == OP:
-                if block.verify:
-                    block.fingerprints[vid] = fingerprint(t)
-                if self.uninitialised and value.sid in self.uninitialised:
-                    self.hold(vid, t, INVISIBLE_WRITE)
-                else:  # taken as it is at backward if still alive there (a block output, say)
-                    block.refs[vid] = entry[0] if entry is not None else weakref.ref(t)
-        return _new_tuple(Packed, (block, vid))
+        packs = counts.get(vid)
+        if packs is not None:  # packed before: its bookkeeping is done
+            counts[vid] = packs + 1
+            return len(handles) - 1
+        counts[vid] = 1
+        value = self.values[vid]
+        if value.kind == OP and vid not in block.held:
+            if block.verify:
+                block.fingerprints[vid] = fingerprint(t)
+            if self.uninitialised and value.sid in self.uninitialised:
+                self.hold(vid, t, INVISIBLE_WRITE)
+            else:  # taken as it is at backward if still alive there (a block output, say)
+                block.refs[vid] = entry[0] if entry is not None else weakref.ref(t)
+        return len(handles) - 1
 
     # ------------------------------------------------------------------ dispatch
 
@@ -352,14 +376,14 @@ class Recorder(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         info = self.infos.get(id(func)) or self._info(func)
-        if not (info.plain or info.simple_view) or self.timer is not None or self.uninitialised:
+        if not (self.fast and (info.plain or info.simple_view)) or self.uninitialised:
             return self._record(func, info, args, kwargs)
         # The hot path: an op with one tensor output, fresh or a view of its first input, and
-        # nothing to capture, copy or refuse, recorded as ``_record`` would, with fewer calls.
+        # nothing to capture, copy, refuse, time or hold, recorded as ``_record`` would, with
+        # fewer calls.
         inputs: list[int] = []
-        targs = []
+        targs: list | None = None  # built only once an argument is not a tensor
         by_id, values = self.by_id, self.values
-        only_tensors = True
         for a in args:  # _template, unrolled for plain tensor arguments
             if isinstance(a, Tensor):
                 entry = by_id.get(id(a))
@@ -367,19 +391,19 @@ class Recorder(TorchDispatchMode):
                     inputs.append(entry[1])
                 else:
                     inputs.append(self.vid_of(a))
-                n = len(inputs) - 1
-                targs.append(_SLOTS[n] if n < 64 else Slot(n))
+                if targs is not None:
+                    targs.append(_slot(len(inputs) - 1))
             else:
-                only_tensors = False
+                if targs is None:
+                    targs = list(_slot_args(len(inputs)))
                 targs.append(self._template(a, inputs) if type(a) in (list, tuple) else a)
-        n = len(targs)
-        targs = SLOT_ARGS[n] if only_tensors and n < len(SLOT_ARGS) else tuple(targs)
+        targs = _slot_args(len(inputs)) if targs is None else tuple(targs)
         tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
         out = info.call(*args, **kwargs)
-        block = self.block
-        if type(out) is not Tensor or block.plan_coords or block.forced:
+        if type(out) is not Tensor:
             self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
             return out
+        block = self.block
         storage = out.untyped_storage()
         ptr = storage.data_ptr()
         if info.simple_view:  # it shares its base's storage and, once autograd ran, its version
@@ -476,7 +500,7 @@ class Recorder(TorchDispatchMode):
         """A metadata-only op's input: its layout is what replay rebuilds from."""
         value = self.values[vid]
         if value.meta is None:
-            self.values[vid] = value._replace(meta=_meta(t))
+            self.values[vid] = value._replace(meta=self._layout(t))
 
     def _reads_recorded(self, args: tuple, kwargs: dict) -> bool:
         """FSDP's collectives move FSDP's own buffers; user collectives read recorded values."""
@@ -494,7 +518,7 @@ class Recorder(TorchDispatchMode):
             else:
                 inputs.append(self.vid_of(a))
             i = len(inputs) - 1
-            return _SLOTS[i] if i < 64 else Slot(i)
+            return _slot(i)
         if type(a) is list or type(a) is tuple:
             for x in a:
                 if isinstance(x, Tensor):
@@ -700,7 +724,7 @@ class Recorder(TorchDispatchMode):
         if version is None:
             version = t._version
         # Layouts are kept only where replay needs them (they cost recording time).
-        meta = _meta(t) if info.metadata_only else None
+        meta = self._layout(t) if info.metadata_only else None
         values.append(_new_tuple(Value, (vid, index, j, sid, epoch, meta, version, OP, None)))
         ptrs.append(ptr)
         self.by_id[key] = (weakref.ref(t), vid, version)

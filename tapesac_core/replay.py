@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -113,17 +113,32 @@ def _dropper(refs: dict[int, weakref.ref], ptr: int) -> Any:
     return drop
 
 
-def read_counts(block: Any, closure: set[int], available: Any) -> dict[int, int]:
-    """How often one backward reads each value: the replayed nodes of ``closure`` read their
-    deps, autograd reads each demanded value replay produces once per pack."""
+def read_counts(
+    nodes: list[Node], demand: Iterable[int], pack_count: Mapping[int, int], available: Any
+) -> dict[int, int]:
+    """How often one backward reads each value: autograd reads each demanded value replay
+    produces once per pack, and the nodes replay runs for them (their producer closure, as
+    ``producer_closure``) read their deps.
+
+    One sweep from the last node back, instead of a closure walk and a second pass: a node
+    runs if it produces a value still needed, and every value a node reads was made before it.
+    """
     reads: dict[int, int] = {}
-    nodes = block.nodes
-    for index in closure:
-        for d in nodes[index].deps:
-            reads[d] = reads.get(d, 0) + 1
-    for vid in block.demand:
+    needed: set[int] = set()
+    for vid in demand:
         if not available(vid):
-            reads[vid] = reads.get(vid, 0) + block.pack_count.get(vid, 0)
+            reads[vid] = reads.get(vid, 0) + pack_count.get(vid, 0)
+            needed.add(vid)
+    for node in reversed(nodes):
+        if not needed:
+            break
+        if needed.isdisjoint(node.outs):
+            continue
+        needed.difference_update(node.outs)
+        for d in node.deps:
+            reads[d] = reads.get(d, 0) + 1
+            if not available(d):
+                needed.add(d)
     return reads
 
 
@@ -141,14 +156,13 @@ class Replay:
         # Storages replay must not write into; only a tape with in-place nodes writes at all.
         self.not_ours = LiveStorages()
         self.guards_writes = block.writes_in_place
-        self.unpacked: set[int] = set()  # ids of the handles already unpacked in this backward
+        self.unpacked: set[int] = set()  # the handles already unpacked in this backward
         # Verifying only: values not compared, since they derive from an op whose bits vary or
         # from a value that already mismatched (only the first mismatch names the hidden write).
         self.uncomparable: set[int] = set()
         self._take_alive_values(block)
         if self.env:  # values taken alive cut the closure finish counted reads on: count again
-            closure = block.closure(block.demand, self._available)
-            self.reads = read_counts(block, closure, self._available)
+            self.reads = read_counts(self.nodes, block.demand, block.pack_count, self._available)
         else:
             self.reads = dict(block.reads)
 
@@ -165,7 +179,7 @@ class Replay:
     def _available(self, vid: int) -> bool:
         return vid in self.env or vid in self.kept
 
-    def take(self, vid: int, handle: Any) -> torch.Tensor:
+    def take(self, vid: int, handle: int) -> torch.Tensor:
         """The value autograd unpacks through ``handle``; a handle's first unpack consumes a read."""
         env = self.env
         if vid not in env:
@@ -183,8 +197,8 @@ class Replay:
         t = env[vid]
         if self.guards_writes:
             self.not_ours.add(t)
-        if id(handle) not in self.unpacked:  # ctx.saved_tensors may unpack one handle twice
-            self.unpacked.add(id(handle))
+        if handle not in self.unpacked:  # ctx.saved_tensors may unpack one handle twice
+            self.unpacked.add(handle)
             self._release(vid)
         return t
 

@@ -101,13 +101,6 @@ class Node(NamedTuple):
         return f"Node({self.index}, {self.name}#{self.k}, in={self.deps}, out={self.outs})"
 
 
-class Packed(NamedTuple):
-    """What autograd keeps for a saved tensor of a block: the block and a value id."""
-
-    block: Any
-    vid: int
-
-
 @dataclass(eq=False)
 class Tape:
     """The recorded graph of one block: nodes in order, values, demand set P and mandatory set S0."""
