@@ -132,13 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "compile_backend": args.compile_backend,
         "compile_interleaved": True,
         "tapesac_planning": plan_info,
-        "rows": rows(
-            methods,
-            rounds,
-            plan_info.get("static_bytes_at_planning", 0),
-            plan_info.get("must_only_base_at_batch"),
-            w.batch * w.seq,
-        ),
+        "rows": rows(methods, rounds, plan_info.get("static_bytes_at_planning", 0)),
         "wall_s": time.perf_counter() - started,
     }
 

@@ -29,6 +29,9 @@ class Method:
     error: str | None = None
     limit: int | None = None  # TapeSAC planned: the limit, in bytes above those live at step start
     plan: Any = None
+    # TapeSAC planned by the Controller: its predicted step peak, in bytes above those live at
+    # step start (Controller.predicted_peak)
+    predicted_peak: int | None = None
     peak: int | None = None
     backward_flops: int | None = None
     forward_flops: int | None = None

@@ -10,16 +10,11 @@ from benchmarks.method import Method
 
 
 def rows(
-    methods: list[Method],
-    rounds: list[dict[str, float]],
-    static: int = 0,
-    base: int | None = None,
-    tokens: int | None = None,
+    methods: list[Method], rounds: list[dict[str, float]], static: int = 0
 ) -> list[dict[str, Any]]:
-    """One row per method; a planned row's predicted peak is the Controller's above ``static``,
-    the bytes live at the step's start when it planned: its memory model's (scaled from the
-    bucket's upper edge to this batch of ``tokens``, whose must-only peak it models as
-    ``base``), or Eq. 8's must-only peak + saved bytes."""
+    """One row per method; a planned row's predicted peak is above ``static``, the bytes live at
+    the step's start when it planned: the Controller's for this batch, or, for a plan it did not
+    predict, Eq. 8's must-only peak + saved bytes."""
     by = {m.name: m for m in methods}
     none, full = by.get("none"), by.get("full")
     out = []
@@ -35,7 +30,7 @@ def rows(
             "backward_flops": m.backward_flops,
         }
         if m.plan is not None and hasattr(m.plan, "saved_bytes"):
-            row |= plan_columns(m.plan, static, base, tokens)
+            row |= plan_columns(m.plan, static, m.predicted_peak)
         if m.times:
             row |= time_columns(m.times)
         if none is not None and m.backward_flops is not None and none.backward_flops is not None:
@@ -51,15 +46,13 @@ def rows(
     return out
 
 
-def plan_columns(plan: Any, static: int, base: int | None, tokens: int | None) -> dict[str, Any]:
-    predicted = 0
-    if plan.predicted_peak and base and tokens:
-        edge = max(p.tokens for p in plan.regions.values())
-        predicted = plan.peak_at_tokens(base, tokens / edge)
+def plan_columns(plan: Any, static: int, predicted_peak: int | None) -> dict[str, Any]:
     return {
         "plan_saved_bytes": plan.saved_bytes,
         "plan_predicted_speedup": plan.predicted_speedup,
-        "plan_predicted_peak_bytes": (predicted or plan.base + plan.saved_bytes) - static,
+        "plan_predicted_peak_bytes": predicted_peak
+        if predicted_peak is not None
+        else plan.base + plan.saved_bytes - static,
     }
 
 

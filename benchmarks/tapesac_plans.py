@@ -38,7 +38,12 @@ def must_only_method(model: torch.nn.Module) -> Method:
 
 
 def planned_method(
-    name: str, model: torch.nn.Module, plan: Any, note: str, limit: int | None = None
+    name: str,
+    model: torch.nn.Module,
+    plan: Any,
+    note: str,
+    limit: int | None = None,
+    predicted_peak: int | None = None,
 ) -> Method:
     return Method(
         name,
@@ -47,6 +52,7 @@ def planned_method(
         context=partial(tapesac_core.use_plan, plan),
         limit=limit,
         plan=plan,
+        predicted_peak=predicted_peak,
         note=note,
     )
 
@@ -87,13 +93,14 @@ def plan_tapesac(
     ids: torch.Tensor,
     targets: Callable[[int], dict[str, int]],
     max_set_size: int = 12,
-) -> tuple[dict[str, tuple[int, Any]], dict[str, Any]]:
+) -> tuple[dict[str, tuple[int, Any, int]], dict[str, Any]]:
     """Plans by TapeSAC's Controller: a probe controller with no effective limit profiles the
     model (warm-up, profiling, one planned step: its plan saves everything worth saving), then
     the same controller solves the bucket again under each limit of ``targets(everything)``, a
     name -> bytes above those live at the step's start; the controller's limit is that plus the
     live bytes it measured at the step's start. Margin 0, so the limit is the baseline's measured
-    peak itself."""
+    peak itself. Each plan comes with its limit and the step peak the controller predicts for it
+    at this batch, both above the bytes live at the step's start."""
     controller = quick_controller(model, "1TiB", max_set_size=max_set_size)
     *_, report = steps_until_planned(controller, model, ids, 8)
     if report.mode != PLANNED:
@@ -104,12 +111,12 @@ def plan_tapesac(
         "must_only_peak_model": report.plan.base - static,
         "everything_worth_saving": everything,
         "static_bytes_at_planning": static,
-        "must_only_base_at_batch": controller.memory.base(ids.numel()),
     }
     plans = {}
     for name, limit in targets(everything).items():
         controller.replan(memory_limit=max(limit + static, MiB))
-        plans[name] = (limit, controller.plan_for(report.tokens))
+        plan = controller.plan_for(report.tokens)
+        plans[name] = (limit, plan, controller.predicted_peak(plan, report.local_tokens) - static)
     return plans, info
 
 
@@ -155,7 +162,7 @@ def coords_key(plan: Any) -> str:
 
 
 def planned_methods(
-    plans: dict[str, tuple[int, Any]],
+    plans: dict[str, tuple[int, Any, int]],
     model: torch.nn.Module,
     ids: torch.Tensor,
     device: torch.device,
@@ -163,7 +170,7 @@ def planned_methods(
     """One method per distinct plan, by rising limit, its peak measured; a plan identical to an
     earlier one is a note on that one's row."""
     seen: dict[str, Method] = {}
-    for name, (limit, plan) in sorted(plans.items(), key=lambda kv: kv[1][0]):
+    for name, (limit, plan, predicted_peak) in sorted(plans.items(), key=lambda kv: kv[1][0]):
         key = coords_key(plan)
         if key in seen:
             seen[key].note += f"; also the plan at {name}"
@@ -175,6 +182,7 @@ def planned_methods(
             f"Controller plan: saves {plan.saved_bytes} B beyond S0, predicted "
             f"{plan.predicted_speedup:.3f}x vs must-only",
             limit,
+            predicted_peak,
         )
         m.peak = measure_peak(m, ids, device)
         seen[key] = m

@@ -156,6 +156,16 @@ class Controller:
         per_region = self._agree_tokens(self.buckets.per_region(tokens))
         return self._plan(self.buckets.key(per_region))
 
+    def predicted_peak(self, plan: Plan, tokens: Mapping[str, int]) -> int:
+        """The step peak ``plan`` is predicted to reach on a batch of ``tokens`` per region: its
+        memory model's, solved at its bucket's upper edge, scaled to these tokens, with the
+        memory outside the blocks it was solved for."""
+        primary = self.buckets.primary(tokens)
+        edges = {r: p.tokens for r, p in plan.regions.items()}
+        # A plan of no region (one a resumed run can hold) adds nothing to scale.
+        factor = primary / self.buckets.primary(edges) if edges else 1.0
+        return plan.peak_at_tokens(self.memory.base(primary), factor) + self.memory.static_growth
+
     def step_frontier(self, key: Bucket) -> StepFrontier:
         """Bucket ``key``'s predicted frontier of whole steps, with its plan on it (for plots)."""
         edges = self.buckets.edges(key)
@@ -236,15 +246,7 @@ class Controller:
         if reading is not None:
             report.peak = reading.peak
         if report.plan is not None and report.plan.predicted_peak:
-            # At this rank's own tokens (the plan was solved at its bucket's upper edge), with the
-            # memory outside the blocks it was solved for.
-            edges = {r: p.tokens for r, p in report.plan.regions.items()}
-            # A plan of no region (one a resumed run can hold) adds nothing to scale.
-            factor = primary / self.buckets.primary(edges) if edges else 1.0
-            report.predicted_peak = (
-                report.plan.peak_at_tokens(self.memory.base(primary), factor)
-                + self.memory.static_growth
-            )
+            report.predicted_peak = self.predicted_peak(report.plan, report.local_tokens)
         # A rank's tapes and replays are of its own batch, not of the agreed (largest) count.
         if mode == PROFILE and self.profiling.take(blocks, report.local_tokens):
             self._forget_plans()
