@@ -14,8 +14,8 @@ import torch
 from .errors import TapeSACError
 from .plan.coords import Anchor, Coord
 from .recorder import is_subclass_with_dispatch
-from .replay import Replay, read_counts
-from .tape import BUFFER, OP, PARAM, Node, Tape, Value
+from .replay import Replay
+from .tape import BUFFER, OP, PARAM, Node, Tape, Value, read_counts
 from .timing import NodeTimer
 from .verify import HiddenWrites
 

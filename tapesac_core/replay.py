@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -25,7 +25,7 @@ from torch._ops import OpOverload
 from .errors import TapeSACError
 from .ops import rebuild_output
 from .recorder import SLOT_ARGS, flat_tensors, on_storage, view_on
-from .tape import ALIAS_OP, Meta, Node, Slot, producer_closure
+from .tape import ALIAS_OP, Meta, Node, Slot, producer_closure, read_counts
 from .verify import check_replayed, reproducible
 
 
@@ -111,35 +111,6 @@ def _dropper(refs: dict[int, weakref.ref], ptr: int) -> Any:
             del refs[ptr]
 
     return drop
-
-
-def read_counts(
-    nodes: list[Node], demand: Iterable[int], pack_count: Mapping[int, int], available: Any
-) -> dict[int, int]:
-    """How often one backward reads each value: autograd reads each demanded value replay
-    produces once per pack, and the nodes replay runs for them (their producer closure, as
-    ``producer_closure``) read their deps.
-
-    One sweep from the last node back, instead of a closure walk and a second pass: a node
-    runs if it produces a value still needed, and every value a node reads was made before it.
-    """
-    reads: dict[int, int] = {}
-    needed: set[int] = set()
-    for vid in demand:
-        if not available(vid):
-            reads[vid] = reads.get(vid, 0) + pack_count.get(vid, 0)
-            needed.add(vid)
-    for node in reversed(nodes):
-        if not needed:
-            break
-        if needed.isdisjoint(node.outs):
-            continue
-        needed.difference_update(node.outs)
-        for d in node.deps:
-            reads[d] = reads.get(d, 0) + 1
-            if not available(d):
-                needed.add(d)
-    return reads
 
 
 class Replay:

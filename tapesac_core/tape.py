@@ -186,14 +186,8 @@ class Tape:
     def needed_sources(self, saved: Iterable[int] = ()) -> frozenset[int]:
         """Among ``saved``, S0 and the leaves, the values replay or autograd reads: what a block keeps."""
         available = self.always_available | frozenset(saved)
-        needed = set(self.demand)
-        # Replay's own walk, not the planner's graph: this runs at the end of every block's
-        # forward, where building that graph would cost more than the walk.
-        for index in producer_closure(
-            self.nodes, self.values, self.demand - available, available.__contains__
-        ):
-            needed.update(self.nodes[index].deps)
-        return frozenset(needed & available)
+        reads = read_counts(self.nodes, self.demand, {}, available.__contains__)
+        return frozenset((self.demand | reads.keys()) & available)
 
     def saved_bytes(self, saved: Iterable[int]) -> int:
         """Bytes keeping ``saved`` costs beyond S0 and the leaves (the planner's measure)."""
@@ -273,3 +267,32 @@ def producer_closure(
                 seen.add(d)
                 stack.append(d)
     return needed
+
+
+def read_counts(
+    nodes: list[Node], demand: Iterable[int], pack_count: Mapping[int, int], available: Any
+) -> dict[int, int]:
+    """How often one backward reads each value: autograd reads each demanded value replay
+    produces once per pack, and the nodes replay runs for them (their producer closure, as
+    ``producer_closure``) read their deps.
+
+    One sweep from the last node back, instead of a closure walk and a second pass: a node
+    runs if it produces a value still needed, and every value a node reads was made before it.
+    """
+    reads: dict[int, int] = {}
+    needed: set[int] = set()
+    for vid in demand:
+        if not available(vid):
+            reads[vid] = reads.get(vid, 0) + pack_count.get(vid, 0)
+            needed.add(vid)
+    for node in reversed(nodes):
+        if not needed:
+            break
+        if needed.isdisjoint(node.outs):
+            continue
+        needed.difference_update(node.outs)
+        for d in node.deps:
+            reads[d] = reads.get(d, 0) + 1
+            if not available(d):
+                needed.add(d)
+    return reads
