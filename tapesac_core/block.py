@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
@@ -112,7 +112,7 @@ class Block:
         self.planned_seen: set[tuple] = set()
         self.held: dict[int, torch.Tensor] = {}
         self.kept: frozenset[int] = frozenset()  # held, or fetched by name: set in finish
-        self.refs: dict[int, Any] = {}
+        self.refs: dict[int, Any] = {}  # demanded values alive at the end of forward: set in finish
         self.pack_count: dict[int, int] = {}  # packs per value: its keys are the demand set P
         # Per pack, the value packed: autograd's handle is the pack's index (an int, which the
         # garbage collector does not track), and the block's unpack hook resolves it.
@@ -190,8 +190,11 @@ class Block:
             )
         return t
 
-    def finish(self, outputs: frozenset[int]) -> None:
-        """End of forward: freeze the tape; drop kept tensors no replay or unpack can reach."""
+    def finish(
+        self, outputs: frozenset[int], alive: Callable[[Collection[int]], dict[int, Any]]
+    ) -> None:
+        """End of forward: freeze the tape; drop kept tensors no replay or unpack can reach.
+        ``alive`` gives weak references to the tensors of values still alive (``Recorder.alive``)."""
         self.recording = False
         tape = Tape(
             self.name,
@@ -218,7 +221,9 @@ class Block:
         needed = {v for v in available if v in tape.demand or v in self.reads}
         for vid in [v for v in self.held if v not in needed]:
             del self.held[vid]
-        fetched = {v for v in available if self.values[v].kind in (PARAM, BUFFER)}
+        values = self.values
+        self.refs = alive({v for v in tape.demand if values[v].kind == OP and v not in self.held})
+        fetched = {v for v in available if values[v].kind in (PARAM, BUFFER)}
         self.kept = frozenset(self.held) | fetched
         missing = self.plan_coords - self.planned_seen
         if missing and not self.trace.sequence_changed:

@@ -409,7 +409,8 @@ def _run_block(
     finally:
         _RECORDING.reset(token)
     block.finish(
-        frozenset(recorder.vid_of(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        frozenset(recorder.vid_of(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)),
+        recorder.alive,
     )
     if timed:
         block.trace.forward_seconds = time.perf_counter() - start

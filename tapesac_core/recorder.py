@@ -21,6 +21,7 @@ a random op whose generator cannot be captured; a tensor subclass inside the blo
 from __future__ import annotations
 
 import weakref
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -349,24 +350,38 @@ class Recorder(TorchDispatchMode):
         if entry is not None and entry[0]() is t and entry[2] == t._version:
             vid = entry[1]
         else:
-            vid, entry = self.vid_of(t), None
+            vid = self.vid_of(t)
         handles = block.handles
         handles.append(vid)
         counts = block.pack_count
         packs = counts.get(vid)
-        if packs is not None:  # packed before: its bookkeeping is done
-            counts[vid] = packs + 1
-            return len(handles) - 1
-        counts[vid] = 1
-        value = self.values[vid]
-        if value.kind == OP and vid not in block.held:
-            if block.verify:
-                block.fingerprints[vid] = fingerprint(t)
-            if self.uninitialised and value.sid in self.uninitialised:
-                self.hold(vid, t, INVISIBLE_WRITE)
-            else:  # taken as it is at backward if still alive there (a block output, say)
-                block.refs[vid] = entry[0] if entry is not None else weakref.ref(t)
+        counts[vid] = 1 if packs is None else packs + 1
+        if packs is None and (block.verify or self.uninitialised):
+            self._first_pack(vid, t)
         return len(handles) - 1
+
+    def _first_pack(self, vid: int, t: Tensor) -> None:
+        """A value's first pack while verifying, or while an uninitialised allocation is pending."""
+        block = self.block
+        value = self.values[vid]
+        if value.kind != OP or vid in block.held:
+            return
+        if block.verify:
+            block.fingerprints[vid] = fingerprint(t)
+        if self.uninitialised and value.sid in self.uninitialised:
+            self.hold(vid, t, INVISIBLE_WRITE)
+
+    def alive(self, vids: Collection[int]) -> dict[int, weakref.ref]:
+        """A weak reference per value of ``vids`` whose tensor is alive now (a block output,
+        say): backward takes it as it is, if still alive there, instead of replaying it.
+
+        Collected once at the end of forward rather than at each pack: by then the block's
+        intermediates are gone, and the pack hook, run per saved tensor, stays short."""
+        refs: dict[int, weakref.ref] = {}
+        for ref, vid, _ in self.by_id.values():
+            if vid in vids and vid not in refs and ref() is not None:
+                refs[vid] = ref
+        return refs
 
     # ------------------------------------------------------------------ dispatch
 
