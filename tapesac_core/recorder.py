@@ -375,12 +375,16 @@ class Recorder(TorchDispatchMode):
         """A weak reference per value of ``vids`` whose tensor is alive now (a block output,
         say): backward takes it as it is, if still alive there, instead of replaying it.
 
-        Collected once at the end of forward rather than at each pack: by then the block's
-        intermediates are gone, and the pack hook, run per saved tensor, stays short."""
+        Collected once at the end of forward rather than at each pack, so that the pack hook,
+        run per saved tensor, stays short. Only a tensor that still has the value's version
+        counts: an alias seen by storage (``x.data``) has a counter of its own."""
         refs: dict[int, weakref.ref] = {}
+        values = self.values
         for ref, vid, _ in self.by_id.values():
-            if vid in vids and vid not in refs and ref() is not None:
-                refs[vid] = ref
+            if vid in vids and vid not in refs:
+                t = ref()
+                if t is not None and t._version == values[vid].version:
+                    refs[vid] = ref
         return refs
 
     # ------------------------------------------------------------------ dispatch

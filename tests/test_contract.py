@@ -311,6 +311,26 @@ def test_a_demanded_value_still_alive_is_taken_not_replayed() -> None:
     assert 0 not in b.replayed  # h was alive: the multiplication never reran
 
 
+def test_a_value_taken_alive_and_packed_twice_is_never_replayed() -> None:
+    def keeps(x, w):
+        h = (x * w).exp()  # exp saves its result h
+        return h * h, h  # mul packs h twice; h itself stays alive with the caller
+
+    x, w = _x(), torch.randn(8, requires_grad=True)
+    h_ref = (x * w).exp()
+    ref = torch.autograd.grad((h_ref * h_ref + h_ref).sum(), [x, w])
+    with tapesac_core.trace() as blocks:
+        y, h = tapesac_core.checkpoint(keeps, x, w)
+    got = torch.autograd.grad((y + h).sum(), [x, w])
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    b = blocks[0]
+    h_vid = b.tape.nodes[1].outs[0]
+    assert b.tape.nodes[1].name == "aten.exp.default" and h_vid in b.tape.demand
+    assert h_vid in b.alive_taken
+    # Every unpack of h is served by the alive tensor: its producers never rerun.
+    assert b.replayed == []
+
+
 def test_checkpoint_of_a_function_names_and_regions_it() -> None:
     def gelu_block(x):
         return torch.nn.functional.gelu(x) * x
