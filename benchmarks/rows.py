@@ -33,6 +33,8 @@ def rows(
             row |= plan_columns(m.plan, static, m.predicted_peak)
         if m.times:
             row |= time_columns(m.times)
+            # Each measured round's seconds (None where the step failed): comparisons pair rounds.
+            row["round_s"] = [r.get(m.name) for r in rounds]
         if none is not None and m.backward_flops is not None and none.backward_flops is not None:
             row["recomputed_flops"] = m.backward_flops - none.backward_flops
         if (

@@ -4,6 +4,7 @@ JSON parses, the plots and the markdown section are written; a torch.compile fai
 import ast
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -94,14 +95,48 @@ def test_every_method_gives_a_measured_row_and_outputs_are_written(tmp_path: Pat
     assert data["command"].startswith("python benchmarks/frontier.py --size tiny")
     for png in ("frontier_dense_tiny_time_vs_memory.png", "frontier_dense_tiny_normalised.png"):
         assert (tmp_path / png).read_bytes()[:8] == PNG
+    assert all(len(r["round_s"]) == 2 for r in rows.values() if r["error"] is None)
     text = markdown.read_text()
     assert text.startswith("# title\n\nhand-written analysis stays\n")
+    assert "- **none** (" in text and ", 2 rounds)." in text
     assert "<!-- frontier dense:tiny -->" in text and "| tapesac_must |" in text
     assert "against each baseline" in text and "frontier_dense_tiny_normalised.png" in text
     # A second run replaces its own section and keeps the rest.
     frontier.update_markdown(markdown, "dense:tiny", "replaced")
     again = markdown.read_text()
     assert "replaced" in again and "| tapesac_must |" not in again and "analysis stays" in again
+
+
+def test_each_baseline_none_included_is_compared_per_round_too() -> None:
+    frontier = _frontier()
+
+    def row(method: str, family: str, peak: int, rounds: list[float | None]) -> dict:
+        times = sorted(t for t in rounds if t is not None)
+        return {
+            "method": method,
+            "family": family,
+            "error": None,
+            "peak_bytes": peak,
+            "recomputed_flops": 0,
+            "median_s": statistics.median(times),
+            "q1_s": times[0],
+            "q3_s": times[-1],
+            "round_s": rounds,
+        }
+
+    # Drift from round to round (1 s to 5 s) moves both medians, and a round whose step failed
+    # (None, left out of the pairs) moves one: the medians' ratio says ahead, while within each
+    # round TapeSAC's step is 1.02x none's.
+    result = {
+        "rows": [
+            row("none", "none", 100, [4.0, 1.0, 3.0, 2.0, 5.0]),
+            row("tapesac@1", "tapesac", 100, [4.08, 1.02, 3.06, 2.04, None]),
+        ]
+    }
+    (line,) = frontier.comparisons(result)
+    assert line.startswith("- **none** (") and "by time ahead" in line
+    assert "tapesac@1" in line and "(baseline / TapeSAC = 1.176" in line  # 3.0 s / 2.55 s
+    assert "per round 0.980, IQR 0.980-0.980, 4 rounds" in line
 
 
 def test_a_torch_compile_failure_is_a_row_with_the_exception_text(tmp_path: Path) -> None:
