@@ -13,7 +13,7 @@ from typing import Any
 
 # The module each public name comes from.
 _EXPORTS = {
-    ".block": ("BlockTrace", "PLAIN"),
+    ".block": ("BlockTrace", "PLAIN", "TORCH_CHECKPOINT"),
     ".checkpoint": (
         "BlockConfig",
         "block_config",
@@ -49,6 +49,7 @@ __all__ = [
     "Tape",
     "TapeSACConfig",
     "TapeSACError",
+    "TORCH_CHECKPOINT",
     "block_config",
     "checkpoint",
     "checkpoint_module",

@@ -6,13 +6,13 @@ import logging
 import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, NamedTuple
 
 import torch
 
 from .errors import TapeSACError
 from .plan.coords import Anchor, Coord
+from .plan.plan import BlockKind
 from .recorder import is_subclass_with_dispatch
 from .replay import Replay
 from .tape import BUFFER, OP, PARAM, Node, Tape, Value, read_counts
@@ -55,28 +55,24 @@ class BlockTrace:
         return self.tape.bytes_of(self.saved)
 
 
-class Plain(Enum):
-    """A block's plan entry that runs it as without checkpointing: not recorded, no replay,
-    autograd keeps everything it saves until the block's backward."""
-
-    PLAIN = "plain"
-
-
-PLAIN = Plain.PLAIN
+# Plan entries for a block that is not recorded: run as without checkpointing (autograd keeps
+# everything it saves until the block's backward), or under torch.utils.checkpoint.
+PLAIN = BlockKind.PLAIN
+TORCH_CHECKPOINT = BlockKind.TORCH_CHECKPOINT
 
 
 class BlockPlan(NamedTuple):
     """What one block call saves: coordinates, the op sequence they are valid for (None: any),
     the bytes they may keep beyond S0 (None: no bound), and the same set anchored on submodules
-    with those submodules' op digests (for a block that runs another op sequence); or ``plain``:
-    the block is not checkpointed at all."""
+    with those submodules' op digests (for a block that runs another op sequence); and how the
+    block runs (``kind``: when not recorded, the rest is empty)."""
 
     coords: frozenset[Coord] = frozenset()
     sequence: str | None = None
     budget: int | None = None
     anchors: frozenset[Anchor] = frozenset()
     modules: Mapping[str, str] = {}
-    plain: bool = False
+    kind: BlockKind = BlockKind.TAPE
 
 
 class Block:
@@ -100,7 +96,7 @@ class Block:
             self.plan_anchors,
             self.plan_modules,
             _,
-        ) = plan  # a block runs because its entry is not plain
+        ) = plan  # a Block exists because its entry is recorded
         self.anchored: set[int] = set()  # held for an anchored coordinate of the plan
         self.module_calls: dict[tuple[str, str], int] = {}  # (module, op) -> calls so far
         self.nodes: list[Node] = []

@@ -38,10 +38,10 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_leaves
 
-from .block import PLAIN, Block, BlockPlan, BlockTrace, Plain
+from .block import Block, BlockPlan, BlockTrace
 from .errors import TapeSACError
 from .plan.coords import Anchor, Coord
-from .plan.plan import Plan
+from .plan.plan import BlockKind, Plan
 from .recorder import Recorder
 from .tape import Tape
 from .verify import HiddenWrites
@@ -96,22 +96,33 @@ def _coords(collection: Any, region: str) -> frozenset[Coord]:
 
 def normalize_plan(
     plan: PlanSpec,
-) -> dict[str, frozenset[Coord] | list[frozenset[Coord] | Plain]]:
+) -> dict[str, frozenset[Coord] | list[frozenset[Coord] | BlockKind]]:
     """Coordinates per region, or one entry per block of the region in forward order: its
-    coordinate set, or ``PLAIN``."""
+    coordinate set, ``PLAIN`` or ``TORCH_CHECKPOINT``."""
     if not isinstance(plan, Mapping):
         raise TapeSACError(f"a plan maps region names to coordinates, got {type(plan).__name__}")
     out: dict[str, Any] = {}
     for region, entry in plan.items():
         items = list(entry)
         if items and all(
-            i is PLAIN or (not _is_coord(i) and isinstance(i, (set, frozenset, list, tuple)))
+            isinstance(i, BlockKind)
+            or (not _is_coord(i) and isinstance(i, (set, frozenset, list, tuple)))
             for i in items
         ):
-            out[region] = [i if i is PLAIN else _coords(i, region) for i in items]
+            out[region] = [_entry(i, region) for i in items]
         else:
             out[region] = _coords(items, region)
     return out
+
+
+def _entry(item: Any, region: str) -> frozenset[Coord] | BlockKind:
+    """One block's entry of a per-block plan list."""
+    if item is BlockKind.TAPE:
+        raise TapeSACError(
+            f"plan for region {region!r}: a recorded block's entry is its coordinate set "
+            "(an empty set for must-only), not BlockKind.TAPE"
+        )
+    return item if isinstance(item, BlockKind) else _coords(item, region)
 
 
 class _PlanScope:
@@ -126,10 +137,11 @@ class _PlanScope:
             self.sequences = plan.sequences()
             self.budgets = plan.budgets()
             self.anchors = plan.anchors()
-            plain = plan.plain_blocks()
+            kinds = plan.block_kinds()
             plan = {
                 r: [
-                    PLAIN if plain.get(r, [False] * len(sets))[i] else s for i, s in enumerate(sets)
+                    k if k is not BlockKind.TAPE else s
+                    for s, k in zip(sets, kinds.get(r, [BlockKind.TAPE] * len(sets)))
                 ]
                 for r, sets in plan.coordinates().items()
             }
@@ -141,11 +153,11 @@ class _PlanScope:
         if not isinstance(entry, list):
             return BlockPlan(entry, self.sequences.get(region))
         i = self.blocks[region]
-        self.blocks[region] += 1  # a plain block counts too: later blocks keep their entries
+        self.blocks[region] += 1  # an unrecorded block counts too: later ones keep their entries
         if not entry:
             return BlockPlan()
-        if entry[i % len(entry)] is PLAIN:
-            return BlockPlan(plain=True)
+        if isinstance(entry[i % len(entry)], BlockKind):
+            return BlockPlan(kind=entry[i % len(entry)])
         budgets = self.budgets.get(region)
         anchors, modules = self.anchors.get(region, ([], {}))
         return BlockPlan(
@@ -163,9 +175,10 @@ def use_plan(plan: Plan | PlanSpec) -> Iterator[None]:
 
     ``plan`` maps a region name to coordinates ``(op_name, k, j)``, or to a list with one
     coordinate collection per block of that region in forward order (block ``i`` uses entry
-    ``i mod len(list)``, so one plan serves every micro-batch inside the context), or ``PLAIN``
+    ``i mod len(list)``, so one plan serves every micro-batch inside the context), ``PLAIN``
     for a block that runs as without checkpointing (not recorded: autograd keeps everything it
-    saves, and nothing is replayed). It may also
+    saves, and nothing is replayed), or ``TORCH_CHECKPOINT`` for one that runs under
+    ``torch.utils.checkpoint(use_reentrant=False)`` (not recorded either). It may also
     be a solved ``Plan``: then a block whose op sequence differs from the one the plan was
     solved on (its coordinates would name other tensors) saves the planned values of submodules
     whose own ops match the reference block's (anchored coordinates), and a block whose planned
@@ -190,6 +203,7 @@ class _TraceScope:
         verify: bool,
         probe: Any = None,
         plain: list[str] | None = None,
+        torch_checkpointed: list[str] | None = None,
     ) -> None:
         self.time_nodes = time_nodes
         self.one_micro_batch = one_micro_batch
@@ -197,6 +211,8 @@ class _TraceScope:
         self.probe = probe
         self.blocks: list[BlockTrace] = []
         self.plain = plain if plain is not None else []  # blocks run plain (not recorded)
+        # Blocks a plan ran under torch.utils.checkpoint (not recorded).
+        self.torch_checkpointed = torch_checkpointed if torch_checkpointed is not None else []
 
     def check_micro_batch(self, name: str) -> None:
         """A block's forward after another block's backward is the next micro-batch's forward."""
@@ -217,6 +233,7 @@ def trace(
     verify: bool = False,
     probe: Any = None,
     plain: list[str] | None = None,
+    torch_checkpointed: list[str] | None = None,
 ) -> Iterator[list[BlockTrace]]:
     """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays).
 
@@ -226,9 +243,10 @@ def trace(
     writes the dispatcher cannot see (``tapesac_core.verify``); costs a fingerprint per saved
     value and a host sync per replayed value. ``probe`` (a ``timeline.StepProbe``) is told when
     each block's forward starts and ends, around each unpack, and when the block's saved values
-    are freed: the memory timeline. ``plain`` receives the names of the blocks a plan ran plain.
+    are freed: the memory timeline. ``plain`` and ``torch_checkpointed`` receive the names of the
+    blocks a plan ran plain or under torch.utils.checkpoint.
     """
-    scope = _TraceScope(time_nodes, one_micro_batch, verify, probe, plain)
+    scope = _TraceScope(time_nodes, one_micro_batch, verify, probe, plain, torch_checkpointed)
     token = _TRACE.set(scope)
     try:
         yield scope.blocks
@@ -364,10 +382,15 @@ def _run_block(
     plan = _PLAN.get()
     block_plan = plan.block_plan(region) if plan else BlockPlan()
     scope = _TRACE.get()
-    if block_plan.plain:  # as without checkpointing: nothing recorded, nothing to check
+    # Not recorded, nothing to check: as without checkpointing, or as full checkpointing does.
+    if block_plan.kind is BlockKind.PLAIN:
         if scope is not None:
             scope.plain.append(name)
         return fn(*args, **kwargs)
+    if block_plan.kind is BlockKind.TORCH_CHECKPOINT:
+        if scope is not None:
+            scope.torch_checkpointed.append(name)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
     if module is not None:
         _refuse_sharded_inside(module, name)
     if scope is not None:

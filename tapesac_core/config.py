@@ -124,6 +124,9 @@ class TapeSACConfig:
     # predict each plan's peak (plan.peak); "sum": the paper's Eq. 8
     plain_blocks: bool = True  # the peak-aware planner may run blocks plain (not checkpointed)
     # where memory allows (False: every block is recorded, as before plain blocks existed)
+    torch_checkpoint_blocks: bool = False  # the peak-aware planner may also run blocks under
+    # torch.utils.checkpoint, where measured full-checkpointing steps of the bucket (control_steps
+    # of them before its first plan, run only where predicted within the limit) beat must-only
     peak_correction: bool = True  # a metered step above the predicted peak by more than the
     # margin adds the error to the model and solves again
 
@@ -152,5 +155,10 @@ class TapeSACConfig:
             raise ValueError("replay_tolerance and speedup_band must be > 0, mismatch_windows >= 1")
         if self.memory_model not in ("peak", "sum"):
             raise ValueError(f"memory_model is 'peak' or 'sum' (Eq. 8), got {self.memory_model!r}")
+        if self.torch_checkpoint_blocks and self.memory_model != "peak":
+            raise ValueError(
+                "torch_checkpoint_blocks needs memory_model='peak' (Eq. 8 cannot price a block "
+                "that recomputes its forward in backward): set one or the other"
+            )
         if self.beam_width < 1 or self.max_set_size < 1 or self.knapsack_resolution < 1:
             raise ValueError("beam_width, max_set_size and knapsack_resolution must be >= 1")

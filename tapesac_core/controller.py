@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -49,7 +50,7 @@ from .profile import MemoryModel, MemorySample, RegionProfile
 from .profiling import Profiling
 from .ranks import RankAgreement
 from .schedule import StepSchedule
-from .solve import solve_plan
+from .solve import solve_plan, torch_checkpoint_gains, torch_checkpoint_peak
 from .step_frontier import StepFrontier, step_frontier
 from .step_report import CONTROL, FULL, PLANNED, PROFILE, SAMPLE, WARMUP, Bucket, StepReport
 from .timeline import StepProbe
@@ -188,7 +189,9 @@ class Controller:
         if self.schedule.warms_up(self.steps):
             mode = WARMUP
         else:
-            mode = self.schedule.mode(key, self.times, *self._agree(key, per_region, local))
+            profile, sample = self._agree(key, per_region, local)
+            fits = not (profile or sample) and self._full_fits(key)
+            mode = self.schedule.mode(key, self.times, profile, sample, fits)
         plan = self._plan(key) if mode == PLANNED else None
         report = StepReport(
             step=self.steps,
@@ -211,6 +214,7 @@ class Controller:
             # The peak-aware model knows an earlier micro-batch's blocks freed their values before
             # the next forward; Eq. 8 ("sum") would count them alive together: refused there.
             plain: list[str] = []
+            planned_checkpoint: list[str] = []
             blocks = stack.enter_context(
                 trace(
                     time_nodes=mode == PROFILE,
@@ -218,6 +222,7 @@ class Controller:
                     verify=self.schedule.verifies(mode, self.steps, self.profiling.done),
                     probe=probe,
                     plain=plain,
+                    torch_checkpointed=planned_checkpoint,
                 )
             )
             static = meter.reading().current if meter is not None else 0
@@ -231,7 +236,7 @@ class Controller:
             end_peak = probe.close() if probe is not None else 0
             reading = meter.reading() if meter is not None else None
         report.count_blocks(blocks)
-        report.torch_checkpointed = len(torch_checkpointed)
+        report.torch_checkpointed = len(torch_checkpointed) + len(planned_checkpoint)
         report.plain_blocks = len(plain)
         if probe is not None and reading is not None and blocks:
             self.memory.add_timeline(
@@ -340,18 +345,57 @@ class Controller:
             )
         return self.plans[key]
 
+    def _full_fits(self, key: Bucket) -> bool:
+        """Whether the bucket's next step may measure full checkpointing before its first plan
+        (``torch_checkpoint_blocks``): its peak predicted within the limit on every rank."""
+        config, times = self.config, self.times.of(key)
+        if (
+            not config.torch_checkpoint_blocks
+            or key in self.plans
+            or len(times.full) >= config.control_steps
+            or len(times.must_only) < config.control_steps
+        ):
+            return False
+        edges = self.buckets.edges(key)
+        primary = self.buckets.primary(edges)
+        timeline = self.memory.timeline(primary)
+        base = self.memory.base(primary)
+        profiles = {r: p for r, p in self.profiles.items() if r in edges}
+        peak = (
+            torch_checkpoint_peak(profiles, edges, timeline, base, config)
+            if timeline is not None
+            else None
+        )
+        fits = peak is not None and peak <= self.budget.capacity(self.memory)
+        return not self.ranks.largest([int(not fits)])[0]
+
     def _solve(self, edges: dict[str, int], capacity: int, base: int, key: Bucket) -> Plan:
         if self.device.type == "cpu":
             self.profiling.calibrate(edges)
+        profiles = {r: p for r, p in self.profiles.items() if r in edges}
+        must_only_seconds = self._must_only_seconds(key, edges)
+        times = self.times.of(key)
+        gains = (
+            torch_checkpoint_gains(
+                profiles,
+                edges,
+                statistics.median(times.must_only),
+                statistics.median(times.full),
+                must_only_seconds,
+            )
+            if self.config.torch_checkpoint_blocks and times.full and times.must_only
+            else None
+        )
         plan = solve_plan(
-            {r: p for r, p in self.profiles.items() if r in edges},
+            profiles,
             edges,
             model=self.model_key,
             capacity=capacity,
             base=base,
-            must_only_step_time=self._must_only_seconds(key, edges),
+            must_only_step_time=must_only_seconds,
             config=self.config,
             timeline=self.memory.timeline(self.buckets.primary(edges)),
+            torch_checkpoint_gains=gains,
         )
         # Under the peak-aware model a must-only peak above the capacity is not the end: saving
         # removes replay temporaries, so only a plan predicted above it means nothing fits.

@@ -23,10 +23,19 @@ class StepSchedule:
         """Whether step ``step`` (counted from 0) is one of the first ``warmup_steps``."""
         return step < self.config.warmup_steps
 
-    def mode(self, key: Bucket, times: StepTimes, profile: bool, sample: bool) -> StepMode:
+    def mode(
+        self,
+        key: Bucket,
+        times: StepTimes,
+        profile: bool,
+        sample: bool,
+        full_fits: bool = False,
+    ) -> StepMode:
         """The mode of a step after warmup in bucket ``key``: profiling or sampling memory when
         the ranks agreed it needs to, else a new bucket's first ``control_steps`` must-only
-        steps, then one per ``control_every`` planned steps, one under torch.utils.checkpoint
+        steps, then (with ``torch_checkpoint_blocks``, where a full-checkpointing step is
+        predicted within the limit: ``full_fits``) as many under torch.utils.checkpoint, then
+        one must-only step per ``control_every`` planned steps, one under torch.utils.checkpoint
         per ``full_control_every`` planned steps (when set), and planned steps between."""
         if profile:
             return PROFILE
@@ -38,6 +47,13 @@ class StepSchedule:
             every and controls and times.planned_since_control(key) >= every
         ):
             return CONTROL
+        measured = len(times.full.get(key, ()))
+        if (
+            self.config.torch_checkpoint_blocks
+            and full_fits
+            and measured < self.config.control_steps
+        ):
+            return FULL
         full_every = self.config.full_control_every
         if full_every and (not times.full.get(key) or times.planned_since_full(key) >= full_every):
             return FULL

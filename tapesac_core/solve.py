@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from .config import TapeSACConfig
 from .plan import Point, RegionFrontier, replay_time, saved_bytes, solve_knapsack
 from .plan.peak import Option, RegionMenu, Timeline, menus_of, predict, solve_peak
-from .plan.plan import Plan, RegionPlan, Saved
+from .plan.plan import BlockKind, Plan, RegionPlan, Saved
 from .profile import RegionProfile
 from .step_time import StepTime
 from .units import format_bytes
@@ -53,6 +53,7 @@ def solve_plan(
     must_only_step_time: float,
     config: TapeSACConfig,
     timeline: Timeline | None = None,
+    torch_checkpoint_gains: Mapping[str, float] | None = None,
 ) -> Plan:
     """The plan maximising replay time removed with its predicted step peak ≤ capacity.
 
@@ -62,6 +63,10 @@ def solve_plan(
     sets the peak from the set it saves), scaled so its must-only peak is ``base``; when no plan
     fits, the fastest of those with the lowest predicted peak (must-only for a limit of 0).
     Otherwise Eq. 8: Σ bytes ≤ capacity − base (nothing saved when base alone exceeds it).
+
+    Under the timeline model a block may also run plain (``config.plain_blocks``) or under
+    torch.utils.checkpoint where ``torch_checkpoint_gains`` names a region: the seconds per block
+    that running so saves against must-only, positive (``torch_checkpoint_gains``).
 
     Its predicted speedup comes from ``StepTime``: ``must_only_step_time`` minus the modelled
     must-only replay is the time outside replay (floored, see ``StepTime.model``), so the
@@ -74,8 +79,10 @@ def solve_plan(
         for r, p in profiles.items()
     }
     budget = capacity - base
+    extras = {r: _extra_kinds(config, (torch_checkpoint_gains or {}).get(r, 0.0)) for r in profiles}
+    gains = dict(torch_checkpoint_gains or {})
     peak = (
-        _peak_choice(profiles, frontiers, tokens, timeline, capacity, base, config)
+        _peak_choice(profiles, frontiers, tokens, timeline, capacity, base, config, extras, gains)
         if config.memory_model == "peak" and timeline is not None
         else None
     )
@@ -90,7 +97,8 @@ def solve_plan(
         choices, saved_bytes, gain = choice.choices, choice.bytes, choice.gain
         predicted, peak_at = base + saved_bytes, "the start of backward (Eq. 8 bound)"
     regions = {
-        r: _region_plan(profiles[r], frontiers[r], choices[r], tokens[r]) for r in sorted(profiles)
+        r: _region_plan(profiles[r], frontiers[r], choices[r], tokens[r], extras[r])
+        for r in sorted(profiles)
     }
     full = sum(
         p.blocks * (p.full_recompute_time - p.must_only_replay_time) * tokens[r] / p.tokens
@@ -137,14 +145,43 @@ def _capacity_notes(base: int, capacity: int, predicted: int, saved: int) -> tup
     )
 
 
+def torch_checkpoint_gains(
+    profiles: Mapping[str, RegionProfile],
+    tokens: Mapping[str, int],
+    must_only_step: float,
+    full_step: float,
+    modelled_must_only: float,
+) -> dict[str, float]:
+    """Per region, the seconds one block saves running under torch.utils.checkpoint instead of
+    must-only, from measured steps: the median must-only step (``must_only_step``) against the
+    median full-checkpointing one (``full_step``), as a share of the must-only step modelled at
+    ``tokens``, shared among the blocks by their full recompute time (Eq. 5). Empty when the full
+    step was not faster: no block gains."""
+    saving = (1 - full_step / must_only_step) * modelled_must_only if must_only_step > 0 else 0
+    weight = {r: p.full_recompute_time * tokens[r] / p.tokens for r, p in profiles.items()}
+    total = sum(p.blocks * weight[r] for r, p in profiles.items())
+    if saving <= 0 or total <= 0:
+        return {}
+    return {r: saving * weight[r] / total for r in profiles if weight[r] > 0}
+
+
+def _extra_kinds(config: TapeSACConfig, torch_checkpoint_gain: float) -> tuple[BlockKind, ...]:
+    """The options after a region's frontier, in this order: plain where the config allows it,
+    torch.utils.checkpoint where it measured faster than must-only."""
+    return (BlockKind.PLAIN,) * config.plain_blocks + (BlockKind.TORCH_CHECKPOINT,) * (
+        torch_checkpoint_gain > 0
+    )
+
+
 def region_menus(
     profiles: Mapping[str, RegionProfile],
     frontiers: Mapping[str, tuple[Point, ...]],
     tokens: Mapping[str, int],
-    plain: bool = False,
+    extras: Mapping[str, tuple[BlockKind, ...]] | None = None,
+    torch_checkpoint_gains: Mapping[str, float] | None = None,
 ) -> dict[str, RegionMenu]:
-    """Each region's frontier (at ``tokens``) for the timeline model, and with ``plain`` after it
-    the plain option where the region allows one (``_with_plain``)."""
+    """Each region's frontier (at ``tokens``) for the timeline model, and after it the options
+    ``extras`` names for the region (``_with_extras``)."""
     menus = {}
     for r, points in frontiers.items():
         p = profiles[r]
@@ -156,24 +193,75 @@ def region_menus(
             saved=tuple(p.graph.value_ids(pt.saved) for pt in points),
             scale=tokens[r] / p.tokens,
         )
-        menus[r] = _with_plain(menu, p, points, tokens[r]) if plain else menu
+        kinds = (extras or {}).get(r, ())
+        gain = (torch_checkpoint_gains or {}).get(r, 0.0)
+        menus[r] = _with_extras(menu, p, points, tokens[r], kinds, gain) if kinds else menu
     return menus
 
 
-def _with_plain(
-    menu: RegionMenu, profile: RegionProfile, points: tuple[Point, ...], tokens: int
+def _with_extras(
+    menu: RegionMenu,
+    profile: RegionProfile,
+    points: tuple[Point, ...],
+    tokens: int,
+    kinds: tuple[BlockKind, ...],
+    torch_checkpoint_gain: float,
 ) -> RegionMenu:
-    """``menu`` with one more option after its frontier (index ``len(points)``): the block runs
-    plain. It keeps everything autograd saves, replays nothing, and saves its recording's cost
-    too, so it beats the frontier's last point wherever both fit."""
+    """``menu`` with an option after its frontier per kind (from index ``len(points)``).
+    Plain: the block keeps everything autograd saves, replays nothing, and saves its recording's
+    cost too, so it beats the frontier's last point wherever both fit. Torch checkpoint: it
+    keeps nothing, recomputes its whole forward at its first unpack, and gains what measured
+    steps say (``torch_checkpoint_gains``)."""
     plain = profile.plain_point
+    plain_bytes = profile.bytes_at(plain, tokens / profile.tokens)
+    gain = {
+        BlockKind.PLAIN: points[0].time + profile.recording_overhead,
+        BlockKind.TORCH_CHECKPOINT: torch_checkpoint_gain,
+    }
+    size = {BlockKind.PLAIN: plain_bytes, BlockKind.TORCH_CHECKPOINT: 0}
     return dataclasses.replace(
         menu,
-        bytes=(*menu.bytes, profile.bytes_at(plain, tokens / profile.tokens)),
-        gains=(*menu.gains, points[0].time + profile.recording_overhead),
-        saved=(*menu.saved, profile.graph.value_ids(plain.saved)),
-        plain_last=True,
+        bytes=(*menu.bytes, *(size[k] for k in kinds)),
+        gains=(*menu.gains, *(gain[k] for k in kinds)),
+        saved=(*menu.saved, *(profile.graph.value_ids(plain.saved) for _ in kinds)),
+        kinds=(BlockKind.TAPE,) * len(points) + kinds,
+        plain_bytes=plain_bytes,
     )
+
+
+def torch_checkpoint_peak(
+    profiles: Mapping[str, RegionProfile],
+    tokens: Mapping[str, int],
+    timeline: Timeline,
+    base: int,
+    config: TapeSACConfig,
+) -> int | None:
+    """The predicted peak of a step with every block under torch.utils.checkpoint (what a
+    full-checkpointing step that measures it reaches); None when the timeline's blocks do not
+    match the profiles."""
+    if not _matches(timeline, profiles):
+        return None
+    frontiers = {
+        r: scaled(
+            p.frontier(config.beam_width, config.max_set_size), tokens[r] / p.tokens, p.bytes_at
+        )[:1]
+        for r, p in profiles.items()
+    }
+    checkpointed = {r: (BlockKind.TORCH_CHECKPOINT,) for r in profiles}
+    scaled_timeline = timeline.scaled(base)
+    menus = menus_of(
+        scaled_timeline,
+        region_menus(profiles, frontiers, tokens, checkpointed, dict.fromkeys(profiles, 1.0)),
+    )
+    return predict(scaled_timeline, [m[-1] for m in menus]).peak
+
+
+def _matches(timeline: Timeline, profiles: Mapping[str, RegionProfile]) -> bool:
+    """Whether the timeline has as many blocks of each region as its profile."""
+    counts: dict[str, int] = {}
+    for b in timeline.blocks:
+        counts[b.region] = counts.get(b.region, 0) + 1
+    return all(counts.get(r, 0) == p.blocks for r, p in profiles.items())
 
 
 def _peak_choice(
@@ -184,18 +272,18 @@ def _peak_choice(
     capacity: int,
     base: int,
     config: TapeSACConfig,
+    extras: Mapping[str, tuple[BlockKind, ...]],
+    torch_checkpoint_gains: Mapping[str, float],
 ):
     """Per region the point of each block, bytes, gain, predicted peak and where it falls,
     under the timeline model; None when the timeline's blocks do not match the profiles (the
     caller falls back to Eq. 8)."""
-    counts: dict[str, int] = {}
-    for b in timeline.blocks:
-        counts[b.region] = counts.get(b.region, 0) + 1
-    if any(counts.get(r, 0) != p.blocks for r, p in profiles.items()):
+    if not _matches(timeline, profiles):
         return None
     scaled_timeline = timeline.scaled(base)
     menus = menus_of(
-        scaled_timeline, region_menus(profiles, frontiers, tokens, config.plain_blocks)
+        scaled_timeline,
+        region_menus(profiles, frontiers, tokens, extras, torch_checkpoint_gains),
     )
     picks = solve_peak(scaled_timeline, menus, capacity, resolution=config.knapsack_resolution)
     if picks is None:  # a limit of 0 asks for must-only, any other for the least memory
@@ -239,11 +327,18 @@ def _lowest_peak(
 
 
 def _region_plan(
-    profile: RegionProfile, points: tuple[Point, ...], chosen: tuple[int, ...], tokens: int
+    profile: RegionProfile,
+    points: tuple[Point, ...],
+    chosen: tuple[int, ...],
+    tokens: int,
+    extras: tuple[BlockKind, ...],
 ) -> RegionPlan:
     graph = profile.graph
-    plain = tuple(i == len(points) for i in chosen)  # the option after the frontier
-    blocks = tuple(frozenset() if p else points[i].saved for i, p in zip(chosen, plain))
+    menu = (BlockKind.TAPE,) * len(points) + extras  # the options after the frontier
+    kinds = tuple(menu[i] for i in chosen)
+    plain = tuple(k is BlockKind.PLAIN for k in kinds)
+    recorded = tuple(k is BlockKind.TAPE for k in kinds)
+    blocks = tuple(points[i].saved if r else frozenset() for i, r in zip(chosen, recorded))
     anchors = tuple(frozenset(graph.anchors[v] for v in graph.value_ids(b)) for b in blocks)
     modules = {a.module: graph.module_digests[a.module] for b in anchors for a in b}
     others = len(blocks) - sum(profile.shares_reference)
@@ -259,6 +354,11 @@ def _region_plan(
             "saved sizes depend on data: a plain block is given the bytes of the most any block "
             "of the region kept when profiled"
         )
+    if BlockKind.TORCH_CHECKPOINT in kinds:
+        notes.append(
+            "torch checkpoint: the block runs under torch.utils.checkpoint, which measured "
+            "faster than must-only here"
+        )
     note = "; ".join(notes)
     largest = points[max((i for i in chosen if i < len(points)), default=0)]
     return RegionPlan(
@@ -268,12 +368,16 @@ def _region_plan(
         saved=_describe(profile, largest, tokens / profile.tokens),
         note=note,
         block_bytes=tuple(
-            profile.bytes_at(profile.plain_point, tokens / profile.tokens) if p else points[i].bytes
-            for i, p in zip(chosen, plain)
+            profile.bytes_at(profile.plain_point, tokens / profile.tokens)
+            if p
+            else points[i].bytes
+            if r
+            else 0
+            for i, p, r in zip(chosen, plain, recorded)
         ),
         anchors=anchors,
         modules=modules,
-        plain=plain if any(plain) else (),
+        kinds=kinds if not all(recorded) else (),
     )
 
 

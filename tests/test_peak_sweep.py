@@ -17,6 +17,7 @@ from tapesac_core.controller import CONTROL, PLANNED, Controller
 from tapesac_core.memory import LiveTensorMeter
 from tapesac_core.plan import bucket, upper_edge
 from tapesac_core.plan.peak import menus_of, predict
+from tapesac_core.plan.plan import BlockKind
 from tapesac_core.solve import region_menus, scaled
 
 SEQ = 69
@@ -48,7 +49,10 @@ def _step_up(controller, plan) -> int | None:
     menus = menus_of(
         timeline,
         region_menus(
-            controller.profiles, {region: points}, {region: tokens}, controller.config.plain_blocks
+            controller.profiles,
+            {region: points},
+            {region: tokens},
+            {region: (BlockKind.PLAIN,) * controller.config.plain_blocks},
         ),
     )
     chosen = [

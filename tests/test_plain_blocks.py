@@ -9,10 +9,10 @@ from support import assert_bitwise, step
 
 import tapesac_core
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
-from tapesac_core import PLAIN
+from tapesac_core import PLAIN, TORCH_CHECKPOINT
 from tapesac_core.checkpoint import trace
 from tapesac_core.memory import profile_memory
-from tapesac_core.plan.plan import Plan, RegionPlan
+from tapesac_core.plan.plan import BlockKind, Plan, RegionPlan
 from tapesac_core.profile import plain_bytes
 
 
@@ -35,6 +35,13 @@ MIXES = {
     "plain, must-only, plain, planned": [PLAIN, set(), PLAIN, {("aten.mm.default", 0, 0)}],
     "all plain": [PLAIN],
     "planned first, plain last": [{("aten.mm.default", 1, 0)}, set(), PLAIN, PLAIN],
+    "torch checkpoint, plain, planned, must-only": [
+        TORCH_CHECKPOINT,
+        PLAIN,
+        {("aten.mm.default", 0, 0)},
+        set(),
+    ],
+    "all torch checkpoint": [TORCH_CHECKPOINT],
 }
 
 
@@ -44,14 +51,21 @@ def test_mixes_of_plain_and_planned_blocks_are_bitwise(moe, mix) -> None:
     reference, model, ids = _model(moe)
     region = "MoEDecoderLayer" if moe else "DecoderLayer"
     entries = MIXES[mix]
-    plain = []
-    with tapesac_core.use_plan({region: entries}), tapesac_core.trace(plain=plain) as blocks:
+    plain, checkpointed = [], []
+    with (
+        tapesac_core.use_plan({region: entries}),
+        tapesac_core.trace(plain=plain, torch_checkpointed=checkpointed) as blocks,
+    ):
         got = _step(model, ids)
     assert_bitwise(_step(reference, ids), got)
-    expected_plain = [f"layers.{i}" for i in range(4) if entries[i % len(entries)] is PLAIN]
-    assert plain == expected_plain  # the region's block counter moved past plain blocks
+    # The region's block counter moved past the blocks not recorded.
+    names = [f"layers.{i}" for i in range(4)]
+    assert plain == [n for i, n in enumerate(names) if entries[i % len(entries)] is PLAIN]
+    assert checkpointed == [
+        n for i, n in enumerate(names) if entries[i % len(entries)] is TORCH_CHECKPOINT
+    ]
     assert [b.tape.name for b in blocks] == [
-        f"layers.{i}" for i in range(4) if f"layers.{i}" not in plain
+        n for n in names if n not in plain and n not in checkpointed
     ]
     assert all(b.replayed for b in blocks)  # the recorded ones still replay
 
@@ -59,7 +73,8 @@ def test_mixes_of_plain_and_planned_blocks_are_bitwise(moe, mix) -> None:
 def test_a_mix_changing_between_steps_is_bitwise_at_every_step() -> None:
     reference, model, ids = _model()
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
-    for seed, entries in enumerate([[PLAIN, set()], [set(), PLAIN], [PLAIN], [set()]]):
+    mixes = [[PLAIN, set()], [set(), PLAIN], [TORCH_CHECKPOINT, PLAIN], [PLAIN], [set()]]
+    for seed, entries in enumerate(mixes):
         want = _step(reference, ids, seed)
         with tapesac_core.use_plan({"DecoderLayer": entries}):
             got = _step(model, ids, seed)
@@ -70,8 +85,9 @@ def test_a_mix_changing_between_steps_is_bitwise_at_every_step() -> None:
             optimizer.step()
 
 
-def test_a_solved_plan_runs_its_plain_blocks_plain_and_reads_older_plans_as_before() -> None:
+def test_a_solved_plan_runs_its_blocks_as_their_kinds_say_and_reads_older_plans_as_before():
     reference, model, ids = _model()
+    tape, plain, ckpt = BlockKind.TAPE, BlockKind.PLAIN, BlockKind.TORCH_CHECKPOINT
     plan = Plan(
         model="DecoderLayer",
         regions={
@@ -79,7 +95,7 @@ def test_a_solved_plan_runs_its_plain_blocks_plain_and_reads_older_plans_as_befo
                 sequence="any",
                 blocks=(frozenset(),) * 4,
                 tokens=ids.numel(),
-                plain=(False, True, False, True),
+                kinds=(tape, plain, ckpt, plain),
             )
         },
         capacity=0,
@@ -89,20 +105,28 @@ def test_a_solved_plan_runs_its_plain_blocks_plain_and_reads_older_plans_as_befo
         predicted_speedup_vs_full=1.0,
     )
     loaded = Plan.from_json(plan.to_json())
-    assert loaded.regions["DecoderLayer"].plain == (False, True, False, True)
-    assert "values saved per block: [0, plain, 0, plain]" in loaded.explain()
+    assert loaded.regions["DecoderLayer"].kinds == (tape, plain, ckpt, plain)
+    assert "values saved per block: [0, plain, torch checkpoint, plain]" in loaded.explain()
     assert not loaded.empty
-    plain: list[str] = []
-    with tapesac_core.use_plan(loaded), tapesac_core.trace(plain=plain):
+    ran_plain: list[str] = []
+    ran_ckpt: list[str] = []
+    with (
+        tapesac_core.use_plan(loaded),
+        tapesac_core.trace(plain=ran_plain, torch_checkpointed=ran_ckpt),
+    ):
         got = _step(model, ids)
-    assert plain == ["layers.1", "layers.3"]
+    assert (ran_plain, ran_ckpt) == (["layers.1", "layers.3"], ["layers.2"])
     assert_bitwise(_step(reference, ids), got)
-    older = (
+    kinds = '"kinds": ["tape", "plain", "torch_checkpoint", "plain"], '
+    assert kinds in plan.to_json()
+    version_3 = (
         plan.to_json()
-        .replace('"version": 3', '"version": 2')
-        .replace('"plain": [false, true, false, true], ', "")
+        .replace('"version": 4', '"version": 3')
+        .replace(kinds, '"plain": [false, true, false, true], ')
     )
-    assert Plan.from_json(older).regions["DecoderLayer"].plain == ()  # used as before: none
+    assert Plan.from_json(version_3).regions["DecoderLayer"].kinds == (tape, plain, tape, plain)
+    version_2 = plan.to_json().replace('"version": 4', '"version": 2').replace(kinds, "")
+    assert Plan.from_json(version_2).regions["DecoderLayer"].kinds == ()  # used as before: none
 
 
 def test_a_plain_block_holds_what_autograd_saves_as_without_checkpointing() -> None:
@@ -130,7 +154,7 @@ def test_the_planner_runs_blocks_plain_where_memory_allows_and_the_limit_holds()
         report, got = _planned_step(controller, model, ids, seed)
     assert report.mode == "planned"
     # With memory to spare every block runs as without checkpointing: nothing recorded.
-    assert report.plan.regions["DecoderLayer"].plain == (True,) * 4
+    assert report.plan.regions["DecoderLayer"].kinds == (BlockKind.PLAIN,) * 4
     assert report.plain_blocks == 4 and report.blocks == 0
     assert "values saved per block: [plain, plain, plain, plain]" in report.plan.explain()
     assert_bitwise(_step(reference, ids, 3), got)

@@ -1,4 +1,4 @@
-"""Plain and planned blocks mixed under FSDP2 on two ranks (gloo): every rank's loss and gradient
+"""Plain, torch-checkpoint and planned blocks mixed under FSDP2 on two ranks (gloo): every rank's loss and gradient
 shards bitwise those of FSDP2 without checkpointing, with the mix changing between steps."""
 
 import copy
@@ -12,14 +12,16 @@ import torch.multiprocessing as mp
 
 import tapesac_core
 from examples.models import DecoderLayer, DecoderLM, ModelConfig
-from tapesac_core import PLAIN
+from tapesac_core import PLAIN, TORCH_CHECKPOINT
 
 MM = {("aten.mm.default", 0, 0)}
-MIXES = [  # per step, the blocks' entries: plain first, then plain last
+MIXES = [  # per step, the blocks' entries: plain first, then plain last, then torch checkpoint
     [PLAIN, set(), PLAIN, MM],
     [MM, set(), PLAIN, PLAIN],
+    [TORCH_CHECKPOINT, MM, PLAIN, TORCH_CHECKPOINT],
     [PLAIN] * 4,
 ]
+UNRECORDED = (PLAIN, TORCH_CHECKPOINT)
 
 
 def _sharded(model: DecoderLM) -> DecoderLM:
@@ -74,13 +76,15 @@ def _rank(rank: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_plain_and_planned_blocks_mixed_under_fsdp2_are_bitwise_on_two_ranks() -> None:
+def test_plain_checkpointed_and_planned_blocks_mixed_under_fsdp2_are_bitwise_on_two_ranks() -> None:
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_rank, args=(out,), nprocs=2, join=True)
         ranks = [json.loads(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(2)]
     for results in ranks:
         assert [r["loss_equal"] for r in results] == [True] * len(MIXES)
         assert [r["differ"] for r in results] == [[]] * len(MIXES)
-        # The plain blocks really ran unrecorded: 2, 2 and 0 of the 4 blocks were recorded.
-        assert [r["recorded"] for r in results] == [sum(e is not PLAIN for e in m) for m in MIXES]
+        # The plain and torch-checkpoint blocks really ran unrecorded: 2, 2, 1 and 0 of the 4.
+        assert [r["recorded"] for r in results] == [
+            sum(e not in UNRECORDED for e in m) for m in MIXES
+        ]
         assert all(r["grads"] > 0 for r in results)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .model import PlanGraph, storages_bytes
+from .plan import BlockKind
 
 # Event kinds the sample step records, and the phase of the segment each one starts.
 FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE = (
@@ -670,17 +671,26 @@ class RegionMenu:
     gains: tuple[float, ...]
     saved: tuple[frozenset[int], ...]
     scale: float = 1.0
-    plain_last: bool = False  # the last point is the block run plain (``_with_plain``)
+    # Per point, how its block runs (empty: every point recorded). A plain or torch-checkpoint
+    # point's set is everything autograd saves (``plain_demand``), ``plain_bytes`` its bytes.
+    kinds: tuple[BlockKind, ...] = ()
+    plain_bytes: int = 0
 
     def __post_init__(self) -> None:
         if (
             not (len(self.bytes) == len(self.gains) == len(self.saved))
             or not self.bytes
             or self.bytes[0] != 0
+            or self.kinds
+            and len(self.kinds) != len(self.bytes)
         ):
             raise ValueError(
-                "a region menu needs one bytes, gain and set per point, the first at 0 bytes"
+                "a region menu needs one bytes, gain, set (and kind, if any) per point, the "
+                "first at 0 bytes"
             )
+
+    def kind(self, point: int) -> BlockKind:
+        return self.kinds[point] if self.kinds else BlockKind.TAPE
 
     @functools.cached_property
     def forward_deltas(self) -> tuple[int, ...]:
@@ -707,8 +717,14 @@ class RegionMenu:
         the region's tape for the block's ``unpacks`` (``simulate=False``: none, for a block
         that ran another op sequence)."""
         if not simulate:
+            # Without its unpacks a torch-checkpoint block's backward is not simulated: it is
+            # charged its plain bytes throughout, the bound a plain block has.
             return [
-                Option(bytes=b, gain=g, point=i)
+                Option(
+                    bytes=self.plain_bytes if self.kind(i) is BlockKind.TORCH_CHECKPOINT else b,
+                    gain=g,
+                    point=i,
+                )
                 for i, (b, g) in enumerate(zip(self.bytes, self.gains))
             ]
         graph = self.graph
@@ -729,10 +745,37 @@ class RegionMenu:
                         math.ceil((x - y) * self.scale) for x, y in zip(mem.compute, base.compute)
                     ),
                 )
-                if self.plain_last and i == len(self.saved) - 1:
+                if self.kind(i) is not BlockKind.TAPE:
                     option = _freed_by_autograd(option, graph, s, unpacks, groups, self.scale)
+                if self.kind(i) is BlockKind.TORCH_CHECKPOINT:
+                    option = self._recomputed_at_first_unpack(option, s, base)
+            elif self.kind(i) is BlockKind.TORCH_CHECKPOINT:
+                option = dataclasses.replace(option, forward=0)
             out.append(option)
         return out
+
+    def _recomputed_at_first_unpack(
+        self, plain: Option, saved: frozenset[int], base: ReplayMemory
+    ) -> Option:
+        """The plain ``plain`` option as torch.utils.checkpoint runs the block: nothing kept
+        from forward (inputs and S0 at most, which must-only keeps too); at the block's first
+        unpack its whole forward runs again (early stop ends it at the last saved value), its
+        transients and every saved value alive as in forward; from there on autograd frees them
+        as it does a plain block's."""
+        graph, scale = self.graph, self.scale
+        # What the data may add beyond the reference's sizes (``plain_worst``) is held too.
+        worst = max(0, self.plain_bytes - math.ceil(storages_bytes(graph, saved) * scale))
+        recompute = math.ceil((forward_memory(graph, saved) - base.replay[0]) * scale) + worst
+        held = self.plain_bytes
+        replay = tuple(x + held for x in plain.replay)
+        return dataclasses.replace(
+            plain,
+            bytes=0,
+            forward=0,
+            replay=(max(replay[0], recompute), *replay[1:]) if replay else (),
+            compute=tuple(x + held for x in plain.compute),
+            release=plain.release + held,
+        )
 
 
 def _freed_by_autograd(

@@ -5,14 +5,24 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 
 from ..units import format_bytes
 from .coords import Anchor, Coord
 
-PLAN_VERSION = 3  # 2: the predicted peak and the memory model that predicted it; 3: plain blocks
-# Version 1 plans (Eq. 8, no predicted peak) are read for reports; version 2 plans are used as they
-# are (they have no plain blocks).
-_READABLE = (1, 2, 3)
+PLAN_VERSION = 4  # 2: the predicted peak and the memory model that predicted it; 3: plain blocks;
+# 4: a kind per block (recorded, plain or under torch.utils.checkpoint).
+# Version 1 plans (Eq. 8, no predicted peak) are read for reports; versions 2 and 3 are used as they
+# are (2 has no plain blocks, 3 names them with a flag per block).
+_READABLE = (1, 2, 3, 4)
+
+
+class BlockKind(Enum):
+    """How one block of a plan runs."""
+
+    TAPE = "tape"  # recorded: keeps S0 and its planned values, replays the rest in backward
+    PLAIN = "plain"  # as without checkpointing: autograd keeps everything it saves
+    TORCH_CHECKPOINT = "torch_checkpoint"  # torch.utils.checkpoint(use_reentrant=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,10 +47,10 @@ class RegionPlan:
     block_bytes: tuple[int, ...] = ()  # bytes each block's set may keep (the knapsack's weights)
     anchors: tuple[frozenset[Anchor], ...] = ()  # each block's set anchored on submodules
     modules: Mapping[str, str] = field(default_factory=dict)  # their op digests in the reference
-    plain: tuple[bool, ...] = ()  # per block: run as without checkpointing (empty: none is)
+    kinds: tuple[BlockKind, ...] = ()  # per block, how it runs (empty: every block recorded)
 
-    def is_plain(self, block: int) -> bool:
-        return bool(self.plain) and self.plain[block % len(self.plain)]
+    def kind(self, block: int) -> BlockKind:
+        return self.kinds[block % len(self.kinds)] if self.kinds else BlockKind.TAPE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,9 +97,9 @@ class Plan:
         what a block whose op sequence differs from the reference's can still match."""
         return {r: (list(p.anchors), p.modules) for r, p in self.regions.items() if p.anchors}
 
-    def plain_blocks(self) -> dict[str, list[bool]]:
-        """Per region with any, whether each block runs as without checkpointing."""
-        return {r: list(p.plain) for r, p in self.regions.items() if any(p.plain)}
+    def block_kinds(self) -> dict[str, list[BlockKind]]:
+        """Per region with a block not recorded, how each block runs."""
+        return {r: list(p.kinds) for r, p in self.regions.items() if _unrecorded(p.kinds)}
 
     def sequences(self) -> dict[str, str]:
         """Per region, the op-sequence fingerprint the coordinates are valid for."""
@@ -97,9 +107,9 @@ class Plan:
 
     @property
     def empty(self) -> bool:
-        """True when no block saves anything beyond the mandatory set (none runs plain)."""
+        """True when every block is recorded and saves nothing beyond the mandatory set."""
         return not any(b for p in self.regions.values() for b in p.blocks) and not any(
-            any(p.plain) for p in self.regions.values()
+            _unrecorded(p.kinds) for p in self.regions.values()
         )
 
     def to_json(self) -> str:
@@ -129,7 +139,7 @@ class Plan:
                         "block_bytes": list(p.block_bytes),
                         "anchors": [sorted(map(list, b)) for b in p.anchors],
                         "modules": dict(p.modules),
-                        **({"plain": list(p.plain)} if p.plain else {}),  # absent before v3
+                        **({"kinds": [k.value for k in p.kinds]} if p.kinds else {}),
                         "saved": [
                             {
                                 "coord": list(s.coord),
@@ -186,7 +196,7 @@ class Plan:
                     block_bytes=tuple(int(b) for b in p.get("block_bytes", ())),
                     anchors=tuple(frozenset(_anchor(a) for a in b) for b in p.get("anchors", ())),
                     modules=dict(p.get("modules", {})),
-                    plain=tuple(bool(b) for b in p.get("plain", ())),
+                    kinds=_kinds(p),
                     saved=tuple(
                         Saved(
                             coord=_coord(s["coord"]),
@@ -240,7 +250,7 @@ class Plan:
                 f"at {self.peak_at or 'the start of backward'}"
             )
         for region, p in sorted(self.regions.items()):
-            sizes = ["plain" if p.is_plain(i) else len(b) for i, b in enumerate(p.blocks)]
+            sizes = [_KIND_NAMES.get(p.kind(i), len(b)) for i, b in enumerate(p.blocks)]
             lines.append(
                 f"region {region} ({len(p.blocks)} blocks at {p.tokens} tokens; values "
                 f"saved per block: [{', '.join(map(str, sizes))}])"
@@ -274,6 +284,20 @@ def _table(saved: tuple[Saved, ...]) -> list[str]:
         f"  {c:{widths[0]}s}  {m:{widths[1]}s}  {b:>{widths[2]}s}  {t:>{widths[3]}s}"
         for c, m, b, t in (header, *rows)
     ]
+
+
+_KIND_NAMES = {BlockKind.PLAIN: "plain", BlockKind.TORCH_CHECKPOINT: "torch checkpoint"}
+
+
+def _unrecorded(kinds: tuple[BlockKind, ...]) -> bool:
+    return any(k is not BlockKind.TAPE for k in kinds)
+
+
+def _kinds(region: Mapping) -> tuple[BlockKind, ...]:
+    """Per block, how it runs: version 4's kinds, version 3's plain flags, none before."""
+    if "kinds" in region:
+        return tuple(BlockKind(k) for k in region["kinds"])
+    return tuple(BlockKind.PLAIN if b else BlockKind.TAPE for b in region.get("plain", ()))
 
 
 def _anchor(a: list) -> Anchor:
