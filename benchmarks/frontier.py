@@ -108,7 +108,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "tapesac" in families:
         targets = partial(limit_targets, methods, args.fractions, args.fig9_shares)
         plans, plan_info = plan_tapesac(
-            copy.deepcopy(tapesac_model), ids, targets, args.max_set_size
+            copy.deepcopy(tapesac_model),
+            ids,
+            targets,
+            args.max_set_size,
+            args.torch_checkpoint_blocks,
         )
         methods += planned_methods(plans, tapesac_model, ids, w.device)
     count_flops(methods, ids)
@@ -166,6 +170,11 @@ def parser(prog: str = "frontier.py") -> argparse.ArgumentParser:
         type=int,
         default=12,
         help="TapeSAC's max_set_size: candidates one block's save set may hold",
+    )
+    p.add_argument(
+        "--torch-checkpoint-blocks",
+        action="store_true",
+        help="TapeSAC's plans may run blocks under torch.utils.checkpoint where measured faster",
     )
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--families", default="", help=f"comma-separated subset of {','.join(FAMILIES)}")

@@ -3,7 +3,7 @@
 The examples' model (dense or ``--moe``, dropout 0.1, batch 4 x 64-256 tokens drawn per step,
 SGD), one process, TapeSAC's Controller with plain blocks at ``--memory-limit`` and
 ``meter_every=1``. Per metered planned step: its tokens, its bucket's upper edge, the plan
-(values saved per block, ``P`` for plain), where the model puts the peak, and metered /
+(values saved per block, ``P`` for plain, ``T`` for torch checkpoint), where the model puts the peak, and metered /
 predicted. Then the largest and smallest ratio. Writes nothing.
 
 Run: python benchmarks/predicted_peaks.py [--moe] [--memory-limit 45MiB] [--steps 70]
@@ -50,8 +50,9 @@ def main() -> None:
         if report.mode != PLANNED or not (report.peak and report.predicted_peak):
             continue
         region = next(iter(report.plan.regions.values()))
-        plain = region.plain or (False,) * len(region.blocks)
-        sizes = ["P" if q else str(len(b)) for q, b in zip(plain, region.blocks)]
+        sizes = [
+            {"plain": "P", "torch checkpoint": "T"}.get(e, str(e)) for e in region.block_entries()
+        ]
         ratio = report.peak / report.predicted_peak
         ratios.append(ratio)
         print(

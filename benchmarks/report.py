@@ -4,6 +4,7 @@ against each baseline at equal memory), and the batch-growth comparison's JSON a
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,22 @@ TITLE = (
     "Sections between the `frontier` HTML comment markers are written by `benchmarks/frontier.py` "
     "(`tapesac bench`); the rest is written by hand.\n"
 )
+
+
+def _torch_checkpoint_planning(plan: dict[str, Any]) -> str:
+    """The planning sentence's end when plans could run blocks under torch.utils.checkpoint."""
+    if not plan.get("torch_checkpoint_blocks"):
+        return ""
+    must, full = plan["must_only_steps_s"], plan["full_steps_s"]
+    return (
+        " Plans may run blocks under torch.utils.checkpoint (`torch_checkpoint_blocks`): before "
+        f"planning, {len(must)} must-only steps took median "
+        f"{statistics.median(must) * 1e3:.1f} ms and {len(full)} full-checkpointing steps "
+        f"{statistics.median(full) * 1e3:.1f} ms"
+        if full
+        else " Plans may run blocks under torch.utils.checkpoint (`torch_checkpoint_blocks`), but "
+        "no full-checkpointing step was predicted within the probe's limit"
+    )
 
 
 def table(result: dict[str, Any]) -> str:
@@ -163,9 +180,15 @@ def write_outputs(result: dict[str, Any], out_dir: Path, markdown: Path | None) 
 
 
 def run_name(result: dict[str, Any]) -> tuple[str, ...]:
-    """Model and size, and the save-set cap when it is not the default (its own files and section)."""
+    """Model and size, the save-set cap when it is not the default, and whether plans may run
+    blocks under torch.utils.checkpoint (each its own files and section)."""
     cap = result.get("max_set_size", 12)
-    return (result["model"], result["size"]) + (() if cap == 12 else (f"set{cap}",))
+    torch_checkpoint = result.get("tapesac_planning", {}).get("torch_checkpoint_blocks", False)
+    return (
+        (result["model"], result["size"])
+        + (() if cap == 12 else (f"set{cap}",))
+        + (("torch_checkpoint",) if torch_checkpoint else ())
+    )
 
 
 def update_markdown(path: Path, key: str, section: str) -> None:
@@ -194,7 +217,12 @@ def markdown_section(result: dict[str, Any], paths: dict[str, Path], base: Path)
         f"## Frontier: {result['model']} model, size {result['size']}"
         + (
             f", TapeSAC's max_set_size {result['max_set_size']}"
-            if len(run_name(result)) > 2
+            if result.get("max_set_size", 12) != 12
+            else ""
+        )
+        + (
+            ", TapeSAC's plans may run blocks under torch.utils.checkpoint"
+            if plan.get("torch_checkpoint_blocks")
             else ""
         ),
         "",
@@ -221,7 +249,7 @@ def markdown_section(result: dict[str, Any], paths: dict[str, Path], base: Path)
         f"{mib(plan.get('everything_worth_saving'))} MiB. `tapesac@f`: limit = must-only peak + f × "
         "everything; `tapesac@fig9=x`: limit = `full`'s measured peak + x × (`none`'s − `full`'s), "
         "Figure 9's extra-memory share x; `tapesac=X`: limit = X's measured peak. Rows whose plan is identical to an "
-        "earlier one are merged (see notes).",
+        "earlier one are merged (see notes)." + _torch_checkpoint_planning(plan),
         "",
         table(result),
         "",

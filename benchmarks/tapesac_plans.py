@@ -67,12 +67,14 @@ def quick_controller(model: torch.nn.Module, limit: int | str, **settings: Any) 
     return Controller(
         model,
         limit,
-        warmup_steps=1,
-        profile_steps=2,
-        control_steps=1,
-        control_every=0,
-        margin=0.0,
-        **settings,
+        **{
+            "warmup_steps": 1,
+            "profile_steps": 2,
+            "control_steps": 1,
+            "control_every": 0,
+            "margin": 0.0,
+            **settings,
+        },
     )
 
 
@@ -93,6 +95,7 @@ def plan_tapesac(
     ids: torch.Tensor,
     targets: Callable[[int], dict[str, int]],
     max_set_size: int = 12,
+    torch_checkpoint_blocks: bool = False,
 ) -> tuple[dict[str, tuple[int, Any, int]], dict[str, Any]]:
     """Plans by TapeSAC's Controller: a probe controller with no effective limit profiles the
     model (warm-up, profiling, one planned step: its plan saves everything worth saving), then
@@ -100,9 +103,14 @@ def plan_tapesac(
     name -> bytes above those live at the step's start; the controller's limit is that plus the
     live bytes it measured at the step's start. Margin 0, so the limit is the baseline's measured
     peak itself. Each plan comes with its limit and the step peak the controller predicts for it
-    at this batch, both above the bytes live at the step's start."""
-    controller = quick_controller(model, "1TiB", max_set_size=max_set_size)
-    *_, report = steps_until_planned(controller, model, ids, 8)
+    at this batch, both above the bytes live at the step's start. With
+    ``torch_checkpoint_blocks`` the plans may run blocks under torch.utils.checkpoint: three
+    must-only and three full-checkpointing steps measure which is faster."""
+    settings: dict[str, Any] = {"max_set_size": max_set_size}
+    if torch_checkpoint_blocks:
+        settings |= {"torch_checkpoint_blocks": True, "control_steps": 3}
+    controller = quick_controller(model, "1TiB", **settings)
+    *_, report = steps_until_planned(controller, model, ids, 12)
     if report.mode != PLANNED:
         raise RuntimeError("the probe controller never planned")
     static = controller.memory.samples[-1].static
@@ -111,7 +119,11 @@ def plan_tapesac(
         "must_only_peak_model": report.plan.base - static,
         "everything_worth_saving": everything,
         "static_bytes_at_planning": static,
+        "torch_checkpoint_blocks": torch_checkpoint_blocks,
     }
+    if torch_checkpoint_blocks:
+        times = controller.times.of(report.bucket)
+        info["must_only_steps_s"], info["full_steps_s"] = list(times.must_only), list(times.full)
     plans = {}
     for name, limit in targets(everything).items():
         controller.replan(memory_limit=max(limit + static, MiB))
@@ -153,9 +165,11 @@ def figure9_targets(methods: list[Method], shares: Sequence[float]) -> dict[str,
 
 
 def coords_key(plan: Any) -> str:
+    """What a plan runs: per region and block, its coordinates and kind."""
+    kinds = plan.block_kinds()
     return json.dumps(
         {
-            r: [sorted(map(list, b)) for b in blocks]
+            r: [sorted(map(list, b)) for b in blocks] + [k.value for k in kinds.get(r, ())]
             for r, blocks in sorted(plan.coordinates().items())
         }
     )
@@ -180,7 +194,11 @@ def planned_methods(
             model,
             plan,
             f"Controller plan: saves {plan.saved_bytes} B beyond S0, predicted "
-            f"{plan.predicted_speedup:.3f}x vs must-only",
+            f"{plan.predicted_speedup:.3f}x vs must-only; per block: "
+            + "; ".join(
+                f"{r} {', '.join(map(str, p.block_entries()))}"
+                for r, p in sorted(plan.regions.items())
+            ),
             limit,
             predicted_peak,
         )

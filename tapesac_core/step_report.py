@@ -67,7 +67,7 @@ class StepReport:
     measured_speedup: float | None = None  # vs must-only control steps of the bucket
     measured_speedup_vs_full: float | None = None  # vs full-checkpointing control steps
     measured_reason: str | None = None  # why measured_speedup is None
-    torch_checkpointed: int = 0  # blocks run under torch.utils.checkpoint (full steps)
+    torch_checkpointed: int = 0  # blocks run under torch.utils.checkpoint (full steps, or the plan)
     plain_blocks: int = 0  # blocks the plan ran as without checkpointing (not in ``blocks``)
     predicted_peak: int | None = None  # bytes the plan's memory model predicts for the step
     local_tokens: dict[str, int] = field(default_factory=dict)  # this rank's own batch

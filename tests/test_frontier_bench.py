@@ -199,6 +199,30 @@ def test_a_save_set_cap_other_than_the_default_gets_its_own_files_and_section(
     assert planned and all(r["peak_bytes"] > 0 for r in planned)
 
 
+def test_plans_with_torch_checkpoint_blocks_get_their_own_files_and_section(
+    tmp_path: Path,
+) -> None:
+    frontier = _frontier()
+    markdown = tmp_path / "RESULTS.md"
+    result = frontier.main(
+        [
+            *("--size", "tiny", "--steps", "1", "--warmup", "0", "--fractions", "1"),
+            *("--families", "none,full,tapesac", "--torch-checkpoint-blocks"),
+            *("--out-dir", str(tmp_path), "--markdown", str(markdown)),
+        ]
+    )
+    planning = result["tapesac_planning"]
+    # Three must-only and three full-checkpointing steps measured before the probe planned.
+    assert planning["torch_checkpoint_blocks"] is True
+    assert len(planning["must_only_steps_s"]) == len(planning["full_steps_s"]) == 3
+    assert (tmp_path / "frontier_dense_tiny_torch_checkpoint.json").is_file()
+    text = markdown.read_text()
+    assert "<!-- frontier dense:tiny:torch_checkpoint -->" in text
+    assert "3 full-checkpointing steps" in text
+    planned = [r for r in result["rows"] if r["method"].startswith("tapesac@")]
+    assert planned and all("per block: DecoderLayer " in r["note"] for r in planned)
+
+
 def test_tapesac_bench_runs_the_harness_from_the_checkout(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     out = subprocess.run(

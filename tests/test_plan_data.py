@@ -41,7 +41,7 @@ def _plan() -> Plan:
 def test_plan_json_round_trip() -> None:
     plan = _plan()
     text = plan.to_json()
-    assert json.loads(text)["version"] == PLAN_VERSION == 3
+    assert json.loads(text)["version"] == PLAN_VERSION == 4
     assert Plan.from_json(text, model="DecoderLayer", regions={"DecoderLayer": "abc-90"}) == plan
     assert plan.coordinates() == {
         "DecoderLayer": [frozenset(), frozenset({("aten.mm.default", 0, 0)})]
@@ -249,7 +249,7 @@ def test_a_plan_file_written_before_coord_was_a_type_loads_equal_and_writes_the_
     )
     plan = Plan.from_json(PLAN_27189EC)
     # Version 2 plans are used as they are (they have no plain blocks).
-    assert plan == dataclasses.replace(expected, version=2) and PLAN_VERSION == 3
+    assert plan == dataclasses.replace(expected, version=2) and PLAN_VERSION == 4
     loaded = plan.regions["DecoderLayer"]
     assert all(type(c) is Coord for b in loaded.blocks for c in b)
     assert all(type(a) is Anchor for b in loaded.anchors for a in b)

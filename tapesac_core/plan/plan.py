@@ -52,6 +52,11 @@ class RegionPlan:
     def kind(self, block: int) -> BlockKind:
         return self.kinds[block % len(self.kinds)] if self.kinds else BlockKind.TAPE
 
+    def block_entries(self) -> list[int | str]:
+        """Per block, the values it saves, or how it runs when not recorded ("plain", "torch
+        checkpoint"): the plan table's column."""
+        return [_KIND_NAMES.get(self.kind(i), len(b)) for i, b in enumerate(self.blocks)]
+
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -250,10 +255,9 @@ class Plan:
                 f"at {self.peak_at or 'the start of backward'}"
             )
         for region, p in sorted(self.regions.items()):
-            sizes = [_KIND_NAMES.get(p.kind(i), len(b)) for i, b in enumerate(p.blocks)]
             lines.append(
                 f"region {region} ({len(p.blocks)} blocks at {p.tokens} tokens; values "
-                f"saved per block: [{', '.join(map(str, sizes))}])"
+                f"saved per block: [{', '.join(map(str, p.block_entries()))}])"
                 + (f" - {p.note}" if p.note else "")
             )
             lines.extend(_table(p.saved))
