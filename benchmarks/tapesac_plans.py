@@ -104,13 +104,13 @@ def plan_tapesac(
     live bytes it measured at the step's start. Margin 0, so the limit is the baseline's measured
     peak itself. Each plan comes with its limit and the step peak the controller predicts for it
     at this batch, both above the bytes live at the step's start. With
-    ``torch_checkpoint_blocks`` the plans may run blocks under torch.utils.checkpoint: three
-    must-only and three full-checkpointing steps measure which is faster."""
-    settings: dict[str, Any] = {"max_set_size": max_set_size}
-    if torch_checkpoint_blocks:
-        settings |= {"torch_checkpoint_blocks": True, "control_steps": 3}
-    controller = quick_controller(model, "1TiB", **settings)
-    *_, report = steps_until_planned(controller, model, ids, 12)
+    ``torch_checkpoint_blocks`` the plans may run blocks under torch.utils.checkpoint: must-only
+    and full-checkpointing steps, alternating (``torch_checkpoint_steps`` of each), measure which
+    is faster."""
+    controller = quick_controller(
+        model, "1TiB", max_set_size=max_set_size, torch_checkpoint_blocks=torch_checkpoint_blocks
+    )
+    *_, report = steps_until_planned(controller, model, ids, 16)
     if report.mode != PLANNED:
         raise RuntimeError("the probe controller never planned")
     static = controller.memory.samples[-1].static

@@ -125,8 +125,10 @@ class TapeSACConfig:
     plain_blocks: bool = True  # the peak-aware planner may run blocks plain (not checkpointed)
     # where memory allows (False: every block is recorded, as before plain blocks existed)
     torch_checkpoint_blocks: bool = False  # the peak-aware planner may also run blocks under
-    # torch.utils.checkpoint, where measured full-checkpointing steps of the bucket (control_steps
-    # of them before its first plan, run only where predicted within the limit) beat must-only
+    # torch.utils.checkpoint, where the bucket's full-checkpointing steps measured faster than its
+    # must-only ones: torch_checkpoint_steps of each, alternating, before its first plan (run
+    # only where a full-checkpointing step is predicted within the limit)
+    torch_checkpoint_steps: int = 3
     peak_correction: bool = True  # a metered step above the predicted peak by more than the
     # margin adds the error to the model and solves again
 
@@ -140,6 +142,7 @@ class TapeSACConfig:
             "control_every",
             "full_control_every",
             "meter_every",
+            "torch_checkpoint_steps",
         ):
             if getattr(self, name) < (1 if name == "profile_steps" else 0):
                 raise ValueError(f"{name} must be >= {1 if name == 'profile_steps' else 0}")

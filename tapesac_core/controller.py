@@ -346,14 +346,15 @@ class Controller:
         return self.plans[key]
 
     def _full_fits(self, key: Bucket) -> bool:
-        """Whether the bucket's next step may measure full checkpointing before its first plan
-        (``torch_checkpoint_blocks``): its peak predicted within the limit on every rank."""
-        config, times = self.config, self.times.of(key)
+        """Whether the bucket still measures full checkpointing against must-only before its
+        first plan (``torch_checkpoint_blocks``): its peak predicted within the limit on every
+        rank."""
+        config = self.config
         if (
             not config.torch_checkpoint_blocks
             or key in self.plans
-            or len(times.full) >= config.control_steps
-            or len(times.must_only) < config.control_steps
+            or len(self.times.of(key).full) >= config.torch_checkpoint_steps
+            or not (self.profiles and self.memory.samples)
         ):
             return False
         edges = self.buckets.edges(key)

@@ -33,27 +33,25 @@ class StepSchedule:
     ) -> StepMode:
         """The mode of a step after warmup in bucket ``key``: profiling or sampling memory when
         the ranks agreed it needs to, else a new bucket's first ``control_steps`` must-only
-        steps, then (with ``torch_checkpoint_blocks``, where a full-checkpointing step is
-        predicted within the limit: ``full_fits``) as many under torch.utils.checkpoint, then
-        one must-only step per ``control_every`` planned steps, one under torch.utils.checkpoint
+        steps (with ``torch_checkpoint_blocks``, where a full-checkpointing step is predicted
+        within the limit, ``full_fits``: at least ``torch_checkpoint_steps``, each followed by
+        one under torch.utils.checkpoint, so the two are measured side by side), then one
+        must-only step per ``control_every`` planned steps, one under torch.utils.checkpoint
         per ``full_control_every`` planned steps (when set), and planned steps between."""
         if profile:
             return PROFILE
         if sample:
             return SAMPLE
         controls = len(times.must_only.get(key, ()))
+        config = self.config
+        pairs = config.torch_checkpoint_steps if config.torch_checkpoint_blocks and full_fits else 0
+        if len(times.full.get(key, ())) < min(controls, pairs):
+            return FULL
         every = self.config.control_every
-        if controls < self.config.control_steps or (
+        if controls < max(self.config.control_steps, pairs) or (
             every and controls and times.planned_since_control(key) >= every
         ):
             return CONTROL
-        measured = len(times.full.get(key, ()))
-        if (
-            self.config.torch_checkpoint_blocks
-            and full_fits
-            and measured < self.config.control_steps
-        ):
-            return FULL
         full_every = self.config.full_control_every
         if full_every and (not times.full.get(key) or times.planned_since_full(key) >= full_every):
             return FULL

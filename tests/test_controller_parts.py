@@ -199,13 +199,13 @@ def test_speedup_watch_profiles_again_after_windows_in_a_row_at_most_twice() -> 
 # ---------------------------------------------------------------------- StepSchedule
 
 
-def _cadence(steps: int, **settings) -> str:
+def _cadence(steps: int, full_fits: bool = False, **settings) -> str:
     """The modes of ``steps`` steps of one bucket after warmup (c: control, f: full, p: planned),
     each step's time fed back as the controller does."""
     schedule = StepSchedule(TapeSACConfig(memory_limit=0.5, **settings), "cuda")
     times, key, letters = StepTimes(), (3,), ""
     for _ in range(steps):
-        mode = schedule.mode(key, times, profile=False, sample=False)
+        mode = schedule.mode(key, times, profile=False, sample=False, full_fits=full_fits)
         letters += {CONTROL: "c", FULL: "f", PLANNED: "p"}[mode]
         if mode == CONTROL:
             times.add_must_only(key, {"attention": 8}, 1.0)
@@ -227,6 +227,12 @@ def _cadence(steps: int, **settings) -> str:
 )
 def test_a_bucket_runs_control_full_and_planned_steps_at_their_cadence(settings, modes) -> None:
     assert _cadence(len(modes), **settings) == modes
+
+
+def test_torch_checkpoint_blocks_alternate_must_only_and_full_steps_where_full_fits() -> None:
+    settings = dict(control_every=0, torch_checkpoint_blocks=True, torch_checkpoint_steps=3)
+    assert _cadence(8, full_fits=True, **settings) == "cfcfcfpp"
+    assert _cadence(3, full_fits=False, **settings) == "cpp"  # predicted over the limit: none
 
 
 def test_profiling_and_sampling_come_before_the_cadence() -> None:

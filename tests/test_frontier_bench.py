@@ -212,7 +212,8 @@ def test_plans_with_torch_checkpoint_blocks_get_their_own_files_and_section(
         ]
     )
     planning = result["tapesac_planning"]
-    # Three must-only and three full-checkpointing steps measured before the probe planned.
+    # Three must-only and three full-checkpointing steps (torch_checkpoint_steps) measured before
+    # the probe planned.
     assert planning["torch_checkpoint_blocks"] is True
     assert len(planning["must_only_steps_s"]) == len(planning["full_steps_s"]) == 3
     assert (tmp_path / "frontier_dense_tiny_torch_checkpoint.json").is_file()

@@ -25,6 +25,7 @@ from tapesac_core.plan.peak import (
     solve_peak,
     timeline_of,
 )
+from tapesac_core.plan.plan import BlockKind
 
 
 def _chain():
@@ -338,3 +339,53 @@ def test_region_menu_options_carry_replay_deltas_scaled_to_tokens() -> None:
     assert saved.replay == (-60, -60, 0) and saved.compute == (-60, -60, 0)
     with pytest.raises(ValueError, match="first at 0 bytes"):
         RegionMenu(sequence="s", graph=g, bytes=(5,), gains=(0.0,), saved=(frozenset(),))
+
+
+def test_a_torch_checkpoint_option_keeps_nothing_and_holds_the_plain_bytes_from_its_first_unpack():
+    g = _chain()
+    every = frozenset(g.ids[n] for n in "abc")
+    c, b, a = (g.ids[n] for n in "cba")
+
+    def options(plain_bytes):
+        return RegionMenu(
+            sequence="s",
+            graph=g,
+            bytes=(0, plain_bytes, 0),
+            gains=(0.0, 2.0, 1.0),
+            saved=(frozenset(), every, every),
+            kinds=(BlockKind.TAPE, BlockKind.PLAIN, BlockKind.TORCH_CHECKPOINT),
+            plain_bytes=plain_bytes,
+        ).options([c, b, a])
+
+    must_only, plain, checkpointed = options(70)
+    # Plain: all 70 B from forward; autograd frees c, then b, as their nodes finish.
+    assert (plain.bytes, plain.replay, plain.compute, plain.release) == (
+        70,
+        (-70, -70, -70),
+        (-70, -70, -70),
+        -70,
+    )
+    # Torch checkpoint: nothing from forward; at the first unpack the forward runs again and
+    # holds what must-only's replay of the whole chain holds (70 B), then autograd frees alike.
+    assert (checkpointed.bytes, checkpointed.forward) == (0, 0)
+    assert checkpointed.replay == checkpointed.compute == (0, 0, 0)
+    assert checkpointed.release == 0 and checkpointed.gain == 1.0
+    # Sizes that depend on data: the worst block's 30 B beyond the reference are held too, from
+    # the recompute on.
+    _, _, worst = options(100)
+    assert worst.replay == worst.compute == (30, 30, 30) and worst.release == 30
+    # A block that ran another op sequence (not simulated) is charged its plain bytes throughout.
+    assert (
+        RegionMenu(
+            sequence="s",
+            graph=g,
+            bytes=(0, 0),
+            gains=(0.0, 1.0),
+            saved=(frozenset(), every),
+            kinds=(BlockKind.TAPE, BlockKind.TORCH_CHECKPOINT),
+            plain_bytes=70,
+        )
+        .options(simulate=False)[1]
+        .bytes
+        == 70
+    )

@@ -60,11 +60,11 @@ def test_torch_checkpoint_blocks_run_where_measured_faster_under_the_limit(moe) 
         margin=0.0,
         torch_checkpoint_blocks=True,
     )
-    reports = [_step(controller, model, ids, seed)[0] for seed in range(5)]
+    reports = [_step(controller, model, ids, seed)[0] for seed in range(9)]
     modes = [str(r.mode) for r in reports]
-    # Full checkpointing is measured once (control_steps) before the bucket's first plan.
-    assert modes[-3:] == ["control", "full", "planned"], modes
-    assert reports[-2].torch_checkpointed == 4
+    # Before the bucket's first plan, must-only and full checkpointing alternate, three each.
+    assert modes == ["warmup", "profile", *["control", "full"] * 3, "planned"], modes
+    assert [r.torch_checkpointed for r in reports if str(r.mode) == "full"] == [4] * 3
     key = reports[-1].bucket
     must_only = statistics.median(controller.times.of(key).must_only)
     full_peak = _full_checkpoint_peak(controller, key)
@@ -74,7 +74,7 @@ def test_torch_checkpoint_blocks_run_where_measured_faster_under_the_limit(moe) 
     # Measured faster: at a limit just above the full-checkpointing step's predicted peak (all
     # plain does not fit), blocks run under torch checkpoint; the metered step is within 3% of
     # its prediction and under the limit, and bitwise.
-    controller.times.full[key] = [0.5 * must_only]
+    controller.times.full[key] = [0.5 * must_only] * 3
     limit = full_peak + 64 * KiB
     controller.replan(memory_limit=limit)
     report, got = _step(controller, model, ids, 10)
@@ -88,7 +88,7 @@ def test_torch_checkpoint_blocks_run_where_measured_faster_under_the_limit(moe) 
     assert_bitwise(step(reference, lambda: reference.loss(ids)), got)
 
     # Measured slower: never chosen.
-    controller.times.full[key] = [2.0 * must_only]
+    controller.times.full[key] = [2.0 * must_only] * 3
     controller.replan()
     report, _ = _step(controller, model, ids, 11)
     assert BlockKind.TORCH_CHECKPOINT not in report.plan.regions[region].kinds
@@ -106,14 +106,14 @@ def test_full_checkpointing_is_not_measured_where_it_is_predicted_over_the_limit
         torch_checkpoint_blocks=True,
     )
     probe = tapesac_core.Controller(model, "1GiB", **settings)
-    reports = [_step(probe, model, ids, seed)[0] for seed in range(5)]
+    reports = [_step(probe, model, ids, seed)[0] for seed in range(9)]
     key = reports[-1].bucket
     # Just below it (and so below must-only's here: the recompute peaks where must-only's replay
     # does), the steps go on without it.
     full_peak = _full_checkpoint_peak(probe, key)
     controller = tapesac_core.Controller(model, full_peak - 256 * KiB, **settings)
     modes = [str(_step(controller, model, ids, seed)[0].mode) for seed in range(4)]
-    assert "full" not in modes and modes[-1] == "planned", modes
+    assert modes == ["warmup", "profile", "control", "planned"], modes
 
 
 def test_a_blocks_gain_is_the_measured_saving_shared_by_full_recompute_time() -> None:

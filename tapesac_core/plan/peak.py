@@ -759,9 +759,9 @@ class RegionMenu:
     ) -> Option:
         """The plain ``plain`` option as torch.utils.checkpoint runs the block: nothing kept
         from forward (inputs and S0 at most, which must-only keeps too); at the block's first
-        unpack its whole forward runs again (early stop ends it at the last saved value), its
-        transients and every saved value alive as in forward; from there on autograd frees them
-        as it does a plain block's."""
+        unpack its forward runs again, its transients and every saved value alive as in forward
+        (simulated to the tape's end: torch's early stop may end it sooner, which only holds
+        less); from there on autograd frees them as it does a plain block's."""
         graph, scale = self.graph, self.scale
         # What the data may add beyond the reference's sizes (``plain_worst``) is held too.
         worst = max(0, self.plain_bytes - math.ceil(storages_bytes(graph, saved) * scale))
