@@ -238,3 +238,45 @@ def test_a_rank_profiles_its_own_batch_and_predicts_its_peak_when_another_rank_i
         assert planned
         for s in planned:  # within the 2% margin either way
             assert 0.98 <= s["peak"] / s["predicted"] <= 1.02, ranks
+
+
+def _torch_checkpoint_worker(rank: int, out: str) -> None:
+    model = _rank_model(rank, out)
+    runs = {}
+    # Rank 1's limit is far below any full-checkpointing step: no rank measures one. Then both
+    # have room: both measure three, alternating with must-only steps, before the first plan.
+    for name, limit in (("tight on rank 1", "1MiB" if rank == 1 else "1GiB"), ("room", "1GiB")):
+        controller = Controller(
+            model,
+            limit,
+            warmup_steps=1,
+            profile_steps=1,
+            control_every=0,
+            torch_checkpoint_blocks=True,
+        )
+        modes, plans = [], []
+        for step in range(9):
+            # A must-only step of about 8 MiB: far above rank 1's tight limit.
+            ids = torch.randint(0, 256, (4, 512), generator=torch.Generator().manual_seed(step))
+            with controller.step(tokens=ids.numel()) as report:
+                model.loss(ids).backward()
+            model.zero_grad(set_to_none=True)
+            modes.append(str(report.mode))
+            if report.plan is not None:
+                plans.append(report.plan.to_json())
+        runs[name] = {"modes": modes, "plans": plans}
+    with open(os.path.join(out, f"ckpt{rank}.json"), "w") as f:
+        json.dump(runs, f)
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_whether_to_measure_full_checkpointing_and_on_the_plan() -> None:
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_torch_checkpoint_worker, args=(out,), nprocs=2, join=True)
+        ranks = [json.load(open(os.path.join(out, f"ckpt{r}.json"))) for r in range(2)]
+    tight, room = (ranks[0][k] for k in ("tight on rank 1", "room"))
+    assert tight["modes"] == ranks[1]["tight on rank 1"]["modes"]
+    assert tight["modes"][:4] == ["warmup", "profile", "control", "planned"], tight
+    assert room["modes"] == ranks[1]["room"]["modes"]
+    assert room["modes"] == ["warmup", "profile", *["control", "full"] * 3, "planned"], room
+    assert room["plans"] == ranks[1]["room"]["plans"] and room["plans"]
