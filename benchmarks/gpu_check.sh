@@ -8,7 +8,7 @@
 #                once, the MoE example bitwise under deterministic algorithms
 #   3 timing     CUDA-event node times against the wall time of the same forward
 #   4 limit      allocator peaks of planned steps against the Controller's limit
-#   4b mixed     a plan mixing plain, attention-saving and must-only blocks on the ~1B model
+#   4b mixed     a plan mixing plain, torch-checkpoint, attention-saving and must-only blocks (~1B)
 #                (bf16): bitwise with dropout, timed against no checkpointing and torch checkpoint
 #   5 frontier   TapeSAC vs full checkpointing vs torchtitan's policy (and the others in those
 #                families) on a Qwen3-style ~1B model, seq 2048, bf16
