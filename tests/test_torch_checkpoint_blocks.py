@@ -15,6 +15,16 @@ from tapesac_core.plan.plan import BlockKind
 from tapesac_core.solve import torch_checkpoint_gains, torch_checkpoint_peak
 from tapesac_core.units import KiB
 
+# Every planned step metered, the limit used as given.
+SETTINGS = dict(
+    warmup_steps=1,
+    profile_steps=1,
+    control_every=0,
+    meter_every=1,
+    margin=0.0,
+    torch_checkpoint_blocks=True,
+)
+
 
 def _models(moe: bool) -> tuple[DecoderLM, DecoderLM, torch.Tensor]:
     torch.manual_seed(0)
@@ -50,16 +60,7 @@ def _full_checkpoint_peak(controller, key) -> int:
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_torch_checkpoint_blocks_run_where_measured_faster_under_the_limit(moe) -> None:
     reference, model, ids = _models(moe)
-    controller = tapesac_core.Controller(
-        model,
-        "1GiB",
-        warmup_steps=1,
-        profile_steps=1,
-        control_every=0,
-        meter_every=1,
-        margin=0.0,
-        torch_checkpoint_blocks=True,
-    )
+    controller = tapesac_core.Controller(model, "1GiB", **SETTINGS)
     reports = [_step(controller, model, ids, seed)[0] for seed in range(9)]
     modes = [str(r.mode) for r in reports]
     # Before the bucket's first plan, must-only and full checkpointing alternate, three each.
@@ -97,21 +98,13 @@ def test_torch_checkpoint_blocks_run_where_measured_faster_under_the_limit(moe) 
 
 def test_full_checkpointing_is_not_measured_where_it_is_predicted_over_the_limit() -> None:
     _, model, ids = _models(moe=False)
-    settings = dict(
-        warmup_steps=1,
-        profile_steps=1,
-        control_every=0,
-        meter_every=1,
-        margin=0.0,
-        torch_checkpoint_blocks=True,
-    )
-    probe = tapesac_core.Controller(model, "1GiB", **settings)
+    probe = tapesac_core.Controller(model, "1GiB", **SETTINGS)
     reports = [_step(probe, model, ids, seed)[0] for seed in range(9)]
     key = reports[-1].bucket
     # Just below it (and so below must-only's here: the recompute peaks where must-only's replay
     # does), the steps go on without it.
     full_peak = _full_checkpoint_peak(probe, key)
-    controller = tapesac_core.Controller(model, full_peak - 256 * KiB, **settings)
+    controller = tapesac_core.Controller(model, full_peak - 256 * KiB, **SETTINGS)
     modes = [str(_step(controller, model, ids, seed)[0].mode) for seed in range(4)]
     assert modes == ["warmup", "profile", "control", "planned"], modes
 
