@@ -43,6 +43,18 @@ def modelled_replay(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, 
     )
 
 
+def _frontiers(
+    profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int], config: TapeSACConfig
+) -> dict[str, tuple[Point, ...]]:
+    """Each region's frontier at ``tokens`` (``scaled``)."""
+    return {
+        r: scaled(
+            p.frontier(config.beam_width, config.max_set_size), tokens[r] / p.tokens, p.bytes_at
+        )
+        for r, p in profiles.items()
+    }
+
+
 def solve_plan(
     profiles: Mapping[str, RegionProfile],
     tokens: Mapping[str, int],
@@ -72,15 +84,10 @@ def solve_plan(
     must-only replay is the time outside replay (floored, see ``StepTime.model``), so the
     prediction is finite and at most must-only / outside, whatever the profiled times were.
     """
-    frontiers = {
-        r: scaled(
-            p.frontier(config.beam_width, config.max_set_size), tokens[r] / p.tokens, p.bytes_at
-        )
-        for r, p in profiles.items()
-    }
+    frontiers = _frontiers(profiles, tokens, config)
     budget = capacity - base
-    extras = {r: _extra_kinds(config, (torch_checkpoint_gains or {}).get(r, 0.0)) for r in profiles}
-    gains = dict(torch_checkpoint_gains or {})
+    gains = torch_checkpoint_gains or {}
+    extras = {r: _extra_kinds(config, gains.get(r, 0.0)) for r in profiles}
     peak = (
         _peak_choice(profiles, frontiers, tokens, timeline, capacity, base, config, extras, gains)
         if config.memory_model == "peak" and timeline is not None
@@ -241,12 +248,8 @@ def torch_checkpoint_peak(
     match the profiles."""
     if not _matches(timeline, profiles):
         return None
-    frontiers = {
-        r: scaled(
-            p.frontier(config.beam_width, config.max_set_size), tokens[r] / p.tokens, p.bytes_at
-        )[:1]
-        for r, p in profiles.items()
-    }
+    # Only the must-only point is needed beside the torch-checkpoint option.
+    frontiers = {r: f[:1] for r, f in _frontiers(profiles, tokens, config).items()}
     checkpointed = {r: (BlockKind.TORCH_CHECKPOINT,) for r in profiles}
     scaled_timeline = timeline.scaled(base)
     menus = menus_of(
