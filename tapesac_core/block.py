@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -109,7 +110,7 @@ class Block:
         self.held: dict[int, torch.Tensor] = {}
         self.kept: frozenset[int] = frozenset()  # held, or fetched by name: set in finish
         self.refs: dict[int, Any] = {}  # demanded values alive at the end of forward: set in finish
-        self.pack_count: dict[int, int] = {}  # packs per value: its keys are the demand set P
+        self.pack_count: Mapping[int, int] = {}  # packs per value, set in finish: keys are P
         # Per pack, the value packed: autograd's handle is the pack's index (an int, which the
         # garbage collector does not track), and the block's unpack hook resolves it.
         self.handles: list[int] = []
@@ -121,7 +122,6 @@ class Block:
         self._replay: tuple[int, Replay] | None = None
         # Some node writes in place: only then must replay guard what it must not write into.
         self.writes_in_place = False
-        self.reads: dict[int, int] = {}  # reads per value in one backward, if none is taken alive
         self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
         self.device_types: set[str] = set()  # of the recorded layouts (Recorder._layout)
         self.verify = False  # fingerprint packed values; replay compares (see verify.py)
@@ -192,6 +192,7 @@ class Block:
         """End of forward: freeze the tape; drop kept tensors no replay or unpack can reach.
         ``alive`` gives weak references to the tensors of values still alive (``Recorder.alive``)."""
         self.recording = False
+        self.pack_count = Counter(self.handles)
         tape = Tape(
             self.name,
             self.region,
@@ -210,13 +211,8 @@ class Block:
         if self.plan_budget is not None and tape.saved_bytes(self.planned) > self.plan_budget:
             self.planned = self._within_budget(tape, self.plan_budget)
         tape.planned = frozenset(self.planned)
-        # The reads of one backward say what the block keeps: a kept value is demanded or read
-        # by a replayed node (tape.needed_sources).
         available = tape.always_available | tape.planned
-        self.reads = read_counts(self.nodes, tape.demand, self.pack_count, available.__contains__)
-        needed = {v for v in available if v in tape.demand or v in self.reads}
-        for vid in [v for v in self.held if v not in needed]:
-            del self.held[vid]
+        self._drop_unread(tape, available)
         values = self.values
         self.refs = alive({v for v in tape.demand if values[v].kind == OP and v not in self.held})
         fetched = {v for v in available if values[v].kind in (PARAM, BUFFER)}
@@ -232,6 +228,18 @@ class Block:
             )
         self.trace.tape = tape
         self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
+
+    def _drop_unread(self, tape: Tape, available: frozenset[int]) -> None:
+        """Release held tensors one backward never reads: a kept value is demanded or read by a
+        replayed node (``tape.needed_sources``). Where every held value is demanded and
+        available, nothing can go, and the sweep over the tape is left to backward
+        (``Replay``), which counts reads anyway."""
+        demand, held = tape.demand, self.held
+        if all(v in demand and v in available for v in held):
+            return
+        reads = read_counts(self.nodes, demand, self.pack_count, available.__contains__)
+        for vid in [v for v in held if v not in available or v not in demand and v not in reads]:
+            del held[vid]
 
     def _matching_anchors(self, tape: Tape) -> set[int]:
         """The plan's coordinates were solved on another op sequence and may name other tensors

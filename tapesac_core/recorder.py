@@ -157,6 +157,7 @@ class Recorder(TorchDispatchMode):
         self.uninitialised: set[int] = set()
         self.epochs: dict[int, int] = {}  # sid -> number of recorded writes into it so far
         self.calls: dict[str, int] = {}
+        self.first_packed: set[int] = set()  # values packed while verifying or initialising
         self._leaves: dict[int, tuple[str, str]] | None = None  # rebuilt in this block, if it was
         self.timer = block.timer  # set before recording when node times are wanted
         # Whether the hot path in __torch_dispatch__ may record this block's ops: nothing is
@@ -164,6 +165,7 @@ class Recorder(TorchDispatchMode):
         self.fast = block.timer is None and not block.plan_coords and not block.forced
         # OpOverload hashes in Python: look ops up by id (they live as long as the process).
         self.infos: dict[int, OpInfo] = {}
+        self.hot: dict[int, OpInfo] = {}  # the ops of ``infos`` the hot path records
 
     # ------------------------------------------------------------------ values
 
@@ -353,15 +355,14 @@ class Recorder(TorchDispatchMode):
             vid = self.vid_of(t)
         handles = block.handles
         handles.append(vid)
-        counts = block.pack_count
-        packs = counts.get(vid)
-        counts[vid] = 1 if packs is None else packs + 1
-        if packs is None and (block.verify or self.uninitialised):
+        if (block.verify or self.uninitialised) and vid not in self.first_packed:
             self._first_pack(vid, t)
         return len(handles) - 1
 
     def _first_pack(self, vid: int, t: Tensor) -> None:
-        """A value's first pack while verifying, or while an uninitialised allocation is pending."""
+        """A value's first pack while verifying, or while an uninitialised allocation is pending
+        (a value first packed before that lies on an older storage, which needs no holding)."""
+        self.first_packed.add(vid)
         block = self.block
         value = self.values[vid]
         if value.kind != OP or vid in block.held:
@@ -394,8 +395,9 @@ class Recorder(TorchDispatchMode):
     ) -> Any:
         if kwargs is None:
             kwargs = {}
-        info = self.infos.get(id(func)) or self._info(func)
-        if not (self.fast and (info.plain or info.simple_view)) or self.uninitialised:
+        info = self.hot.get(id(func))
+        if info is None or self.uninitialised:
+            info = self.infos.get(id(func)) or self._info(func)
             return self._record(func, info, args, kwargs)
         # The hot path: an op with one tensor output, fresh or a view of its first input, and
         # nothing to capture, copy, refuse, time or hold, recorded as ``_record`` would, with
@@ -416,7 +418,11 @@ class Recorder(TorchDispatchMode):
                 if targs is None:
                     targs = list(_slot_args(len(inputs)))
                 targs.append(self._template(a, inputs) if type(a) in (list, tuple) else a)
-        targs = _slot_args(len(inputs)) if targs is None else tuple(targs)
+        if targs is None:
+            n = len(inputs)
+            targs = SLOT_ARGS[n] if n < len(SLOT_ARGS) else _slot_args(n)
+        else:
+            targs = tuple(targs)
         tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
         out = info.call(*args, **kwargs)
         if type(out) is not Tensor:
@@ -513,6 +519,8 @@ class Recorder(TorchDispatchMode):
 
     def _info(self, func: Any) -> OpInfo:
         info = self.infos[id(func)] = op_info(func)
+        if self.fast and (info.plain or info.simple_view):
+            self.hot[id(func)] = info
         return info
 
     def _keep_meta(self, vid: int, t: Tensor) -> None:

@@ -132,14 +132,12 @@ class Replay:
         # from a value that already mismatched (only the first mismatch names the hidden write).
         self.uncomparable: set[int] = set()
         self._take_alive_values(block)
-        if self.env:  # values taken alive cut the closure finish counted reads on: count again
-            self.reads = read_counts(self.nodes, block.demand, block.pack_count, self._available)
-            # Autograd reads a taken value once per pack too: released at its first unpack, a
-            # value packed twice would be replayed at the second, from producers nobody counted.
-            for vid in self.env:
-                self.reads[vid] = self.reads.get(vid, 0) + block.pack_count.get(vid, 0)
-        else:
-            self.reads = dict(block.reads)
+        # Counted here, not at the end of forward: values taken alive cut the closure.
+        self.reads = read_counts(self.nodes, block.demand, block.pack_count, self._available)
+        # Autograd reads a taken value once per pack too: released at its first unpack, a
+        # value packed twice would be replayed at the second, from producers nobody counted.
+        for vid in self.env:
+            self.reads[vid] = self.reads.get(vid, 0) + block.pack_count.get(vid, 0)
 
     def _take_alive_values(self, block: Any) -> None:
         """Demanded values still alive elsewhere (e.g. a block output) are taken, not replayed."""

@@ -115,9 +115,10 @@ class Tape:
     planned: frozenset[int]  # values the plan asked to save (on top of S0)
     outputs: frozenset[int] = frozenset()  # values the block returned
 
-    @property
+    @functools.cached_property
     def leaves(self) -> frozenset[int]:
-        """Block inputs, parameters and buffers: values the block uses but does not compute."""
+        """Block inputs, parameters and buffers: values the block uses but does not compute
+        (cached: a tape's values are final once its block's forward ended)."""
         return frozenset(v.vid for v in self.values if v.kind in (INPUT, PARAM, BUFFER))
 
     @property
