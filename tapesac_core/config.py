@@ -127,7 +127,8 @@ class TapeSACConfig:
     torch_checkpoint_blocks: bool = False  # the peak-aware planner may also run blocks under
     # torch.utils.checkpoint, where the bucket's full-checkpointing steps measured faster than its
     # must-only ones: torch_checkpoint_steps of each, alternating, before its first plan (run
-    # only where a full-checkpointing step is predicted within the limit)
+    # only where a full-checkpointing step is predicted within the limit); the bucket is solved
+    # again whenever full_control_every's steps double the full-checkpointing steps measured
     torch_checkpoint_steps: int = 3
     peak_correction: bool = True  # a metered step above the predicted peak by more than the
     # margin adds the error to the model and solves again

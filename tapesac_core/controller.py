@@ -8,6 +8,8 @@ bucket's upper edge under the memory limit and cached. A new bucket first runs `
 plain must-only steps, then one every ``control_every`` planned steps, so planned steps can be
 compared with them (measured speedup); measured and predicted speedups off by more than
 ``speedup_band`` at ``mismatch_windows`` control steps in a row send every region back to profiling.
+With ``torch_checkpoint_blocks``, a bucket is solved again each time its full-checkpointing
+control steps double the number its plan priced torch's checkpoint from.
 A bucket without a plan whose tokens lie more than ``resample_tolerance`` from every memory sample
 is sampled first, a region is profiled again when its tokens exceed ``reprofile_factor`` times its
 reference's, and an observed peak near the limit raises the fragmentation estimate (plans only
@@ -109,6 +111,8 @@ class Controller:
         self.schedule = StepSchedule(config, self.device.type)
         self._reprofile = False  # measured speedups disagree with the model: profile again
         self._pending = Correction()  # asked by this rank's last metered step; agreed at the next
+        # Per bucket, the full-checkpointing steps its plan priced torch's checkpoint from.
+        self._priced_from: dict[Bucket, int] = {}
 
     # ------------------------------------------------------------------ public state
 
@@ -288,6 +292,8 @@ class Controller:
                 self.times.forget_planned()
         elif mode == FULL:
             self.times.add_full(key, report.time)
+            if self._priced_from_too_few(key):
+                self._solve_again(key)
         elif mode == PLANNED:
             self.schedule.planned(key, metered)
             self.times.add_planned(key, report.time if self.schedule.timed(metered) else None)
@@ -340,10 +346,36 @@ class Controller:
             self.plans[key] = self.ranks.plan_of_rank_0(
                 lambda: self._solve(edges, budget + base, base, key), self.model_key
             )
+            self._priced_from[key] = len(self.times.of(key).full)
             logger.info(
                 "TapeSAC solved bucket %s (tokens %s):\n%s", key, edges, self.plans[key].explain()
             )
         return self.plans[key]
+
+    def _priced_from_too_few(self, key: Bucket) -> bool:
+        """With ``torch_checkpoint_blocks``, whether the bucket's plan priced torch's checkpoint
+        from half the full-checkpointing steps measured now, or fewer (``full_control_every``
+        steps keep coming): a few single steps misprice it on a busy host, and the measured times
+        keep the last 25, so a plan is solved again at most a few times. Every rank counts the
+        same steps. A plan restored from a checkpoint counts from the steps measured at its
+        first check."""
+        if not self.config.torch_checkpoint_blocks or key not in self.plans:
+            return False
+        measured = len(self.times.of(key).full)
+        priced = self._priced_from.setdefault(key, measured)
+        return measured > priced and measured >= max(2 * priced, self.config.torch_checkpoint_steps)
+
+    def _solve_again(self, key: Bucket) -> None:
+        logger.info(
+            "TapeSAC: bucket %s has %d full-checkpointing steps measured, its plan priced torch's "
+            "checkpoint from %d: solving it again",
+            key,
+            len(self.times.of(key).full),
+            self._priced_from[key],
+        )
+        del self.plans[key]
+        self.schedule.forget_plan(key)
+        self.times.forget_planned(key)
 
     def _full_fits(self, key: Bucket) -> bool:
         """Whether the bucket still measures full checkpointing against must-only before its

@@ -66,9 +66,12 @@ class StepTimes:
         if seconds is not None:
             _append(self.planned, key, seconds)
 
-    def forget_planned(self) -> None:
-        """Planned steps measured plans about to be replaced."""
-        self.planned.clear()
+    def forget_planned(self, key: Bucket | None = None) -> None:
+        """Planned steps measured plans about to be replaced: bucket ``key``'s, else all."""
+        if key is None:
+            self.planned.clear()
+        else:
+            self.planned.pop(key, None)
 
     def planned_since_control(self, key: Bucket) -> int:
         return self._planned_since_control.get(key, 0)

@@ -89,3 +89,7 @@ class StepSchedule:
     def forget_plans(self) -> None:
         """Every bucket is solved again: its first planned step is metered again (on CPU)."""
         self._unmetered.clear()
+
+    def forget_plan(self, key: Bucket) -> None:
+        """Bucket ``key`` is solved again: its first planned step is metered again (on CPU)."""
+        self._unmetered.pop(key, None)

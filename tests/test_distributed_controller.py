@@ -244,8 +244,12 @@ def _torch_checkpoint_worker(rank: int, out: str) -> None:
     model = _rank_model(rank, out)
     runs = {}
     # Rank 1's limit is far below any full-checkpointing step: no rank measures one. Then both
-    # have room: both measure three, alternating with must-only steps, before the first plan.
-    for name, limit in (("tight on rank 1", "1MiB" if rank == 1 else "1GiB"), ("room", "1GiB")):
+    # have room: both measure three, alternating with must-only steps, before the first plan,
+    # then one per planned step, and solve again at the sixth.
+    for name, limit, full_every, steps in (
+        ("tight on rank 1", "1MiB" if rank == 1 else "1GiB", 0, 9),
+        ("room", "1GiB", 1, 15),
+    ):
         controller = Controller(
             model,
             limit,
@@ -253,9 +257,10 @@ def _torch_checkpoint_worker(rank: int, out: str) -> None:
             profile_steps=1,
             control_every=0,
             torch_checkpoint_blocks=True,
+            full_control_every=full_every,
         )
-        modes, plans = [], []
-        for step in range(9):
+        modes, plans, solved = [], [], []
+        for step in range(steps):
             # A must-only step of about 8 MiB: far above rank 1's tight limit.
             ids = torch.randint(0, 256, (4, 512), generator=torch.Generator().manual_seed(step))
             with controller.step(tokens=ids.numel()) as report:
@@ -264,7 +269,9 @@ def _torch_checkpoint_worker(rank: int, out: str) -> None:
             modes.append(str(report.mode))
             if report.plan is not None:
                 plans.append(report.plan.to_json())
-        runs[name] = {"modes": modes, "plans": plans}
+                if not solved or report.plan is not solved[-1]:
+                    solved.append(report.plan)
+        runs[name] = {"modes": modes, "plans": plans, "solved": len(solved)}
     with open(os.path.join(out, f"ckpt{rank}.json"), "w") as f:
         json.dump(runs, f)
     dist.destroy_process_group()
@@ -278,5 +285,7 @@ def test_ranks_agree_whether_to_measure_full_checkpointing_and_on_the_plan() -> 
     assert tight["modes"] == ranks[1]["tight on rank 1"]["modes"]
     assert tight["modes"][:4] == ["warmup", "profile", "control", "planned"], tight
     assert room["modes"] == ranks[1]["room"]["modes"]
-    assert room["modes"] == ["warmup", "profile", *["control", "full"] * 3, "planned"], room
+    pairs = ["warmup", "profile", *["control", "full"] * 3]
+    assert room["modes"] == [*pairs, *["planned", "full"] * 3, "planned"], room
     assert room["plans"] == ranks[1]["room"]["plans"] and room["plans"]
+    assert room["solved"] == ranks[1]["room"]["solved"] == 2

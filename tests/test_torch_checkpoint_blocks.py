@@ -124,3 +124,47 @@ def test_a_blocks_gain_is_the_measured_saving_shared_by_full_recompute_time() ->
     gains = torch_checkpoint_gains(profiles, tokens, 2.0, 1.8, 1.5)
     assert gains == {region: pytest.approx(0.15 / 4)}
     assert torch_checkpoint_gains(profiles, tokens, 2.0, 2.2, 1.5) == {}
+
+
+def test_a_plan_is_solved_again_once_twice_the_full_checkpointing_steps_are_measured(
+    caplog,
+) -> None:
+    reference, model, ids = _models(moe=False)
+    controller = tapesac_core.Controller(model, "1GiB", **SETTINGS, full_control_every=1)
+    reports = [_step(controller, model, ids, seed)[0] for seed in range(8)]
+    key = reports[-1].bucket
+    must_only = statistics.median(controller.times.of(key).must_only)
+    # Priced from three steps that measured full checkpointing slower: not chosen.
+    limit = _full_checkpoint_peak(controller, key) + 64 * KiB
+    controller.replan(memory_limit=limit)
+    controller.times.full[key] = [2.0 * must_only] * 3
+    report = _step(controller, model, ids, 8)[0]
+    first = controller.plans[key]
+    assert str(report.mode) == "planned"
+    assert BlockKind.TORCH_CHECKPOINT not in first.regions["DecoderLayer"].kinds
+    # A full-checkpointing control step per planned step: the plan stands at 4 and 5 measured.
+    modes = [str(_step(controller, model, ids, seed)[0].mode) for seed in range(9, 13)]
+    assert modes == ["full", "planned", "full", "planned"], modes
+    assert controller.plans[key] is first
+    # The sixth, twice the three it was priced from, and the six say faster: solved again, with
+    # blocks under torch's checkpoint, metered under the limit and bitwise.
+    controller.times.full[key] = [0.5 * must_only] * 5
+    with caplog.at_level("INFO", logger="tapesac_core.controller"):
+        assert str(_step(controller, model, ids, 13)[0].mode) == "full"
+    assert key not in controller.plans
+    assert "6 full-checkpointing steps measured, its plan priced torch's checkpoint from 3" in (
+        caplog.text
+    )
+    report = _step(controller, model, ids, 14)[0]
+    assert str(report.mode) == "planned"
+    assert BlockKind.TORCH_CHECKPOINT in report.plan.regions["DecoderLayer"].kinds
+    assert report.peak <= limit, (report.peak, limit)
+    second = report.plan
+    # Not again before twelve.
+    for seed in range(15, 20):
+        _step(controller, model, ids, seed)
+    report, got = _step(controller, model, ids, 20)
+    assert str(report.mode) == "planned" and len(controller.times.of(key).full) == 9
+    assert report.plan is controller.plans[key] is second
+    torch.manual_seed(20)
+    assert_bitwise(step(reference, lambda: reference.loss(ids)), got)
