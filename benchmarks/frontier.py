@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             targets,
             args.max_set_size,
             args.torch_checkpoint_blocks,
+            args.torch_checkpoint_steps,
         )
         methods += planned_methods(plans, tapesac_model, ids, w.device)
     count_flops(methods, ids)
@@ -175,6 +176,13 @@ def parser(prog: str = "frontier.py") -> argparse.ArgumentParser:
         "--torch-checkpoint-blocks",
         action="store_true",
         help="TapeSAC's plans may run blocks under torch.utils.checkpoint where measured faster",
+    )
+    p.add_argument(
+        "--torch-checkpoint-steps",
+        type=int,
+        default=3,
+        help="with --torch-checkpoint-blocks: must-only and full-checkpointing steps the probe "
+        "measures, of each, alternating (TapeSACConfig.torch_checkpoint_steps)",
     )
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--families", default="", help=f"comma-separated subset of {','.join(FAMILIES)}")

@@ -96,6 +96,7 @@ def plan_tapesac(
     targets: Callable[[int], dict[str, int]],
     max_set_size: int = 12,
     torch_checkpoint_blocks: bool = False,
+    torch_checkpoint_steps: int = 3,
 ) -> tuple[dict[str, tuple[int, Any, int]], dict[str, Any]]:
     """Plans by TapeSAC's Controller: a probe controller with no effective limit profiles the
     model (warm-up, profiling, one planned step: its plan saves everything worth saving), then
@@ -108,9 +109,13 @@ def plan_tapesac(
     and full-checkpointing steps, alternating (``torch_checkpoint_steps`` of each), measure which
     is faster."""
     controller = quick_controller(
-        model, "1TiB", max_set_size=max_set_size, torch_checkpoint_blocks=torch_checkpoint_blocks
+        model,
+        "1TiB",
+        max_set_size=max_set_size,
+        torch_checkpoint_blocks=torch_checkpoint_blocks,
+        torch_checkpoint_steps=torch_checkpoint_steps,
     )
-    *_, report = steps_until_planned(controller, model, ids, 16)
+    *_, report = steps_until_planned(controller, model, ids, 16 + 2 * torch_checkpoint_steps)
     if report.mode != PLANNED:
         raise RuntimeError("the probe controller never planned")
     static = controller.memory.samples[-1].static

@@ -208,18 +208,19 @@ def test_plans_with_torch_checkpoint_blocks_get_their_own_files_and_section(
         [
             *("--size", "tiny", "--steps", "1", "--warmup", "0", "--fractions", "1"),
             *("--families", "none,full,tapesac", "--torch-checkpoint-blocks"),
+            *("--torch-checkpoint-steps", "4"),
             *("--out-dir", str(tmp_path), "--markdown", str(markdown)),
         ]
     )
     planning = result["tapesac_planning"]
-    # Three must-only and three full-checkpointing steps (torch_checkpoint_steps) measured before
+    # Four must-only and four full-checkpointing steps (torch_checkpoint_steps) measured before
     # the probe planned.
     assert planning["torch_checkpoint_blocks"] is True
-    assert len(planning["must_only_steps_s"]) == len(planning["full_steps_s"]) == 3
+    assert len(planning["must_only_steps_s"]) == len(planning["full_steps_s"]) == 4
     assert (tmp_path / "frontier_dense_tiny_torch_checkpoint.json").is_file()
     text = markdown.read_text()
     assert "<!-- frontier dense:tiny:torch_checkpoint -->" in text
-    assert "3 full-checkpointing steps" in text
+    assert "4 full-checkpointing steps" in text
     planned = [r for r in result["rows"] if r["method"].startswith("tapesac@")]
     assert planned and all("per block: DecoderLayer " in r["note"] for r in planned)
 
