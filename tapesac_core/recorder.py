@@ -161,8 +161,11 @@ class Recorder(TorchDispatchMode):
         self._leaves: dict[int, tuple[str, str]] | None = None  # rebuilt in this block, if it was
         self.timer = block.timer  # set before recording when node times are wanted
         # Whether the hot path in __torch_dispatch__ may record this block's ops: nothing is
-        # timed, and the plan and hidden writes name nothing to hold (fixed for the block).
-        self.fast = block.timer is None and not block.plan_coords and not block.forced
+        # timed and hidden writes name nothing to hold (fixed for the block); and whether it
+        # looks up the plan's coordinates (a planned block's ops take the hot path too: on the
+        # slow one a plan's forward cost more than its replay saved, on many small ops).
+        self.fast = block.timer is None and not block.forced
+        self.holds_planned = bool(block.plan_coords or block.plan_anchors)
         # OpOverload hashes in Python: look ops up by id (they live as long as the process).
         self.infos: dict[int, OpInfo] = {}
         self.hot: dict[int, OpInfo] = {}  # the ops of ``infos`` the hot path records
@@ -400,8 +403,8 @@ class Recorder(TorchDispatchMode):
             info = self.infos.get(id(func)) or self._info(func)
             return self._record(func, info, args, kwargs)
         # The hot path: an op with one tensor output, fresh or a view of its first input, and
-        # nothing to capture, copy, refuse, time or hold, recorded as ``_record`` would, with
-        # fewer calls.
+        # nothing to capture, copy, refuse or time, recorded (and held, if the plan names it)
+        # as ``_record`` would, with fewer calls.
         inputs: list[int] = []
         targs: list | None = None  # built only once an argument is not a tensor
         by_id, values = self.by_id, self.values
@@ -469,6 +472,9 @@ class Recorder(TorchDispatchMode):
                 ),
             )
         )
+        if self.holds_planned:  # as _add_node does for every node
+            km = block.anchor_call(name) if block.plan_anchors else -1
+            self._hold_if_planned(name, k, km, 0, vid, out)
         return out
 
     def _record(self, func: Any, info: OpInfo, args: tuple, kwargs: dict) -> Any:
