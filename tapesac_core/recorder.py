@@ -421,11 +421,7 @@ class Recorder(TorchDispatchMode):
                 if targs is None:
                     targs = list(_slot_args(len(inputs)))
                 targs.append(self._template(a, inputs) if type(a) in (list, tuple) else a)
-        if targs is None:
-            n = len(inputs)
-            targs = SLOT_ARGS[n] if n < len(SLOT_ARGS) else _slot_args(n)
-        else:
-            targs = tuple(targs)
+        targs = _slot_args(len(inputs)) if targs is None else tuple(targs)
         tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
         out = info.call(*args, **kwargs)
         if type(out) is not Tensor:
