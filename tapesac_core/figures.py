@@ -105,7 +105,9 @@ def frontier_figure(
             capsize=4,
             label=f"{point.label} measured (median, IQR, n={point.count})",
         )
-    return _finish(figure, axes, "step peak memory (MiB)", "step time (ms)", title)
+    # The legend goes below the axes: inside, "best" still covered a measured point when every
+    # corner held one.
+    return _finish(figure, axes, "step peak memory (MiB)", "step time (ms)", title, below=True)
 
 
 def speedup_by_bucket_figure(rows: Sequence[tuple[int, float, float | None]]) -> Any:
@@ -309,12 +311,25 @@ def image_array(figure: Any) -> np.ndarray:
     return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
 
 
-def _finish(figure: Any, axes: Any, xlabel: str, ylabel: str, title: str, fontsize: int = 7) -> Any:
-    """Titled axes, the legend, the layout: how every single-axes figure here ends."""
+def _finish(
+    figure: Any,
+    axes: Any,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    fontsize: int = 7,
+    below: bool = False,
+) -> Any:
+    """Titled axes, the legend (inside, or ``below`` the axes in two columns), the layout: how
+    every single-axes figure here ends."""
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.set_title(title)
-    axes.legend(fontsize=fontsize, loc="best")
+    if below:
+        figure.set_figheight(figure.get_figheight() + 1.2)
+        axes.legend(fontsize=fontsize, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    else:
+        axes.legend(fontsize=fontsize, loc="best")
     figure.tight_layout()
     return figure
 

@@ -61,7 +61,10 @@ def test_frontier_figure_has_titled_axes_with_units_and_every_point() -> None:
     ]
     assert points == [(10.5, 100.0), (15.0, 91.0)]
     pixels = image_array(figure)
-    assert pixels.shape == (450, 700, 3) and pixels.dtype == np.uint8
+    assert pixels.shape == (570, 700, 3) and pixels.dtype == np.uint8
+    # The legend lies below the axes, within the figure: it covers no point.
+    legend, frame = axes.get_legend().get_window_extent(), axes.get_window_extent()
+    assert 0 <= legend.y0 and legend.y1 < frame.y0, (legend, frame)
 
 
 class Writer:
@@ -109,6 +112,6 @@ def test_publisher_logs_scalars_every_step_and_each_new_plan_once() -> None:
     )
     assert writer.texts == [("tapesac/plan", 1)]
     assert writer.images == [
-        ("tapesac/frontier", 1, (450, 700, 3), "HWC"),
-        ("tapesac/frontier", 3, (450, 700, 3), "HWC"),
+        ("tapesac/frontier", 1, (570, 700, 3), "HWC"),
+        ("tapesac/frontier", 3, (570, 700, 3), "HWC"),
     ]
