@@ -238,7 +238,7 @@ class Block:
         if all(v in demand and v in available for v in held):
             return
         reads = read_counts(self.nodes, demand, self.pack_count, available.__contains__)
-        for vid in [v for v in held if v not in available or v not in demand and v not in reads]:
+        for vid in [v for v in held if v not in available or (v not in demand and v not in reads)]:
             del held[vid]
 
     def _matching_anchors(self, tape: Tape) -> set[int]:

@@ -478,6 +478,7 @@ class Controller:
             )
         self.steps = state["steps"]
         self.plans = plans_from_state(state, self.model_key, _STATE_VERSION)
+        self._priced_from.clear()  # restored plans count from the steps measured at their check
         self.memory = MemoryModel.from_state(state)
         self.times.load_state_dict(state, self.buckets.edges)
         for table in self._hidden_writes:  # absent before version 4

@@ -165,7 +165,8 @@ class Recorder(TorchDispatchMode):
         # looks up the plan's coordinates (a planned block's ops take the hot path too: on the
         # slow one a plan's forward cost more than its replay saved, on many small ops).
         self.fast = block.timer is None and not block.forced
-        self.holds_planned = bool(block.plan_coords or block.plan_anchors)
+        self.holds_planned = bool(block.plan_coords)  # as _add_node and _reread hold
+        self.counts_anchors = bool(block.plan_anchors)
         # OpOverload hashes in Python: look ops up by id (they live as long as the process).
         self.infos: dict[int, OpInfo] = {}
         self.hot: dict[int, OpInfo] = {}  # the ops of ``infos`` the hot path records
@@ -468,8 +469,8 @@ class Recorder(TorchDispatchMode):
                 ),
             )
         )
-        if self.holds_planned:  # as _add_node does for every node
-            km = block.anchor_call(name) if block.plan_anchors else -1
+        km = block.anchor_call(name) if self.counts_anchors else -1  # every node, as _add_node
+        if self.holds_planned:
             self._hold_if_planned(name, k, km, 0, vid, out)
         return out
 
