@@ -16,7 +16,7 @@ from .plan.coords import Anchor, Coord
 from .plan.plan import BlockKind
 from .recorder import is_subclass_with_dispatch
 from .replay import Replay
-from .tape import BUFFER, OP, PARAM, Node, Tape, Value, read_counts
+from .tape import BUFFER, OP, PARAM, Node, Tape, Value
 from .timing import NodeTimer
 from .verify import HiddenWrites
 
@@ -237,8 +237,8 @@ class Block:
         demand, held = tape.demand, self.held
         if all(v in demand and v in available for v in held):
             return
-        reads = read_counts(self.nodes, demand, self.pack_count, available.__contains__)
-        for vid in [v for v in held if v not in available or (v not in demand and v not in reads)]:
+        needed = tape.needed_sources(tape.planned)
+        for vid in [v for v in held if v not in needed]:
             del held[vid]
 
     def _matching_anchors(self, tape: Tape) -> set[int]:
