@@ -80,6 +80,14 @@ class Controller:
         process_group: Any = None,
         **settings: Any,
     ) -> None:
+        if config is not None and (memory_limit is not None or settings):
+            # One of them would be silently dropped: say which were given and how to combine.
+            given = ", ".join(["memory_limit"] * (memory_limit is not None) + sorted(settings))
+            raise TypeError(
+                f"Controller takes a config or settings, not both: got config= and {given}. "
+                "Fix: pass only config=, with the settings in it "
+                "(dataclasses.replace(config, memory_limit=...)), or only the settings"
+            )
         if config is None:
             if memory_limit is None:
                 raise TypeError("Controller needs memory_limit (e.g. 0.9 or '20GiB') or a config")
