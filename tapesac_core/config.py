@@ -88,50 +88,173 @@ def parse_memory_limit(value: float | int | str | MemoryLimit) -> MemoryLimit:
 
 @dataclass(frozen=True, kw_only=True)
 class TapeSACConfig:
-    """Everything the controller needs to decide what to save (paper §3.4, Algorithm 1)."""
+    """Everything the controller needs to decide what to save (paper §3.4, Algorithm 1).
 
-    memory_limit: MemoryLimit | float | int | str
-    warmup_steps: int = 2  # W: must-only steps before profiling
-    profile_steps: int = 2  # R: steps timing every block (node time: median over blocks,
-    # minimum over steps, see profile.region_profiles)
-    control_steps: int = 1  # must-only steps before a bucket's first planned step
-    control_every: int = 25  # then one must-only step per this many planned steps (0: never);
-    # measured speedup compares them with planned steps of the bucket
-    full_control_every: int = 0  # one step with torch.utils.checkpoint on every block per this many
-    # planned steps of a bucket (0: never): measured speedup vs full
-    # checkpointing; such steps may peak above must-only and are not
-    # metered against the limit
-    margin: float = 0.02  # safety reserve, fraction of device memory (of the limit if absolute)
-    primary_bucket_factor: float = 1.1
-    secondary_bucket_factor: float = 1.25
-    secondary_regions: frozenset[str] = field(default_factory=frozenset)
-    reprofile_factor: float = 2.0  # profile a region again when its tokens exceed this x reference
-    resample_tolerance: float = 0.15  # sample memory again when tokens move this far from a sample
-    meter_every: int = 25  # on CPU, one planned step of a bucket in this many is metered (not
-    # timed): memory outside the blocks that grew or shrank is seen within
-    # as many steps (0: a bucket's first only); accelerators meter every one
-    near_limit: float = 0.99  # observed peak above this fraction of the limit raises frag;
-    # it sits above 1 - margin, where plans fill the capacity to
-    # (else every accurate plan would trip it)
-    replay_tolerance: float = 0.2  # profiled replay vs measured replay wall time: beyond a factor
-    # 1 + this either way the node times are scaled to the wall time
-    speedup_band: float = 0.15  # measured / predicted speedup outside 1 ± this ...
-    mismatch_windows: int = 3  # ... at this many control steps in a row: profile again
-    beam_width: int = 24
-    max_set_size: int = 12
-    knapsack_resolution: int = 4096
-    memory_model: str = "peak"  # "peak": the step's measured memory timeline and the tapes
-    # predict each plan's peak (plan.peak); "sum": the paper's Eq. 8
-    plain_blocks: bool = True  # the peak-aware planner may run blocks plain (not checkpointed)
-    # where memory allows (False: every block is recorded, as before plain blocks existed)
-    torch_checkpoint_blocks: bool = False  # the peak-aware planner may also run blocks under
-    # torch.utils.checkpoint, where the bucket's full-checkpointing steps measured faster than its
-    # must-only ones: torch_checkpoint_steps of each, alternating, before its first plan (run
-    # only where a full-checkpointing step is predicted within the limit); the bucket is solved
-    # again whenever full_control_every's steps double the full-checkpointing steps measured
-    torch_checkpoint_steps: int = 3
-    peak_correction: bool = True  # a metered step above the predicted peak by more than the
-    # margin adds the error to the model and solves again
+    Each field's one-line help lives in its metadata: docs/configuration.md is generated from it
+    (``python -m tapesac_core.config_reference``)."""
+
+    memory_limit: MemoryLimit | float | int | str = field(
+        metadata={
+            "help": "The limit on the step's peak memory: a float fraction of device memory "
+            "in [0, 1] (of physical memory on CPU; 0.0 runs must-only), a size such as "
+            "'20GiB' or '800MB', or an int of bytes (at least 1 MiB). Required here and by "
+            "Controller; the integrations default to 0.9"
+        }
+    )
+    warmup_steps: int = field(
+        default=2, metadata={"help": "Must-only steps before profiling (W in the paper)"}
+    )
+    profile_steps: int = field(
+        default=2,
+        metadata={
+            "help": "Steps that time every op of every block (R); an op's time is the median "
+            "over blocks, the minimum over these steps"
+        },
+    )
+    control_steps: int = field(
+        default=1, metadata={"help": "Must-only steps before a bucket's first planned step"}
+    )
+    control_every: int = field(
+        default=25,
+        metadata={
+            "help": "Then one must-only control step per this many planned steps of a bucket "
+            "(0: never); the measured speedup compares planned steps with them"
+        },
+    )
+    full_control_every: int = field(
+        default=0,
+        metadata={
+            "help": "One step with torch.utils.checkpoint on every block per this many planned "
+            "steps of a bucket (0: never), for the measured speedup vs full checkpointing; such "
+            "steps may peak above must-only and are not metered against the limit"
+        },
+    )
+    margin: float = field(
+        default=0.02,
+        metadata={
+            "help": "Safety reserve kept free under the limit: a fraction of device memory "
+            "(of the limit when the limit is absolute)"
+        },
+    )
+    primary_bucket_factor: float = field(
+        default=1.1,
+        metadata={
+            "help": "Token buckets of primary regions are powers of this factor: one plan per "
+            "bucket, solved at its upper edge"
+        },
+    )
+    secondary_bucket_factor: float = field(
+        default=1.25,
+        metadata={"help": "The bucket factor of the regions named in secondary_regions"},
+    )
+    secondary_regions: frozenset[str] = field(
+        default_factory=frozenset,
+        metadata={
+            "help": "Region types bucketed by the largest token count seen so far, with "
+            "secondary_bucket_factor (e.g. an image encoder beside the text decoder); memory "
+            "scales with the other regions' tokens"
+        },
+    )
+    reprofile_factor: float = field(
+        default=2.0,
+        metadata={
+            "help": "Profile a region again when its tokens exceed this times its reference's"
+        },
+    )
+    resample_tolerance: float = field(
+        default=0.15,
+        metadata={
+            "help": "Sample the step's memory again when a new bucket's tokens lie this far "
+            "(a fraction) from every sample"
+        },
+    )
+    meter_every: int = field(
+        default=25,
+        metadata={
+            "help": "On CPU, meter (not time) one planned step of a bucket in this many (0: a "
+            "bucket's first only), so memory outside the blocks that grew or shrank is seen; "
+            "accelerators meter every step"
+        },
+    )
+    near_limit: float = field(
+        default=0.99,
+        metadata={
+            "help": "An observed peak above this fraction of the limit raises the fragmentation "
+            "estimate; it sits above 1 - margin, where plans fill the capacity to"
+        },
+    )
+    replay_tolerance: float = field(
+        default=0.2,
+        metadata={
+            "help": "When profiled replay time and measured replay wall time differ by more "
+            "than a factor 1 + this either way, node times are scaled to the wall time"
+        },
+    )
+    speedup_band: float = field(
+        default=0.15,
+        metadata={
+            "help": "Measured / predicted speedup outside 1 +- this at mismatch_windows control "
+            "steps in a row sends every region back to profiling"
+        },
+    )
+    mismatch_windows: int = field(
+        default=3,
+        metadata={"help": "Control steps in a row outside speedup_band before profiling again"},
+    )
+    beam_width: int = field(
+        default=24,
+        metadata={"help": "Save sets kept per round of the beam search over a block's frontier"},
+    )
+    max_set_size: int = field(
+        default=12,
+        metadata={
+            "help": "Most values one block's save set holds; blocks of many separate matmuls "
+            "(eager MoE experts) may want 48; search time grows about linearly with it"
+        },
+    )
+    knapsack_resolution: int = field(
+        default=4096,
+        metadata={
+            "help": "Capacity units of the dynamic program that picks one frontier point per "
+            "block; it should well exceed the number of blocks"
+        },
+    )
+    memory_model: str = field(
+        default="peak",
+        metadata={
+            "help": "'peak': the step's measured memory timeline and the tapes predict each "
+            "plan's peak; 'sum': the paper's Eq. 8 (one micro-batch per step enforced)"
+        },
+    )
+    plain_blocks: bool = field(
+        default=True,
+        metadata={
+            "help": "The peak-aware planner may run blocks plain (not checkpointed) where "
+            "memory allows; False records every block"
+        },
+    )
+    torch_checkpoint_blocks: bool = field(
+        default=False,
+        metadata={
+            "help": "The peak-aware planner may also run blocks under torch.utils.checkpoint "
+            "where the bucket's full-checkpointing steps measured faster than its must-only ones"
+        },
+    )
+    torch_checkpoint_steps: int = field(
+        default=3,
+        metadata={
+            "help": "With torch_checkpoint_blocks: must-only and full-checkpointing steps of "
+            "each, alternating, before a bucket's first plan (full ones only where predicted "
+            "within the limit)"
+        },
+    )
+    peak_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "A metered step above its predicted peak by more than the margin adds the "
+            "error to the memory model and solves again"
+        },
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_limit", parse_memory_limit(self.memory_limit))
