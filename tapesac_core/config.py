@@ -209,7 +209,7 @@ class TapeSACConfig:
         default=12,
         metadata={
             "help": "Most values one block's save set holds; blocks of many separate matmuls "
-            "(eager MoE experts) may want 48; search time grows about linearly with it"
+            "(eager MoE experts) can use more; search time grows about linearly with it"
         },
     )
     knapsack_resolution: int = field(
