@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -19,6 +19,9 @@ from .replay import Replay
 from .tape import BUFFER, OP, PARAM, Node, Tape, Value
 from .timing import NodeTimer
 from .verify import HiddenWrites
+
+if TYPE_CHECKING:
+    from .steady import Recompute, SteadyTape
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,9 @@ class BlockTrace:
     replay_seconds: float = 0.0  # wall time its replays took in backward (host clock)
     forward_seconds: float | None = None  # wall time of its recorded forward (CPU profile steps)
     invisible_writes: list = field(default_factory=list)  # coordinates replay did not reproduce
+    steady: bool = False  # run from a cached tape, without the dispatch mode
+    recorded_because: str | None = None  # why a module block was recorded (``steady.Recorded``)
+    diverged: str | None = None  # a steady-state call that ran other ops than its tape: what
     # Its block, weakly: autograd's saved tensors hold the block until it frees the graph.
     block: weakref.ReferenceType[Block] | None = field(default=None, repr=False)
 
@@ -109,11 +115,21 @@ class Block:
         self.planned_seen: set[tuple] = set()
         self.held: dict[int, torch.Tensor] = {}
         self.kept: frozenset[int] = frozenset()  # held, or fetched by name: set in finish
-        self.refs: dict[int, Any] = {}  # demanded values alive at the end of forward: set in finish
+        # Demanded values alive at the end of forward, set in finish: a weak reference and the
+        # version the value has (backward takes it if it is still alive with that version).
+        self.refs: dict[int, tuple[weakref.ref, int]] = {}
         self.pack_count: Mapping[int, int] = {}  # packs per value, set in finish: keys are P
         # Per pack, the value packed: autograd's handle is the pack's index (an int, which the
         # garbage collector does not track), and the block's unpack hook resolves it.
-        self.handles: list[int] = []
+        self.handles: Sequence[int] = []
+        self.pack_layouts: list[tuple[torch.Size, torch.dtype]] = []  # per pack (steady state)
+        self.host_sync = False  # an op returned a number: the data may steer the ops
+        # Per submodule exit, in order, each tensor it returned: its value (None: unrecorded)
+        # and its shape and dtype.
+        self.exits: list[tuple[tuple[int | None, tuple[torch.Size, torch.dtype]], ...]] = []
+        self.on_exit: Callable[[Any], None] | None = None
+        # A steady-state call whose forward diverged from its tape: backward recomputes it.
+        self.recompute: Recompute | None = None
         self.current_module: str | None = None
         self._module_stack: list[str] = []
         self.timer: Any = None
@@ -154,10 +170,14 @@ class Block:
         self._module_stack.append(path)
         self.current_module = path
 
-    def exit_module(self) -> None:
+    def exit_module(self, output: Any = None) -> None:
+        """A submodule's forward returned ``output``: told to the recorder or the steady-state
+        forward (``on_exit``), which may hold values from it."""
         if self._module_stack:
             self._module_stack.pop()
         self.current_module = self._module_stack[-1] if self._module_stack else None
+        if self.on_exit is not None:
+            self.on_exit(output)
 
     def is_kept(self, vid: int) -> bool:
         """Available without replay: held by the block, or a parameter/buffer fetched by name."""
@@ -229,6 +249,16 @@ class Block:
         self.trace.tape = tape
         self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
 
+    def adopt(self, entry: SteadyTape) -> None:
+        """Run from a cached tape (steady state): what a recorded call's ``finish`` set, but the
+        held tensors and the values backward may take alive, which the call itself supplies."""
+        tape = entry.tape
+        self.nodes, self.values, self.storage_bytes = tape.nodes, tape.values, tape.storage_bytes
+        self.demand, self.mandatory, self.planned = tape.demand, tape.mandatory, tape.planned
+        self.handles, self.pack_count, self.kept = entry.handles, entry.pack_count, entry.kept
+        self.writes_in_place, self.device_types = entry.writes_in_place, entry.device_types
+        self.trace.tape, self.trace.saved, self.trace.steady = tape, entry.saved, True
+
     def _drop_unread(self, tape: Tape, available: frozenset[int]) -> None:
         """Release held tensors one backward never reads: a kept value is demanded or read by a
         replayed node (``tape.needed_sources``). Where every held value is demanded and
@@ -299,6 +329,8 @@ class Block:
                 "TapeSAC block is not supported. Fix: do not checkpoint this module for "
                 "higher-order gradients, or use torch.utils.checkpoint for it"
             )
+        if self.recompute is not None:
+            return self.recompute.take(handle, self)
         vid = self.handles[handle]
         self.trace.unpacked.add(vid)
         if self.probe is not None:

@@ -28,7 +28,7 @@ import logging
 import time
 import types
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -43,6 +43,16 @@ from .errors import TapeSACError
 from .plan.coords import Anchor, Coord
 from .plan.plan import BlockKind, Plan
 from .recorder import Recorder
+from .signature import block_signature
+from .steady import (
+    Recompute,
+    Recorded,
+    SteadyCache,
+    SteadyForward,
+    SteadyTape,
+    steady_cache,
+    steady_tape,
+)
 from .tape import Tape
 from .verify import HiddenWrites
 
@@ -204,11 +214,15 @@ class _TraceScope:
         probe: Any = None,
         plain: list[str] | None = None,
         torch_checkpointed: list[str] | None = None,
+        record: bool = False,
     ) -> None:
         self.time_nodes = time_nodes
         self.one_micro_batch = one_micro_batch
         self.verify = verify
         self.probe = probe
+        # Whether blocks with a cached tape may run from it: not where ops are timed, values
+        # verified or memory probed, nor where the caller asks every block to record.
+        self.steady = not (time_nodes or verify or probe is not None or record)
         self.blocks: list[BlockTrace] = []
         self.plain = plain if plain is not None else []  # blocks run plain (not recorded)
         # Blocks a plan ran under torch.utils.checkpoint (not recorded).
@@ -234,6 +248,7 @@ def trace(
     probe: Any = None,
     plain: list[str] | None = None,
     torch_checkpointed: list[str] | None = None,
+    record: bool = False,
 ) -> Iterator[list[BlockTrace]]:
     """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays).
 
@@ -244,9 +259,13 @@ def trace(
     value and a host sync per replayed value. ``probe`` (a ``timeline.StepProbe``) is told when
     each block's forward starts and ends, around each unpack, and when the block's saved values
     are freed: the memory timeline. ``plain`` and ``torch_checkpointed`` receive the names of the
-    blocks a plan ran plain or under torch.utils.checkpoint.
+    blocks a plan ran plain or under torch.utils.checkpoint. ``record``: every block records,
+    none runs from a cached tape (steady state); a tape that differs from the cached one under
+    the same signature is said at warning level. Timing, verifying and probing record too.
     """
-    scope = _TraceScope(time_nodes, one_micro_batch, verify, probe, plain, torch_checkpointed)
+    scope = _TraceScope(
+        time_nodes, one_micro_batch, verify, probe, plain, torch_checkpointed, record
+    )
     token = _TRACE.set(scope)
     try:
         yield scope.blocks
@@ -302,12 +321,16 @@ def _refuse_hf_checkpointing(module: torch.nn.Module, name: str) -> None:
         )
 
 
+# The pack hooks TapeSAC itself runs a block's forward under.
+_OWN_PACK_HOOKS = (Recorder.pack, SteadyForward.pack, Recompute._pack)
+
+
 def _refuse_inner_saved_tensor_hooks(block: Block, submodule: str) -> None:
     """Saved-tensor hooks pushed inside a recording block (torch.utils.checkpoint or a wrapper
     of it, activation offloading) take every tensor autograd saves there away from the tape's
     pack hook: the block would silently save and replay nothing of it."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    if hooks is None or getattr(hooks[0], "__func__", None) is Recorder.pack:
+    if hooks is None or getattr(hooks[0], "__func__", None) in _OWN_PACK_HOOKS:
         return
     origin = getattr(hooks[0], "__module__", "") or ""
     what = (
@@ -406,9 +429,23 @@ def _run_block(
     )
     if scope is not None:
         scope.blocks.append(block.trace)
-        if scope.probe is not None:
-            block.probe = scope.probe.watch(block, len(scope.blocks) - 1)
     inputs = _tensors_in(args, kwargs)
+    cache = steady_cache(module) if module is not None else None
+    signature = (
+        block_signature(
+            fn, args, kwargs, inputs, list(module.modules()), _plan_key(block_plan), block.forced
+        )
+        if module is not None
+        else None
+    )
+    entry = cache.get(signature) if cache is not None else Recorded.NOT_A_MODULE
+    if isinstance(entry, SteadyTape) and (scope is None or scope.steady):
+        return _run_steady(block, entry, fn, args, kwargs, inputs, cache, signature)
+    block.trace.recorded_because = str(
+        Recorded.MEASURED if isinstance(entry, SteadyTape) else entry
+    )
+    if scope is not None and scope.probe is not None:
+        block.probe = scope.probe.watch(block, len(scope.blocks) - 1)
     if config is not None:
         block.deterministic_ops = config.deterministic_ops
     if scope is not None:
@@ -421,6 +458,7 @@ def _run_block(
     start = time.perf_counter() if timed else 0.0
     recorder = Recorder(block)
     recorder.register_inputs(inputs)
+    block.on_exit = recorder.module_exit
     token = _RECORDING.set(block)
     try:
         with (
@@ -431,15 +469,73 @@ def _run_block(
             out = fn(*args, **kwargs)
     finally:
         _RECORDING.reset(token)
-    block.finish(
-        frozenset(recorder.vid_of(t) for t in _tensors_in((out,), {})),
-        recorder.alive,
-    )
+        block.on_exit = None  # the recorder holds the block: no cycle outlives the forward
+    outputs = _tensors_in((out,), {})
+    output_vids = [recorder.vid_of(t) for t in outputs]
+    block.finish(frozenset(output_vids), recorder.alive)
     if timed:
         block.trace.forward_seconds = time.perf_counter() - start
     if block.probe is not None:
         block.probe.forward_end()
+    if cache is not None:
+        cache.put(signature, steady_tape(block, inputs, outputs, output_vids), name)
     return out
+
+
+def _plan_key(plan: BlockPlan) -> tuple:
+    """What of a block's plan entry its tape depends on (the held values, hence the packs)."""
+    return (plan.coords, plan.sequence, plan.budget, plan.anchors)
+
+
+def _run_steady(
+    block: Block,
+    entry: SteadyTape,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    inputs: list[torch.Tensor],
+    cache: SteadyCache,
+    signature: Hashable,
+) -> Any:
+    """A call with a cached tape: the forward under the saved-tensor hooks alone (``steady.py``)."""
+    forward = SteadyForward(block, entry, inputs, signature)
+    token = _RECORDING.set(block)
+    try:
+        with (
+            _autocast_weight_cache_disabled(),
+            torch.autograd.graph.saved_tensors_hooks(forward.pack, block.unpack),
+        ):
+            out = fn(*args, **kwargs)
+    finally:
+        _RECORDING.reset(token)
+        block.on_exit = None  # the forward holds the block: no cycle outlives the forward
+    block.recording = False
+    diverged = forward.finish(_tensors_in((out,), {}), inputs)
+    if diverged is not None:
+        cache.diverged(signature, entry, block.name, diverged)
+        block.held.clear()
+        block.trace.diverged = diverged
+        block.recompute = Recompute(
+            block.name,
+            fn,
+            args,
+            kwargs,
+            forward.rng,
+            forward.layouts(),
+            _recording,
+        )
+    return out
+
+
+@contextmanager
+def _recording(block: Block) -> Iterator[None]:
+    """``block`` is the one running (a recomputation in its backward): its submodules' checks
+    see their block."""
+    token = _RECORDING.set(block)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
 
 
 def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -630,7 +726,7 @@ def _enter_submodule(name: str, module: torch.nn.Module, args: Any) -> None:
 def _exit_submodule(module: torch.nn.Module, args: Any, output: Any) -> None:
     block = _RECORDING.get()
     if block is not None:
-        block.exit_module()
+        block.exit_module(output)
 
 
 Policy = set[type[torch.nn.Module]] | Callable[[torch.nn.Module], bool]

@@ -219,6 +219,7 @@ class Controller:
                 stack.enter_context(use_plan(plan))
             torch_checkpointed = stack.enter_context(torch_checkpointing()) if mode == FULL else []
             metered = self.schedule.metered(mode, key, self.profiling.done)
+            records = self.schedule.records(mode, key)
             meter = stack.enter_context(self._meter()) if metered else None
             # Must-only metered steps also measure the memory timeline (the peak-aware model).
             mark = marker(meter) if mode in (PROFILE, SAMPLE) else None
@@ -235,6 +236,7 @@ class Controller:
                     probe=probe,
                     plain=plain,
                     torch_checkpointed=planned_checkpoint,
+                    record=records,
                 )
             )
             static = meter.reading().current if meter is not None else 0
@@ -254,9 +256,11 @@ class Controller:
             self.memory.add_timeline(
                 probe.timeline(blocks, end_peak, tokens=self.buckets.primary(local), static=static)
             )
-        self._finish(report, reading, static)
+        self._finish(report, reading, static, records)
 
-    def _finish(self, report: StepReport, reading: MemoryReading | None, static: int) -> None:
+    def _finish(
+        self, report: StepReport, reading: MemoryReading | None, static: int, recorded: bool
+    ) -> None:
         blocks, key, mode = report.block_traces, report.bucket, report.mode
         self.budget.say_over_budget(report.over_budget)
         primary = self.buckets.primary(report.local_tokens)
@@ -270,7 +274,7 @@ class Controller:
         if reading is not None and mode in (PROFILE, SAMPLE):
             # This rank's memory is that of its own batch: samples carry its own token count.
             self.memory.add(MemorySample.of(reading, tokens=primary, static=static))
-        self._time(report, blocks, metered=reading is not None)
+        self._time(report, blocks, metered=reading is not None, recorded=recorded)
         if reading is not None:  # must-only steps (no plan) ask only for outside memory anew
             self._pending = self.budget.check(
                 reading, static, report.plan, report.predicted_peak, self.memory
@@ -284,7 +288,9 @@ class Controller:
         self.report = dataclasses.replace(report, block_traces=[])
         self.steps += 1
 
-    def _time(self, report: StepReport, blocks: list[BlockTrace], metered: bool) -> None:
+    def _time(
+        self, report: StepReport, blocks: list[BlockTrace], metered: bool, recorded: bool
+    ) -> None:
         """The step's seconds into its bucket's times (``StepSchedule.timed``: which planned
         steps count)."""
         key, mode = report.bucket, report.mode
@@ -303,7 +309,7 @@ class Controller:
             if self._priced_from_too_few(key):
                 self._solve_again(key)
         elif mode == PLANNED:
-            self.schedule.planned(key, metered)
+            self.schedule.planned(key, metered, recorded)
             self.times.add_planned(key, report.time if self.schedule.timed(metered) else None)
 
     # ------------------------------------------------------------------ agreement

@@ -83,7 +83,7 @@ def on_storage(t: Tensor, storage: torch.UntypedStorage) -> Tensor:
 
     Copying whole storages rather than views keeps every alias of a storage addressable.
     """
-    return view_on(storage, _meta(t))
+    return view_on(storage, layout_of(t))
 
 
 def detached(t: Tensor) -> Tensor:
@@ -131,7 +131,8 @@ def _slot_args(n: int) -> tuple[Slot, ...]:
     return SLOT_ARGS[n] if n < len(SLOT_ARGS) else tuple(_slot(i) for i in range(n))
 
 
-def _meta(t: Tensor) -> Meta:
+def layout_of(t: Tensor) -> Meta:
+    """``t``'s layout: shape, strides, storage offset, dtype and device."""
     return _new_tuple(Meta, (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device))
 
 
@@ -203,7 +204,7 @@ class Recorder(TorchDispatchMode):
 
     def _layout(self, t: Tensor) -> Meta:
         """``t``'s recorded layout; replay turns autocast off on the device types of layouts."""
-        meta = _meta(t)
+        meta = layout_of(t)
         self.block.device_types.add(meta.device.type)
         return meta
 
@@ -248,12 +249,12 @@ class Recorder(TorchDispatchMode):
         ptr = t.untyped_storage().data_ptr()
         if not ptr:
             return None
-        layout = _meta(t)[:4]
+        layout = layout_of(t)[:4]
         # Only a value whose own tensor is alive proves the storage is the same one: a freed
         # storage's address is reused by new allocations.
         for ref, vid, _ in sorted(self.by_id.values(), key=lambda e: -e[1]):
             live = ref()
-            if live is not None and self.ptrs[vid] == ptr and _meta(live)[:4] == layout:
+            if live is not None and self.ptrs[vid] == ptr and layout_of(live)[:4] == layout:
                 return vid
         return None
 
@@ -262,10 +263,10 @@ class Recorder(TorchDispatchMode):
         module = self.block.module
         if module is None:
             return None
-        ptr, meta = t.untyped_storage().data_ptr(), _meta(t)
+        ptr, meta = t.untyped_storage().data_ptr(), layout_of(t)
         for kind, named in ((PARAM, module.named_parameters()), (BUFFER, module.named_buffers())):
             for name, p in named:
-                if p.untyped_storage().data_ptr() == ptr and _meta(p)[:4] == meta[:4]:
+                if p.untyped_storage().data_ptr() == ptr and layout_of(p)[:4] == meta[:4]:
                     return kind, name
         return None
 
@@ -359,6 +360,7 @@ class Recorder(TorchDispatchMode):
             vid = self.vid_of(t)
         handles = block.handles
         handles.append(vid)
+        block.pack_layouts.append((t.shape, t.dtype))
         if (block.verify or self.uninitialised) and vid not in self.first_packed:
             self._first_pack(vid, t)
         return len(handles) - 1
@@ -376,20 +378,30 @@ class Recorder(TorchDispatchMode):
         if self.uninitialised and value.sid in self.uninitialised:
             self.hold(vid, t, INVISIBLE_WRITE)
 
-    def alive(self, vids: Collection[int]) -> dict[int, weakref.ref]:
+    def module_exit(self, output: Any) -> None:
+        """A submodule returned ``output``: the values of its tensors, where recorded, are what a
+        steady-state call can hold from that exit (values on their storages)."""
+        by_id, exit_values = self.by_id, []
+        for t in flat_tensors(output):
+            entry = by_id.get(id(t))
+            known = entry is not None and entry[0]() is t and entry[2] == t._version
+            exit_values.append((entry[1] if known else None, (t.shape, t.dtype)))
+        self.block.exits.append(tuple(exit_values))
+
+    def alive(self, vids: Collection[int]) -> dict[int, tuple[weakref.ref, int]]:
         """A weak reference per value of ``vids`` whose tensor is alive now (a block output,
         say): backward takes it as it is, if still alive there, instead of replaying it.
 
         Collected once at the end of forward rather than at each pack, so that the pack hook,
         run per saved tensor, stays short. Only a tensor that still has the value's version
         counts: an alias seen by storage (``x.data``) has a counter of its own."""
-        refs: dict[int, weakref.ref] = {}
+        refs: dict[int, tuple[weakref.ref, int]] = {}
         values = self.values
         for ref, vid, _ in self.by_id.values():
             if vid in vids and vid not in refs:
                 t = ref()
                 if t is not None and t._version == values[vid].version:
-                    refs[vid] = ref
+                    refs[vid] = (ref, values[vid].version)
         return refs
 
     # ------------------------------------------------------------------ dispatch
@@ -660,6 +672,8 @@ class Recorder(TorchDispatchMode):
             )
             returned = returned + [t for t in mutated if not any(t is r for r in returned)]
         if not returned:
+            if out is not None and not isinstance(out, (list, tuple)):
+                block.host_sync = True  # a number read from a tensor may steer the next ops
             return -1
         if writes:
             block.writes_in_place = True

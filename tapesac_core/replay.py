@@ -141,9 +141,9 @@ class Replay:
 
     def _take_alive_values(self, block: Any) -> None:
         """Demanded values still alive elsewhere (e.g. a block output) are taken, not replayed."""
-        for vid, ref in block.refs.items():
+        for vid, (ref, version) in block.refs.items():
             t = ref()
-            if t is not None and t._version == block.values[vid].version:
+            if t is not None and t._version == version:
                 self.env[vid] = t
                 if self.guards_writes:
                     self.not_ours.add(t)

@@ -18,6 +18,7 @@ class StepSchedule:
         self.config = config  # only its step counts are read: a new memory limit changes nothing
         self.on_cpu = device_type == "cpu"
         self._unmetered: dict[Bucket, int] = {}
+        self._unrecorded: dict[Bucket, int] = {}
 
     def warms_up(self, step: int) -> bool:
         """Whether step ``step`` (counted from 0) is one of the first ``warmup_steps``."""
@@ -69,6 +70,16 @@ class StepSchedule:
             return not self.on_cpu or since is None or bool(every and since >= every - 1)
         return mode == SAMPLE
 
+    def records(self, mode: StepMode, key: Bucket) -> bool:
+        """Whether every block of a planned step records, its tape compared with the one its
+        steady-state calls run from (``steady.py``): a bucket's first planned step, then one in
+        ``meter_every`` (on CPU, the metered ones). Other steps' blocks run from their cached
+        tapes where they have one, but for the steps that time ops or probe memory."""
+        if mode != PLANNED:
+            return False
+        every, since = self.config.meter_every, self._unrecorded.get(key)
+        return since is None or bool(every and since >= every - 1)
+
     def verifies(self, mode: StepMode, step: int, profiled: int) -> bool:
         """Whether this step looks for writes the dispatcher cannot see (``verify.py``): the
         first step if it warms up (neither timed nor metered: the check's syncs and temporaries
@@ -82,14 +93,19 @@ class StepSchedule:
         planned step there is checked, not timed."""
         return not (metered and self.on_cpu)
 
-    def planned(self, key: Bucket, metered: bool) -> None:
-        """A planned step of bucket ``key`` ran, ``metered`` or not."""
+    def planned(self, key: Bucket, metered: bool, recorded: bool) -> None:
+        """A planned step of bucket ``key`` ran, ``metered`` or not, ``recorded`` or not."""
         self._unmetered[key] = 0 if metered else self._unmetered.get(key, 0) + 1
+        self._unrecorded[key] = 0 if recorded else self._unrecorded.get(key, 0) + 1
 
     def forget_plans(self) -> None:
-        """Every bucket is solved again: its first planned step is metered again (on CPU)."""
+        """Every bucket is solved again: its first planned step is metered (on CPU) and
+        recorded again."""
         self._unmetered.clear()
+        self._unrecorded.clear()
 
     def forget_plan(self, key: Bucket) -> None:
-        """Bucket ``key`` is solved again: its first planned step is metered again (on CPU)."""
+        """Bucket ``key`` is solved again: its first planned step is metered (on CPU) and
+        recorded again."""
         self._unmetered.pop(key, None)
+        self._unrecorded.pop(key, None)

@@ -63,6 +63,7 @@ class StepReport:
     replayed_nodes: int = 0
     over_budget: int = 0  # planned values not kept: over their block's bytes
     blocks: int = 0
+    steady_blocks: int = 0  # blocks run from a cached tape, without the dispatch mode
     predicted_speedup: float | None = None
     measured_speedup: float | None = None  # vs must-only control steps of the bucket
     measured_speedup_vs_full: float | None = None  # vs full-checkpointing control steps
@@ -77,6 +78,7 @@ class StepReport:
         """The step's blocks: how many, what they replayed, kept beyond S0 and could not keep."""
         self.block_traces = blocks
         self.blocks = len(blocks)
+        self.steady_blocks = sum(b.steady for b in blocks)
         self.replayed_nodes = sum(len(b.replayed) for b in blocks)
         self.over_budget = sum(b.over_budget for b in blocks)
         self.saved_bytes = sum(

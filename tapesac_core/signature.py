@@ -1,0 +1,96 @@
+"""A block call's signature: what must be equal for two calls of one module to run the same ops.
+
+Steady state (``steady.py``) replays a later call from the tape an earlier call with the same
+signature recorded. The signature holds what decides a decoder layer's op sequence in practice:
+the function called, its inputs' shapes, strides, storage offsets, dtypes, devices and
+``requires_grad`` (and which inputs are the same tensor), the other arguments (numbers, strings,
+dtypes, devices and enums by value, other objects by class), the ``training`` flags of the module and its submodules, autocast
+and the default dtype, and the block's plan entry and hidden-write coordinates. What it cannot
+hold (a Python branch on a global, a changed attribute) the steady path checks as it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from enum import Enum
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .plan.coords import Coord
+
+Tensor = torch.Tensor
+_SCALARS = (int, float, bool, str, type(None))
+_VALUES = frozenset(
+    {*_SCALARS, torch.dtype, torch.device, torch.layout, torch.memory_format, slice, type(...)}
+)
+
+
+def tensor_key(t: Tensor) -> tuple:
+    """What of a tensor argument the tape depends on: its layout, dtype, device and grad flag."""
+    return (
+        tuple(t.shape),
+        t.stride(),
+        t.storage_offset(),
+        t.dtype,
+        t.device,
+        t.requires_grad,
+    )
+
+
+def _leaf_key(x: Any) -> Hashable:
+    if isinstance(x, Tensor):
+        return tensor_key(x)
+    if type(x) in _VALUES or isinstance(x, Enum):
+        return (type(x), x)  # 1, 1.0 and True hash alike but may run different ops
+    # Another object (a KV cache Hugging Face makes afresh each forward) by its class: what its
+    # state changes in the ops, the steady path's checks see as it runs.
+    return type(x)
+
+
+def _same_objects(tensors: Sequence[Tensor]) -> tuple[int, ...]:
+    """Per tensor, the position of the first argument that is the same object (aliasing of
+    inputs decides which values the tape gives them)."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
+
+
+def _module_flags(submodules: Sequence[torch.nn.Module]) -> tuple[bool, ...]:
+    return tuple(m.training for m in submodules)
+
+
+def _autocast(device_types: set[str]) -> tuple:
+    return tuple(
+        (d, torch.get_autocast_dtype(d))
+        for d in sorted(device_types)
+        if torch.is_autocast_enabled(d)
+    )
+
+
+def block_signature(
+    fn: Any,
+    args: tuple,
+    kwargs: dict,
+    inputs: Sequence[Tensor],
+    submodules: Sequence[torch.nn.Module],
+    plan_key: Hashable,
+    forced: frozenset[Coord],
+) -> Hashable:
+    """The signature of one call of a block (``inputs``: its tensors, as ``_tensors_in`` found
+    them; ``submodules``: the module's own and its submodules', whose ``training`` flags count)."""
+    if not kwargs and all(isinstance(a, Tensor) or isinstance(a, _SCALARS) for a in args):
+        arguments: Hashable = tuple(_leaf_key(a) for a in args)
+    else:
+        leaves, spec = tree_flatten((args, kwargs))
+        arguments = (spec, tuple(_leaf_key(x) for x in leaves))
+    return (
+        getattr(fn, "__func__", fn),
+        arguments,
+        _same_objects(inputs) if len(inputs) > 1 else (),
+        _module_flags(submodules),
+        _autocast({"cpu", *(t.device.type for t in inputs)}),
+        torch.get_default_dtype(),
+        plan_key,
+        forced,
+    )

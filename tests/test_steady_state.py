@@ -1,0 +1,329 @@
+"""Steady state: a module block recorded once per signature, then run without the dispatch mode
+(``tapesac_core.steady``): bitwise, holding and freeing what recording does, recording again
+where the signature or the ops change, and never replaying a stale tape."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from support import assert_bitwise, assert_replayed_as_predicted, step, tiny_lm
+
+import tapesac_core
+from examples.models import DecoderLayer, MoEDecoderLayer
+from tapesac_core.steady import Recorded
+
+STEPS = 3  # a first call records; the later ones run in steady state
+
+
+class InplaceViews(torch.nn.Module):
+    """In-place ops, writes through views, a base read after a write through its view,
+    ``index_add_`` into zeros, an empty buffer written by ``copy_``, transposes: no random op."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.d = d
+        self.up = torch.nn.Linear(d, 2 * d)
+        self.down = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.d
+        h = self.up(x)
+        h[:, :d].relu_()
+        s = h.sum(-1, keepdim=True)
+        b = h[:, d:].clone()
+        b[:, :2].add_(b[:, 2:4])
+        idx = torch.arange(b.shape[0] - 1, -1, -1)
+        c = torch.zeros_like(b)
+        c.index_add_(0, idx, b * h[:, :d])
+        c.masked_fill_(c.abs() < 0.05, 0.0)
+        y = self.down(c.t().contiguous().t()) * torch.sigmoid(s)
+        buf = torch.empty_like(y)
+        buf.copy_(y)
+        buf.add_(1.0)
+        return buf + x
+
+
+def _lm(**config: object) -> tuple[torch.nn.Module, torch.nn.Module]:
+    reference = tiny_lm(**config)
+    model = copy.deepcopy(reference)
+    tapesac_core.checkpoint_modules(model, {DecoderLayer, MoEDecoderLayer})
+    return reference, model
+
+
+def _ids(length: int = 24, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _paths(blocks: list[tapesac_core.BlockTrace]) -> list[str]:
+    return ["steady" if b.steady else str(b.recorded_because) for b in blocks]
+
+
+def _run(model: torch.nn.Module, ids: torch.Tensor, **trace: bool) -> tuple:
+    with tapesac_core.trace(**trace) as blocks:
+        got = step(model, lambda: model.loss(ids))
+    return got, blocks
+
+
+@pytest.mark.parametrize(
+    "config, path",
+    [
+        (dict(), "steady"),
+        (dict(attention_output_gate=False, num_kv_heads=4), "steady"),
+        (dict(dropout=0.1), str(Recorded.RANDOM)),
+        (dict(moe=True), str(Recorded.DATA_DEPENDENT)),
+        (dict(moe=True, skip_empty_experts=True, dropout=0.1), str(Recorded.RANDOM)),
+    ],
+    ids=["dense", "dense_mha", "dense_dropout", "moe", "moe_skip_dropout"],
+)
+def test_a_block_runs_in_steady_state_from_its_second_call_bitwise(config, path) -> None:
+    reference, model = _lm(**config)
+    ids = _ids()
+    ref = step(reference, lambda: reference.loss(ids), seed=0)
+    for i in range(STEPS):
+        got, blocks = _run(model, ids)
+        assert_bitwise(ref, got)
+        assert_replayed_as_predicted(blocks)
+        expected = str(Recorded.FIRST_CALL) if i == 0 else path
+        assert _paths(blocks) == [expected] * len(blocks), i
+
+
+def test_a_bare_checkpoint_module_runs_in_steady_state_on_its_second_call() -> None:
+    torch.manual_seed(0)
+    block = InplaceViews()
+    reference = copy.deepcopy(block)
+    tapesac_core.checkpoint_module(block)
+    x = torch.randn(8, 16, requires_grad=True)
+    ref = step(reference, lambda: reference(x).pow(2).sum())
+    for i in range(STEPS):
+        with tapesac_core.trace() as blocks:
+            got = step(block, lambda: block(x).pow(2).sum())
+        assert_bitwise(ref, got)
+        assert blocks[0].steady == (i > 0)
+        assert blocks[0].replayed  # a must-only block of in-place ops replays from its tape
+
+
+def _forward_only(model: torch.nn.Module, ids: torch.Tensor, **trace: bool) -> tuple:
+    """Forward inside a trace: the loss and each block's held tensors (before backward)."""
+    with tapesac_core.trace(**trace) as blocks:
+        loss = model.loss(ids)
+    held = [{v: t.clone() for v, t in b.block().held.items()} for b in blocks]
+    return loss, blocks, held
+
+
+def _holdable_plan(model: torch.nn.Module, ids: torch.Tensor) -> dict:
+    """Every value a block may keep that a steady-state call can hold: every other coordinate
+    the recorded tape's saved-tensor or submodule storages carry."""
+    _, blocks = _run(model, ids, record=True)
+    tape = blocks[0].tape
+    coords = sorted(
+        tape.coord(v)
+        for v in tape.demand
+        if tape.values[v].kind == "op" and v not in tape.mandatory
+    )
+    return {"DecoderLayer": set(coords[::2])}
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["must_only", "plan"])
+def test_steady_state_holds_replays_and_frees_what_recording_does(planned: bool) -> None:
+    reference, model = _lm()
+    ids = _ids()
+    ref = step(reference, lambda: reference.loss(ids), seed=0)
+    plan = _holdable_plan(model, ids) if planned else {}
+    with tapesac_core.use_plan(plan):
+        _run(model, ids)  # records, and caches the tapes
+        results = {}
+        for name, trace in (("recorded", dict(record=True)), ("steady", {})):
+            torch.manual_seed(0)
+            loss, blocks, held = _forward_only(model, ids, **trace)
+            assert [b.steady for b in blocks] == [name == "steady"] * len(blocks)
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+            assert_bitwise(ref, (loss.detach(), grads))
+            results[name] = (blocks, held)
+    (recorded, recorded_held), (steady, steady_held) = results["recorded"], results["steady"]
+    for r, s, r_held, s_held in zip(recorded, steady, recorded_held, steady_held):
+        assert r_held.keys() == s_held.keys()
+        assert all(torch.equal(r_held[v], s_held[v]) for v in r_held)
+        assert r.saved == s.saved
+        assert (r.saved != frozenset()) == planned
+        assert r.replayed == s.replayed
+        assert r.alive_taken == s.alive_taken
+
+
+def test_steady_state_peaks_at_the_bytes_recording_peaks_at() -> None:
+    _, model = _lm(hidden_size=128, intermediate_size=256)
+    ids = _ids(64)
+    _run(model, ids)
+
+    def one_step(**trace: bool) -> None:
+        with tapesac_core.trace(**trace) as blocks:
+            model.loss(ids).backward()
+        model.zero_grad(set_to_none=True)
+        assert [b.steady for b in blocks] == [not trace] * len(blocks)
+
+    _, recorded = tapesac_core.profile_memory(lambda: one_step(record=True))
+    _, steady = tapesac_core.profile_memory(one_step)
+    assert steady.peak == recorded.peak
+    assert steady.end == recorded.end == 0
+
+
+def test_a_new_signature_records_and_an_old_one_runs_steady_again() -> None:
+    reference, model = _lm()
+    seen = []
+    for length, train in ((24, True), (24, True), (16, True), (16, True), (24, True), (24, False)):
+        ids = _ids(length)
+        reference.train(train)
+        model.train(train)
+        ref = step(reference, lambda: reference.loss(ids), seed=0)
+        got, blocks = _run(model, ids)
+        assert_bitwise(ref, got)
+        seen.append(set(_paths(blocks)))
+    first, steady = {str(Recorded.FIRST_CALL)}, {"steady"}
+    assert seen == [first, steady, first, steady, steady, first]
+
+
+def test_a_plan_change_between_steps_records_once_then_runs_steady() -> None:
+    reference, model = _lm()
+    ids = _ids()
+    ref = step(reference, lambda: reference.loss(ids), seed=0)
+    plan = _holdable_plan(model, ids)
+    seen = []
+    for entry in (plan["DecoderLayer"], plan["DecoderLayer"], set(), set(), [tapesac_core.PLAIN]):
+        with tapesac_core.use_plan({"DecoderLayer": entry}):
+            got, blocks = _run(model, ids)
+        assert_bitwise(ref, got)
+        seen.append(_paths(blocks)[0] if blocks else "plain")
+    # must-only was cached by _holdable_plan's recording
+    assert seen == [str(Recorded.FIRST_CALL), "steady", "steady", "steady", "plain"]
+
+
+class Branchy(torch.nn.Module):
+    """Its forward depends on something outside its arguments and attributes: a global switch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if SWITCH["op"] == "relu":
+            h = h.relu()
+        elif SWITCH["op"] == "sigmoid":
+            h = h.sigmoid()  # saves its output, as relu does: the same pack shapes
+        else:
+            h = h.unsqueeze(0).exp().squeeze(0)  # saves an output of another shape
+        return self.lin(h).tanh()
+
+
+SWITCH = {"op": "relu"}
+
+
+@pytest.mark.parametrize("second", ["sigmoid", "exp"], ids=["same_packs", "other_packs"])
+def test_a_forward_that_diverges_under_one_signature_gets_no_wrong_gradient(
+    second: str, caplog
+) -> None:
+    torch.manual_seed(0)
+    block = Branchy()
+    reference = copy.deepcopy(block)
+    tapesac_core.checkpoint_module(block)
+    x = torch.randn(4, 8, requires_grad=True)
+    seen = []
+    with caplog.at_level(logging.WARNING, logger="tapesac_core"):
+        for op in ("relu", "relu", second, second, second):
+            SWITCH["op"] = op
+            ref = step(reference, lambda: reference(x).sum())
+            with tapesac_core.trace() as blocks:
+                got = step(block, lambda: block(x).sum())
+            assert_bitwise(ref, got)
+            seen.append("diverged" if blocks[0].diverged else _paths(blocks)[0])
+    SWITCH["op"] = "relu"
+    first = str(Recorded.FIRST_CALL)
+    assert seen == [first, "steady", "diverged", first, "steady"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "Branchy" in warnings[0].getMessage()
+    assert "recomputes its forward" in warnings[0].getMessage()
+
+
+def test_a_recorded_call_that_differs_from_the_cached_tape_is_a_warning(caplog) -> None:
+    """A Python number read from a global changes no pack and no autograd node: the steady
+    path cannot see it; the next recorded call (a verification step) compares and says so."""
+    torch.manual_seed(0)
+    scale = {"value": 2.0}
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.lin(x) * scale["value"]).sin()
+
+    block = tapesac_core.checkpoint_module(Scaled())
+    x = torch.randn(4, 8, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="tapesac_core"):
+        for value, record in ((2.0, False), (2.0, False), (3.0, True)):
+            scale["value"] = value
+            with tapesac_core.trace(record=record):
+                block(x).sum().backward()
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(messages) == 1
+    assert "ran other ops than its cached tape" in messages[0]
+    assert "2.0" in messages[0] and "3.0" in messages[0]
+
+
+def test_hugging_face_layers_reach_steady_state_bitwise_without_dropout() -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
+    )
+    model.train()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    loss = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
+    ref = step(model, loss)
+    tapesac_core.checkpoint_modules(model, {Qwen3DecoderLayer})
+    for i in range(STEPS):
+        with tapesac_core.trace() as blocks:
+            got = step(model, loss)
+        assert_bitwise(ref, got)
+        assert [b.steady for b in blocks] == [i > 0, i > 0]
+
+
+def test_the_controller_records_measuring_and_verifying_steps_and_runs_steady_between() -> None:
+    _, model = _lm()
+    controller = tapesac_core.Controller(
+        model, 0.0, warmup_steps=2, profile_steps=1, control_every=0, meter_every=3
+    )
+    ids = _ids()
+    seen = []
+    for _ in range(10):
+        with controller.step(tokens=ids.numel()) as report:
+            model.loss(ids).backward()
+        seen.append((str(report.mode), report.steady_blocks))
+    assert seen == [
+        ("warmup", 0),  # verifies
+        ("warmup", 4),  # a must-only control step too
+        ("profile", 0),  # times every op
+        ("planned", 0),  # a bucket's first planned step records and compares
+        ("planned", 4),
+        ("planned", 4),
+        ("planned", 0),  # then one in meter_every
+        ("planned", 4),
+        ("planned", 4),
+        ("planned", 0),
+    ]
