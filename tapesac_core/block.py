@@ -223,6 +223,8 @@ class Block:
             dict(self.mandatory),
             frozenset(self.planned),
             outputs,
+            frozenset(v for returned in self.exits for v, _ in returned if v is not None),
+            self.host_sync,
         )
         self.demand = tape.demand
         if self.plan_sequence is not None and tape.fingerprint != self.plan_sequence:

@@ -499,6 +499,9 @@ def _run_steady(
 ) -> Any:
     """A call with a cached tape: the forward under the saved-tensor hooks alone (``steady.py``)."""
     forward = SteadyForward(block, entry, inputs, signature)
+    # On CPU its wall time prices the steady-state path against recording (profile.py).
+    timed = all(t.device.type == "cpu" for t in inputs)
+    start = time.perf_counter() if timed else 0.0
     token = _RECORDING.set(block)
     try:
         with (
@@ -510,6 +513,8 @@ def _run_steady(
         _RECORDING.reset(token)
         block.on_exit = None  # the forward holds the block: no cycle outlives the forward
     block.recording = False
+    if timed:
+        block.trace.forward_seconds = time.perf_counter() - start
     diverged = forward.finish(_tensors_in((out,), {}), inputs)
     if diverged is not None:
         cache.diverged(signature, entry, block.name, diverged)

@@ -18,6 +18,7 @@ from .memory import MemoryReading
 from .plan import Point, replay_time, saved_bytes, solve_frontier
 from .plan.peak import Timeline
 from .plan.tape_graph import TapeGraph, graph_of
+from .steady import savable_values
 from .tape import DYNAMIC_SHAPE, Tape
 from .timing import seconds
 
@@ -37,10 +38,22 @@ class RegionProfile:
     # Seconds a block's recording costs beyond its ops (bookkeeping per op, measured on CPU
     # profile steps; 0 elsewhere): what a plain block saves on top of its replay.
     recording_overhead: float = 0.0
+    # Seconds a block run in steady state costs beyond its ops (its saved-tensor hooks), and
+    # the share of the region's recent blocks that ran so (``with_forward_paths``, on CPU).
+    steady_overhead: float = 0.0
+    steady_share: float = 0.0
     # The most bytes a block of the region kept or would keep run plain, over every block
     # profiled (``plain_bytes``): where sizes depend on data (tokens routed to an expert) a
     # block can keep more than the reference; 0 leaves the reference's bytes.
     plain_worst: int = 0
+
+    @property
+    def forward_overhead(self) -> float:
+        """Seconds a block's forward is expected to cost beyond its ops, by the paths its
+        region's blocks took lately: recorded, or in steady state. What running a block plain or
+        under torch's checkpoint saves on top of the replay."""
+        share = self.steady_share
+        return share * self.steady_overhead + (1 - share) * self.recording_overhead
 
     @property
     def data_dependent(self) -> bool:
@@ -72,7 +85,9 @@ class RegionProfile:
 
     @functools.cached_property
     def graph(self) -> TapeGraph:
-        return graph_of(self.tape, self.node_time)
+        """The planner's model of the reference block: a plan keeps only what a steady-state
+        call can hold, where its blocks can run in steady state."""
+        return graph_of(self.tape, self.node_time, savable_values(self.tape))
 
     def frontier(self, beam_width: int, max_set_size: int) -> tuple[Point, ...]:
         """The Pareto frontier of the reference block at its own token count (cached)."""
@@ -198,13 +213,16 @@ def merged(old: RegionProfile | None, new: RegionProfile) -> RegionProfile:
 
 @dataclass(frozen=True)
 class ReplayWall:
-    """One block's replay in a must-only step, as measured: which nodes ran, for how long
-    (wall seconds), at how many tokens of its region."""
+    """One block in a must-only step, as measured: which nodes its replay ran, for how long
+    (wall seconds), at how many tokens of its region; whether its forward ran in steady state,
+    and its wall seconds (on CPU)."""
 
     sequence: str
     replayed: tuple[int, ...]
     seconds: float
     tokens: int
+    steady: bool = False
+    forward_seconds: float | None = None
 
 
 def replay_ratio(profile: RegionProfile, walls: Iterable[ReplayWall]) -> float | None:
@@ -247,6 +265,25 @@ def calibrated(
         node_time={i: t * ratio for i, t in profile.node_time.items()},
         forward_time={i: t * ratio for i, t in profile.forward_time.items()},
     )
+
+
+def with_forward_paths(profile: RegionProfile, walls: Iterable[ReplayWall]) -> RegionProfile:
+    """``profile`` with the share of recent blocks of its op sequence that ran in steady state,
+    and their median wall time beyond the profiled forward op times (at their tokens)."""
+    same = [w for w in walls if w.sequence == profile.sequence]
+    if not same:
+        return profile
+    ops = math.fsum(profile.forward_time.values())
+    excess = [
+        max(0.0, w.forward_seconds - ops * w.tokens / profile.tokens)
+        for w in same
+        if w.steady and w.forward_seconds is not None
+    ]
+    share = sum(w.steady for w in same) / len(same)
+    overhead = statistics.median(excess) if excess else profile.steady_overhead
+    if (share, overhead) == (profile.steady_share, profile.steady_overhead):
+        return profile
+    return dataclasses.replace(profile, steady_share=share, steady_overhead=overhead)
 
 
 def step_fragmentation(reading: MemoryReading) -> int:

@@ -7,7 +7,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from .block import BlockTrace
-from .profile import RegionProfile, ReplayWall, calibrated, merged, region_profiles
+from .profile import (
+    RegionProfile,
+    ReplayWall,
+    calibrated,
+    merged,
+    region_profiles,
+    with_forward_paths,
+)
 
 _WALLS = 64  # recent must-only block replays per region that profiled times are checked against
 
@@ -37,12 +44,14 @@ class Profiling:
         accelerators they would measure launches, not kernels, so call it on CPU only)."""
         for r in regions:
             if r in self.profiles:
-                self.profiles[r] = calibrated(self.profiles[r], self.walls.of(r), self.tolerance)
+                profile = calibrated(self.profiles[r], self.walls.of(r), self.tolerance)
+                self.profiles[r] = with_forward_paths(profile, self.walls.of(r))
 
 
 class ReplayWalls:
-    """Each region's recent block replays in plain must-only steps (not timed per op, not
-    metered: both slow the step down), the measure profiled node times are checked against."""
+    """Each region's recent blocks in plain must-only steps (not timed per op, not metered:
+    both slow the step down): their replays, the measure profiled node times are checked
+    against, and their forwards' paths and wall times (``with_forward_paths``)."""
 
     def __init__(self) -> None:
         self._walls: dict[str, list[ReplayWall]] = {}
@@ -56,6 +65,8 @@ class ReplayWalls:
                     replayed=tuple(b.replayed),
                     seconds=b.replay_seconds,
                     tokens=tokens[b.tape.region],
+                    steady=b.steady,
+                    forward_seconds=b.forward_seconds,
                 )
             )
             del walls[:-_WALLS]

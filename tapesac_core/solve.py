@@ -43,6 +43,21 @@ def modelled_replay(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, 
     )
 
 
+def full_recompute_extra(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int]) -> float:
+    """Seconds full checkpointing adds to a must-only step at ``tokens``: each block recomputes
+    its forward (Eq. 5) instead of replaying (Eq. 6), and its forward costs no recording or
+    steady-state overhead (``RegionProfile.forward_overhead``)."""
+    return math.fsum(
+        p.blocks
+        * (
+            (p.full_recompute_time - p.must_only_replay_time) * tokens[r] / p.tokens
+            - p.forward_overhead
+        )
+        for r, p in profiles.items()
+        if r in tokens
+    )
+
+
 def _frontiers(
     profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int], config: TapeSACConfig
 ) -> dict[str, tuple[Point, ...]]:
@@ -107,10 +122,7 @@ def solve_plan(
         r: _region_plan(profiles[r], frontiers[r], choices[r], tokens[r], extras[r])
         for r in sorted(profiles)
     }
-    full = sum(
-        p.blocks * (p.full_recompute_time - p.must_only_replay_time) * tokens[r] / p.tokens
-        for r, p in profiles.items()
-    )
+    full = full_recompute_extra(profiles, tokens)
     step = StepTime.of_step(must_only_step_time, modelled_replay(profiles, tokens))
     planned_time = step.planned(gain)
     notes = _capacity_notes(base, capacity, predicted, saved_bytes)
@@ -121,7 +133,7 @@ def solve_plan(
         base=base,
         saved_bytes=saved_bytes,
         predicted_speedup=step.speedup(gain),
-        predicted_speedup_vs_full=(step.must_only + max(0.0, full)) / planned_time,
+        predicted_speedup_vs_full=(step.must_only + full) / planned_time,
         notes=notes,
         step_time=step.must_only,
         replay_time=step.replay,
@@ -215,14 +227,14 @@ def _with_extras(
     torch_checkpoint_gain: float,
 ) -> RegionMenu:
     """``menu`` with an option after its frontier per kind (from index ``len(points)``).
-    Plain: the block keeps everything autograd saves, replays nothing, and saves its recording's
-    cost too, so it beats the frontier's last point wherever both fit. Torch checkpoint: it
+    Plain: the block keeps everything autograd saves, replays nothing, and saves its forward's
+    overhead too (recording or steady state, ``RegionProfile.forward_overhead``), so it beats the frontier's last point wherever both fit. Torch checkpoint: it
     keeps nothing, recomputes its whole forward at its first unpack, and gains what measured
     steps say (``torch_checkpoint_gains``)."""
     plain = profile.plain_point
     plain_bytes = profile.bytes_at(plain, tokens / profile.tokens)
     gain = {
-        BlockKind.PLAIN: points[0].time + profile.recording_overhead,
+        BlockKind.PLAIN: points[0].time + profile.forward_overhead,
         BlockKind.TORCH_CHECKPOINT: torch_checkpoint_gain,
     }
     size = {BlockKind.PLAIN: plain_bytes, BlockKind.TORCH_CHECKPOINT: 0}

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_map_only
 
 from .errors import TapeSACError
 from .recorder import default_generator, detached, flat_tensors, layout_of, on_storage, view_on
-from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, Meta, Node, Slot, Tape
+from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, OP, Meta, Node, Slot, Tape, Value
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -110,24 +110,17 @@ def steady_tape(
 ) -> SteadyTape | Recorded:
     """The finished recorded ``block`` as a steady-state entry, or why later calls must record."""
     tape: Tape = block.trace.tape
-    if any(n.rng is not None for n in tape.nodes):
-        return Recorded.RANDOM
-    if block.host_sync:
-        return Recorded.HOST_SYNC
-    reasons = set(tape.mandatory.values())
-    if (
-        COLLECTIVE in reasons
-        or DYNAMIC_SHAPE in reasons
-        or block.trace.sequence_changed
-        or block.trace.over_budget
-    ):
+    blocked = tape_blocker(tape)
+    if blocked is not None:
+        return blocked
+    if block.trace.sequence_changed or block.trace.over_budget:
         return Recorded.DATA_DEPENDENT
     handles, values = tuple(block.handles), tape.values
     first_pack: dict[int, int] = {}
     on_storage_at: dict[tuple[int, int], int] = {}  # (storage, epoch) -> its first pack
     for k, vid in enumerate(handles):
         first_pack.setdefault(vid, k)
-        on_storage_at.setdefault((values[vid].sid, values[vid].epoch), k)
+        on_storage_at.setdefault(_storage(values[vid]), k)
     last_epoch: dict[int, int] = {}
     for v in values:
         last_epoch[v.sid] = max(last_epoch.get(v.sid, 0), v.epoch)
@@ -137,14 +130,14 @@ def steady_tape(
     for j, returned in enumerate(block.exits):
         for i, (vid, _) in enumerate(returned):
             if vid is not None:
-                returned_at.setdefault((values[vid].sid, values[vid].epoch), (j, i))
+                returned_at.setdefault(_storage(values[vid]), (j, i))
     held_at: dict[int, list[tuple[int, Meta | None]]] = {}
     held_at_exit: dict[tuple[int, int], list[tuple[int, Meta | None]]] = {}
     input_vid: dict[int, int] = {}
     empty: list[tuple[int, Meta]] = []
     for vid, t in block.held.items():
         value = values[vid]
-        where = (value.sid, value.epoch)
+        where = _storage(value)
         if value.kind == INPUT:
             input_vid[value.name] = vid
         elif vid in first_pack:
@@ -187,6 +180,34 @@ def steady_tape(
         device_types=frozenset(block.device_types),
         autograd=autograd,
     )
+
+
+def tape_blocker(tape: Tape) -> Recorded | None:
+    """Why no call of ``tape``'s kind can run in steady state (None: it may, per call)."""
+    if any(n.rng is not None for n in tape.nodes):
+        return Recorded.RANDOM
+    if tape.host_sync:
+        return Recorded.HOST_SYNC
+    reasons = set(tape.mandatory.values())
+    if COLLECTIVE in reasons or DYNAMIC_SHAPE in reasons:
+        return Recorded.DATA_DEPENDENT
+    return None
+
+
+def savable_values(tape: Tape) -> frozenset[int] | None:
+    """The values a steady-state call of ``tape`` can hold, on storages autograd saves or a
+    submodule returns (``steady_tape`` holds them there); None when it cannot run in steady
+    state, so that any value may be kept."""
+    if tape_blocker(tape) is not None:
+        return None
+    values = tape.values
+    seen = {_storage(values[v]) for v in tape.demand | tape.returned}
+    return frozenset(v.vid for v in values if v.kind == OP and _storage(v) in seen)
+
+
+def _storage(value: Value) -> tuple[int, int]:
+    """A value's storage at its epoch: the content a tensor on it has."""
+    return (value.sid, value.epoch)
 
 
 def autograd_types(
@@ -292,6 +313,10 @@ class SteadyCache:
 
     def __reduce__(self) -> tuple:
         return (SteadyCache, ())
+
+    def tapes(self) -> list[Tape]:
+        """The tapes cached now."""
+        return [e.tape for e in self._entries.values() if isinstance(e, SteadyTape)]
 
     def get(self, signature: Hashable) -> SteadyTape | Recorded:
         """The entry for ``signature``, or why its call must record."""

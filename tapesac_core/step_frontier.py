@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .config import TapeSACConfig
 from .plan.plan import Plan
 from .profile import RegionProfile
-from .solve import modelled_replay
+from .solve import full_recompute_extra, modelled_replay
 from .step_time import StepTime
 
 Point = tuple[int, float]  # (step peak bytes, step seconds)
@@ -39,7 +39,7 @@ def step_frontier(
     profiles = {r: p for r, p in profiles.items() if r in edges}
     step = StepTime.of_step(must_only_seconds, modelled_replay(profiles, edges))
     seconds = step.must_only
-    curves, full = {}, seconds
+    curves = {}
     for r, p in profiles.items():
         scale = edges[r] / p.tokens
         points = p.frontier(config.beam_width, config.max_set_size)
@@ -50,11 +50,10 @@ def step_frontier(
             )
             for pt in points
         ]
-        full += p.blocks * max(0.0, p.full_recompute_time - p.must_only_replay_time) * scale
     return StepFrontier(
         curves=curves,
         must_only=(plan.base, seconds),
-        full=(plan.base, full),
+        full=(plan.base, seconds + full_recompute_extra(profiles, edges)),
         chosen=(
             plan.predicted_peak or plan.base + plan.saved_bytes,
             seconds / plan.predicted_speedup,

@@ -114,6 +114,8 @@ class Tape:
     mandatory: Mapping[int, str]  # vid -> reason it is in S0
     planned: frozenset[int]  # values the plan asked to save (on top of S0)
     outputs: frozenset[int] = frozenset()  # values the block returned
+    returned: frozenset[int] = frozenset()  # values its submodules returned
+    host_sync: bool = False  # an op returned a number to Python (.item()): data may steer ops
 
     @functools.cached_property
     def leaves(self) -> frozenset[int]:

@@ -245,12 +245,33 @@ def test_profiling_and_sampling_come_before_the_cadence() -> None:
 
 def _meterings(schedule: StepSchedule, key: tuple[int, ...], steps: int) -> str:
     """Which of ``steps`` planned steps of bucket ``key`` are metered (m) and which not (-)."""
-    marks = ""
+    return _planned(schedule, key, steps)[0]
+
+
+def _planned(schedule: StepSchedule, key: tuple[int, ...], steps: int) -> tuple[str, str]:
+    """Which of ``steps`` planned steps of bucket ``key`` are metered (m) and which not (-),
+    and which record every block (r) and which may run blocks in steady state (-)."""
+    metered_marks = recorded_marks = ""
     for _ in range(steps):
         metered = schedule.metered(PLANNED, key, profiled=0)
-        schedule.planned(key, metered)
-        marks += "m" if metered else "-"
-    return marks
+        recorded = schedule.records(PLANNED, key)
+        schedule.planned(key, metered, recorded)
+        metered_marks += "m" if metered else "-"
+        recorded_marks += "r" if recorded else "-"
+    return metered_marks, recorded_marks
+
+
+def test_planned_steps_record_every_block_one_in_meter_every_on_any_device() -> None:
+    """Recording compares each block's tape with the one its steady-state calls run from: a
+    bucket's first planned step and one in ``meter_every``, on accelerators too, where every
+    planned step is metered."""
+    for device in ("cpu", "cuda"):
+        schedule = StepSchedule(TapeSACConfig(memory_limit=0.5, meter_every=3), device)
+        assert _planned(schedule, (3,), 7)[1] == "r--r--r"
+        assert _planned(schedule, (4,), 2)[1] == "r-"
+        schedule.forget_plan((3,))
+        assert _planned(schedule, (3,), 2)[1] == "r-"
+    assert not any(schedule.records(m, (3,)) for m in (WARMUP, PROFILE, SAMPLE, CONTROL, FULL))
 
 
 def test_planned_steps_are_metered_every_one_on_accelerators_one_in_meter_every_on_cpu() -> None:

@@ -5,7 +5,9 @@ where the signature or the ops change, and never replaying a stale tape."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +15,9 @@ from support import assert_bitwise, assert_replayed_as_predicted, step, tiny_lm
 
 import tapesac_core
 from examples.models import DecoderLayer, MoEDecoderLayer
+from tapesac_core.block import PLAIN
+from tapesac_core.profile import RegionProfile, ReplayWall, with_forward_paths
+from tapesac_core.solve import full_recompute_extra, region_menus
 from tapesac_core.steady import Recorded
 
 STEPS = 3  # a first call records; the later ones run in steady state
@@ -327,3 +332,56 @@ def test_the_controller_records_measuring_and_verifying_steps_and_runs_steady_be
         ("planned", 4),
         ("planned", 0),
     ]
+
+
+def _profile(recording_overhead: float) -> RegionProfile:
+    return RegionProfile(
+        region="r",
+        tape=SimpleNamespace(fingerprint="seq"),
+        tokens=10,
+        node_time={0: 1.0},
+        forward_time={0: 0.5, 1: 1.5},
+        shares_reference=(True,),
+        recording_overhead=recording_overhead,
+    )
+
+
+def test_a_blocks_forward_overhead_is_priced_by_the_paths_its_region_took() -> None:
+    profile = _profile(recording_overhead=0.5)
+    walls = [
+        # steady at 10 tokens: 2.0 s of ops, 0.1 s over; at 5 tokens: 1.0 s of ops, 0.3 s over
+        ReplayWall("seq", (), 0.0, 10, steady=True, forward_seconds=2.1),
+        ReplayWall("seq", (), 0.0, 5, steady=True, forward_seconds=1.3),
+        ReplayWall("seq", (), 0.0, 10, steady=True, forward_seconds=2.2),
+        ReplayWall("seq", (), 0.0, 10, steady=False),
+        ReplayWall("other", (), 0.0, 10, steady=True, forward_seconds=99.0),
+    ]
+    priced = with_forward_paths(profile, walls)
+    assert priced.steady_share == 3 / 4
+    assert priced.steady_overhead == pytest.approx(0.2)  # the median excess
+    assert priced.forward_overhead == pytest.approx(3 / 4 * 0.2 + 1 / 4 * 0.5)
+    assert with_forward_paths(priced, walls) is priced
+    assert with_forward_paths(profile, []) is profile
+    assert profile.forward_overhead == 0.5  # nothing seen: every block recorded
+
+
+def test_full_checkpointing_and_plain_blocks_are_priced_without_the_forward_overhead() -> None:
+    _, model = _lm()
+    controller = tapesac_core.Controller(model, 0.0, warmup_steps=1, profile_steps=1)
+    ids = _ids()
+    for _ in range(3):
+        with controller.step(tokens=ids.numel()):
+            model.loss(ids).backward()
+    profile = controller.profiles["DecoderLayer"]
+    tokens = {"DecoderLayer": profile.tokens}
+    steady = dataclasses.replace(profile, steady_share=1.0, steady_overhead=0.25)
+    recorded = dataclasses.replace(profile, steady_share=0.0, recording_overhead=1.0)
+    extra = {
+        name: full_recompute_extra({"DecoderLayer": p}, tokens)
+        for name, p in (("steady", steady), ("recorded", recorded))
+    }
+    assert extra["recorded"] == pytest.approx(extra["steady"] - profile.blocks * 0.75)
+    for p in (steady, recorded):
+        points = p.frontier(24, 12)
+        menu = region_menus({"r": p}, {"r": points}, {"r": p.tokens}, {"r": (PLAIN,)})["r"]
+        assert menu.gains[-1] == pytest.approx(points[0].time + p.forward_overhead)

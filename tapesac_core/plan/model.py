@@ -7,16 +7,25 @@ is always taken together with the always-available values (leaves and S0).
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from .bits import bits, members
+
+
+class ValueNameLike(Protocol):
+    """What a value name must be: hashable, and ordered among the names of one save set."""
+
+    def __hash__(self) -> int: ...
+
+    def __lt__(self, other: Any, /) -> bool: ...
+
 
 # How a graph names its values (save sets are reported by name): strings in graphs built by
 # hand (``Graph``), ``coords.ValueName`` in a recorded tape's (``tape_graph.graph_of``). Names
 # are sorted to break ties between equal save sets.
-N = TypeVar("N", bound=Hashable)
+N = TypeVar("N", bound=ValueNameLike)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +44,9 @@ class PlanGraph(Generic[N]):
     value_names: tuple[N, ...]
     demand: frozenset[int]
     available: frozenset[int]
+    # The values a plan may keep (None: any): a block run in steady state holds only values on
+    # storages autograd saves or a submodule returns.
+    savable: frozenset[int] | None = None
     # Derived, so that closures are bit operations: the producer node of each value (-1:
     # none); each node's deps and outputs as value bitsets; each value's readers and each
     # node's deps' producers as node bitsets; the values and storages kept anyway.
@@ -236,11 +248,13 @@ def block_time(graph: PlanGraph, saved: Iterable[int]) -> float:
 def candidates(graph: PlanGraph) -> list[frozenset[int]]:
     """What may be saved: each candidate value, the candidate outputs of a multi-output
     node together, and the candidate values sharing one storage together."""
-    free = graph.available_bits
+    free, savable = graph.available_bits, graph.savable
     values = [
         v
         for v in range(len(graph.value_names))
-        if not free >> v & 1 and graph.value_storage[v] not in graph.held_storages
+        if not free >> v & 1
+        and graph.value_storage[v] not in graph.held_storages
+        and (savable is None or v in savable)
     ]
     by_storage: dict[int, list[int]] = {}
     for v in values:

@@ -25,8 +25,11 @@ class TapeGraph(PlanGraph[ValueName]):
     token_independent: frozenset[int]  # values whose size does not grow with tokens
 
 
-def graph_of(tape: Any, node_time: Mapping[int, float]) -> TapeGraph:
-    """The planner's model of ``tape``: node times in seconds (nodes without a time cost 0).
+def graph_of(
+    tape: Any, node_time: Mapping[int, float], savable: frozenset[int] | None = None
+) -> TapeGraph:
+    """The planner's model of ``tape``: node times in seconds (nodes without a time cost 0);
+    ``savable``: the values a plan may keep (None: any).
 
     Nodes that must-only replay never runs have no measured time; no save set makes them run.
     Storages are counted per (storage, epoch): a value kept from before an in-place write into
@@ -51,6 +54,7 @@ def graph_of(tape: Any, node_time: Mapping[int, float]) -> TapeGraph:
         value_names=names,
         demand=frozenset(tape.demand),
         available=frozenset(tape.always_available),
+        savable=savable,
         anchors=tuple(tape.anchor(v.vid) for v in tape.values),
         module_digests=dict(tape.module_fingerprints),
         token_independent=tape.token_independent,
