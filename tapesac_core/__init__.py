@@ -9,7 +9,29 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # What __getattr__ loads, spelled out for type checkers: keep in step with _EXPORTS.
+    from .block import PLAIN, TORCH_CHECKPOINT, BlockTrace
+    from .checkpoint import (
+        BlockConfig,
+        block_config,
+        checkpoint,
+        checkpoint_module,
+        checkpoint_modules,
+        record,
+        trace,
+        use_plan,
+    )
+    from .config import MemoryLimit, TapeSACConfig, parse_memory_limit
+    from .controller import Controller
+    from .errors import TapeSACError
+    from .kernels import register_kernel
+    from .memory import MemoryReading, memory_meter, profile_memory
+    from .plan.plan import Plan
+    from .step_report import StepMode, StepReport
+    from .tape import Coord, Tape
 
 # The module each public name comes from.
 _EXPORTS = {

@@ -9,7 +9,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # What __getattr__ loads, spelled out for type checkers: keep in step with _EXPORTS.
+    from .accelerate import TapeSACAccelerator, TapeSACPlugin
+    from .callback import TapeSACCallback
+    from .strategy import TapeSACFSDPStrategy
+    from .trainer import TapeSACTrainerCallback
 
 # Public name: its module, the extra that installs what it needs, and those libraries (an extra
 # named after its library needs no list).
