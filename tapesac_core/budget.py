@@ -65,12 +65,12 @@ class MemoryBudget:
 
     def limit_bytes(self) -> int:
         """The memory limit in bytes on this device (or host, on CPU)."""
-        return self.config.memory_limit.of(self.total())
+        return self.config.parsed_memory_limit.of(self.total())
 
     def margin_bytes(self) -> float:
         """The safety reserve: a share of the device's memory, or of the limit when it is
         absolute."""
-        limit, total = self.config.memory_limit, self.total()
+        limit, total = self.config.parsed_memory_limit, self.total()
         return self.config.margin * (total if limit.fraction is not None else limit.of(total))
 
     def capacity(self, memory: MemoryModel) -> int:
@@ -135,7 +135,7 @@ class MemoryBudget:
         if self._said_unfit:
             return
         self._said_unfit = True
-        if self.config.memory_limit.must_only:
+        if self.config.parsed_memory_limit.must_only:
             logger.info(
                 "TapeSAC: memory_limit is 0: every step runs must-only (nothing saved beyond "
                 "what backward must keep)"
@@ -216,7 +216,7 @@ class MemoryBudget:
         Allocation retries mean the device ran out, whatever the footprint. A limit of 0 asked
         for must-only: there is no plan to shrink.
         """
-        if self.config.memory_limit.must_only:
+        if self.config.parsed_memory_limit.must_only:
             return 0
         limit = self.limit_bytes()
         used = step_footprint(reading, memory.measured_fragmentation)

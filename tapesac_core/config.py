@@ -39,14 +39,16 @@ class MemoryLimit:
 
     def of(self, device_bytes: int) -> int:
         """The limit in bytes on a device (or host) with ``device_bytes`` of memory."""
-        return self.bytes if self.bytes is not None else int(self.fraction * device_bytes)
+        if self.bytes is not None:
+            return self.bytes
+        assert self.fraction is not None  # __post_init__: one of the two is set
+        return int(self.fraction * device_bytes)
 
     def __str__(self) -> str:
-        return (
-            f"{self.fraction:g} of device memory"
-            if self.fraction is not None
-            else format_bytes(self.bytes)
-        )
+        if self.fraction is not None:
+            return f"{self.fraction:g} of device memory"
+        assert self.bytes is not None  # __post_init__: one of the two is set
+        return format_bytes(self.bytes)
 
 
 def parse_memory_limit(value: float | int | str | MemoryLimit) -> MemoryLimit:
@@ -255,6 +257,13 @@ class TapeSACConfig:
             "error to the memory model and solves again"
         },
     )
+
+    @property
+    def parsed_memory_limit(self) -> MemoryLimit:
+        """``memory_limit`` in the one form ``__post_init__`` leaves it in."""
+        limit = self.memory_limit
+        assert isinstance(limit, MemoryLimit)  # __post_init__ parsed it
+        return limit
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_limit", parse_memory_limit(self.memory_limit))

@@ -161,7 +161,7 @@ class LiveTensorMeter:
         if ref is not None and ref() is storage:
             return
         size = storage.nbytes()
-        self._refs[key] = weakref.ref(storage, lambda _, k=key, n=size: self._freed(k, n))
+        self._refs[key] = weakref.ref(storage, lambda _: self._freed(key, size))
         self.current += size
         self.peak = max(self.peak, self.current)
         self.segment_peak = max(self.segment_peak, self.current)

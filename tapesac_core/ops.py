@@ -201,6 +201,6 @@ def rebuild_output(
     )
     if packet in _FILL_FROM_ARG:
         out.fill_(node_args[_FILL_FROM_ARG[packet]])
-    elif _FILL[packet] is not None:
-        out.fill_(_FILL[packet])
+    elif (fill := _FILL[packet]) is not None:
+        out.fill_(fill)
     return out

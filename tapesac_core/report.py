@@ -185,7 +185,8 @@ def _from_tensorboard(path: Path) -> RunReport:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util.tensor_util import make_ndarray
 
-    runs = {}  # a logger folder may hold several runs (version_0, version_1, ...): the newest
+    # A logger folder may hold several runs (version_0, version_1, ...): the newest.
+    runs: dict[Path, list[Path]] = {}
     for events in path.rglob("events.out.tfevents.*"):
         runs.setdefault(events.parent, []).append(events)
     newest = max(runs, key=lambda d: max(e.stat().st_mtime for e in runs[d]))
@@ -223,7 +224,7 @@ def _from_tensorboard(path: Path) -> RunReport:
 
 
 def _measured_line(b: BucketReport) -> str:
-    if b.measured_speedup is None:
+    if b.planned is None or b.must_only is None:  # no measured_speedup
         return (
             f"measured: no speedup yet ({'no' if b.planned is None else b.planned.count} "
             f"planned and {'no' if b.must_only is None else b.must_only.count} must-only "

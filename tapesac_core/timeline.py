@@ -71,6 +71,7 @@ class StepProbe:
                     groups[e.block][-1] if same and groups[e.block] else len(groups[e.block])
                 )
                 last[e.block] = e.node
+                assert e.vid is not None  # BlockProbe.unpack gives every unpack its value's id
                 unpacks[e.block].append(e.vid)
         per_region: dict[str, int] = {}
         blocks = []

@@ -32,10 +32,11 @@ class TokenBuckets:
                     f"model's are {self.regions}"
                 )
             default = tokens.get(ALL)
-            missing = [r for r in self.regions if r not in tokens and default is None]
+            given = {r: tokens.get(r, default) for r in self.regions}
+            missing = [r for r, n in given.items() if n is None]
             if missing:
                 raise TapeSACError(f"tokens miss region types {missing}: give every region's count")
-            per = {r: int(tokens.get(r, default)) for r in self.regions}
+            per = {r: int(n) for r, n in given.items() if n is not None}
         else:
             per = {r: int(tokens) for r in self.regions}
         if any(n < 1 for n in per.values()):

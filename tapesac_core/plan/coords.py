@@ -29,11 +29,12 @@ class Anchor(NamedTuple):
     j: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Unproduced:
     """A value no recorded node produced, which no coordinate names: a block input (``name``: its
     position), a parameter or buffer (its name) or an external tensor. ``vid`` keeps two such
-    values apart."""
+    values apart. Ordered, as the planner's value names are (``model.ValueNameLike``), though
+    save sets never hold one."""
 
     kind: str
     name: str | int | None

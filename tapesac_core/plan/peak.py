@@ -164,7 +164,7 @@ def timeline_of(
     started = [math.inf] * n
     released = [math.inf] * n
     unpack_pos: Counter[int] = Counter()
-    positions = []  # per event, the position of its unpack within its block
+    positions: list[int | None] = []  # per event, the position of its unpack within its block
     for k, e in enumerate(events):
         if e.block >= n:
             raise ValueError(f"event {e} names block {e.block}, the step had {n}")

@@ -17,7 +17,8 @@ def polish(graph: PlanGraph, units: Units, built: list[Built]) -> tuple[list[Bui
     adds: dropping a storage, or swapping it for one the revived nodes touch, finds what
     the beam passed by.
     """
-    best, done, tried = front(built), set(), 0
+    best, tried = front(built), 0
+    done: set[tuple[int, ...]] = set()
     while fresh := [b for b in best if b[2] not in done]:
         done.update(b[2] for b in fresh)
         for b in fresh:
