@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
+import os
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -385,3 +388,55 @@ def test_full_checkpointing_and_plain_blocks_are_priced_without_the_forward_over
         points = p.frontier(24, 12)
         menu = region_menus({"r": p}, {"r": points}, {"r": p.tokens}, {"r": (PLAIN,)})["r"]
         assert menu.gains[-1] == pytest.approx(points[0].time + p.forward_overhead)
+
+
+def _fsdp2_rank(rank: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(model: torch.nn.Module) -> torch.nn.Module:
+        for layer in model.layers:
+            fully_shard(layer)
+        return fully_shard(model)
+
+    def one_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple:
+        loss = model.loss(ids)
+        loss.backward()
+        grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank, world_size=2
+    )
+    try:
+        reference, model = _lm(num_layers=4)
+        reference, model = sharded(reference), sharded(model)
+        plan = {"DecoderLayer": [set(), {("aten.mm.default", 0, 0)}, set(), set()]}
+        results = []
+        for step_index in range(4):
+            ids = _ids(24 + 8 * rank, seed=step_index)
+            ref_loss, ref_grads = one_step(reference, ids)
+            with tapesac_core.trace() as blocks, tapesac_core.use_plan(plan):
+                loss, grads = one_step(model, ids)
+            differ = [n for n in ref_grads if not torch.equal(ref_grads[n], grads[n])]
+            results.append(
+                dict(equal=torch.equal(ref_loss, loss) and not differ, steady=_paths(blocks))
+            )
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_steady_state_under_fsdp2_is_bitwise_on_two_ranks() -> None:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_fsdp2_rank, args=(out,), nprocs=2, join=True)
+        ranks = [json.loads(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(2)]
+    first = str(Recorded.FIRST_CALL)
+    for results in ranks:
+        assert [r["equal"] for r in results] == [True] * 4
+        assert [r["steady"] for r in results] == [[first] * 4] + [["steady"] * 4] * 3
