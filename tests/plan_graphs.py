@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from tapesac_core.plan import Graph, PlanGraph, candidates
+from tapesac_core.plan import Graph, PlanGraph, Point, candidates
 
 WORKED_OPS = {
     "x1": (8, 10, []),
@@ -19,6 +19,17 @@ WORKED_OPS = {
 def worked_example() -> PlanGraph:
     """The five-op block of reference/worked-example.txt; backward reads x4 and x5."""
     return Graph(WORKED_OPS, {"x4", "x5"})
+
+
+# The worked example's exact frontier: (bytes saved, replay time left) of each optimal save set.
+WORKED_FRONTIER = [
+    Point(bytes=0, time=23.0, saved=frozenset()),
+    Point(bytes=5, time=16.0, saved=frozenset({"x5"})),
+    Point(bytes=6, time=10.0, saved=frozenset({"x2"})),
+    Point(bytes=8, time=7.0, saved=frozenset({"x4"})),
+    Point(bytes=11, time=3.0, saved=frozenset({"x2", "x5"})),
+    Point(bytes=13, time=0.0, saved=frozenset({"x4", "x5"})),
+]
 
 
 @st.composite

@@ -1,4 +1,8 @@
-"""Helpers shared by the tests: reference runs, bitwise comparison, op counting."""
+"""Helpers shared by the tests: models and batches, a short controller schedule and an injected
+memory meter, reference runs, bitwise comparison, op counting, a sample plan.
+
+Tests import from here (or from the other helper modules: blocks.py, plan_graphs.py, launch.py,
+fused_kernel.py, lightning_app.py), never from another test file."""
 
 from __future__ import annotations
 
@@ -14,6 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tapesac_core
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
+from tapesac_core.controller import Controller
+from tapesac_core.memory import MemoryReading
+from tapesac_core.plan.plan import Plan, RegionPlan, Saved
+from tapesac_core.units import GiB, MiB
 
 
 class OpCounter(TorchDispatchMode):
@@ -117,11 +125,107 @@ def assert_replayed_as_predicted(blocks: list[tapesac_core.BlockTrace]) -> None:
 
 
 def tiny_lm(**overrides: Any) -> DecoderLM:
+    """The example decoder (``ModelConfig(**overrides)``), its weights drawn from seed 0."""
     torch.manual_seed(0)
     return DecoderLM(ModelConfig(**overrides))
 
 
 BLOCK_CLASSES = {DecoderLayer, MoEDecoderLayer}
+
+# The small decoder of the controller tests: 3 layers of width 32 (2 heads of 16).
+SMALL = dict(
+    hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64, num_layers=3
+)
+
+# A short controller schedule: one warm-up, one profiling and one must-only control step, then
+# planned steps with no further control steps. Vary it with ``SHORT_SCHEDULE | {...}``.
+SHORT_SCHEDULE = dict(warmup_steps=1, profile_steps=1, control_steps=1, control_every=0)
+
+
+def checkpointed_lm(blocks: Any = (DecoderLayer,), **overrides: Any) -> DecoderLM:
+    """``tiny_lm(**overrides)`` with TapeSAC on its ``blocks`` classes."""
+    model = tiny_lm(**overrides)
+    tapesac_core.checkpoint_modules(model, set(blocks))
+    return model
+
+
+def token_ids(seed: int, batch: int = 2, seq: int = 32, vocab: int = 256) -> torch.Tensor:
+    """A ``batch`` x ``seq`` batch of random token ids, the same for the same ``seed``."""
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+class FakeMeter:
+    """A memory meter the test controls: the must-only peak grows linearly with tokens;
+    ``extra`` adds to what a step reads."""
+
+    def __init__(self, base: int = 64 * MiB, per_token: int = 4096) -> None:
+        self.base, self.per_token, self.tokens, self.extra = base, per_token, 0, 0
+        self.readings = 0
+
+    def __call__(self) -> FakeMeter:
+        return self
+
+    def __enter__(self) -> FakeMeter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def reading(self) -> MemoryReading:
+        self.readings += 1
+        peak = self.base + self.per_token * self.tokens + self.extra
+        return MemoryReading(
+            peak=peak, current=self.base, reserved=peak, total=64 * GiB, free=32 * GiB
+        )
+
+
+def setup_controller(
+    limit: Any, meter: Any = None, **settings: Any
+) -> tuple[DecoderLM, Any, Controller]:
+    """The ``SMALL`` decoder checkpointed, its meter (a ``FakeMeter`` unless given) and a
+    controller on the short schedule (``settings`` change it)."""
+    model = checkpointed_lm(**SMALL)
+    meter = meter or FakeMeter()
+    controller = Controller(model, limit, meter=meter, **(SHORT_SCHEDULE | settings))
+    return model, meter, controller
+
+
+def run_step(model: DecoderLM, meter: Any, controller: Controller, seq: int, batch: int = 2):
+    """One controller step on a ``batch`` x ``seq`` batch (seeded by ``seq``); its report."""
+    ids = token_ids(seq, batch, seq)
+    meter.tokens = ids.numel()
+    with controller.step(tokens=ids.numel()) as report:
+        model.loss(ids).backward()
+    model.zero_grad(set_to_none=True)
+    return report
+
+
+def sample_plan() -> Plan:
+    """A solved plan as data: one region of two blocks, the second saving one matmul output."""
+    saved = (
+        Saved(
+            coord=("aten.mm.default", 0, 0),
+            module="self_attn.q_proj",
+            bytes=3 * MiB,
+            time_removed=0.0021,
+        ),
+    )
+    region = RegionPlan(
+        sequence="abc-90",
+        tokens=4096,
+        saved=saved,
+        blocks=(frozenset(), frozenset({("aten.mm.default", 0, 0)})),
+        block_bytes=(0, 3 * MiB),
+    )
+    return Plan(
+        model="DecoderLayer",
+        regions={"DecoderLayer": region},
+        capacity=20 * GiB,
+        base=12 * GiB,
+        saved_bytes=3 * MiB,
+        predicted_speedup=1.08,
+        predicted_speedup_vs_full=1.21,
+    )
 
 
 class VirtualClock(TorchDispatchMode):

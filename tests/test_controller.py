@@ -8,39 +8,16 @@ import weakref
 
 import pytest
 import torch
+from support import SHORT_SCHEDULE, SMALL, FakeMeter, run_step, setup_controller, tiny_lm
 
 import tapesac_core
-from examples.models import DecoderLayer, DecoderLM, ModelConfig
+from examples.models import DecoderLayer
 from tapesac_core.controller import CONTROL, FULL, PLANNED, PROFILE, SAMPLE, WARMUP, Controller
 from tapesac_core.memory import MemoryReading
 from tapesac_core.plan import bucket, upper_edge
 from tapesac_core.plan.plan import PLAN_VERSION
 from tapesac_core.steady import steady_cache
 from tapesac_core.units import GiB, KiB, MiB
-
-
-class FakeMeter:
-    """The must-only peak grows linearly with tokens; ``extra`` adds to what a step reads."""
-
-    def __init__(self, base: int = 64 * MiB, per_token: int = 4096) -> None:
-        self.base, self.per_token, self.tokens, self.extra = base, per_token, 0, 0
-        self.readings = 0
-
-    def __call__(self) -> "FakeMeter":
-        return self
-
-    def __enter__(self) -> "FakeMeter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def reading(self) -> MemoryReading:
-        self.readings += 1
-        peak = self.base + self.per_token * self.tokens + self.extra
-        return MemoryReading(
-            peak=peak, current=self.base, reserved=peak, total=64 * GiB, free=32 * GiB
-        )
 
 
 class CachingAllocatorMeter(FakeMeter):
@@ -66,41 +43,13 @@ class CachingAllocatorMeter(FakeMeter):
         )
 
 
-def _setup(limit, meter=None, **settings):
-    torch.manual_seed(0)
-    model = DecoderLM(
-        ModelConfig(
-            hidden_size=32,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            intermediate_size=64,
-            num_layers=3,
-        )
-    )
-    tapesac_core.checkpoint_modules(model, {DecoderLayer})
-    meter = meter or FakeMeter()
-    settings = dict(warmup_steps=1, profile_steps=1, control_steps=1, control_every=0) | settings
-    controller = Controller(model, limit, meter=meter, **settings)
-    return model, meter, controller
-
-
-def _run(model, meter, controller, seq: int, batch: int = 2):
-    ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seq))
-    meter.tokens = ids.numel()
-    with controller.step(tokens=ids.numel()) as report:
-        model.loss(ids).backward()
-    model.zero_grad(set_to_none=True)
-    return report
-
-
 def test_the_controller_keeps_no_tape_of_a_finished_step() -> None:
     """The last report stays on the controller for logs, without its block traces: the tapes
     go when the caller drops its report, but those the blocks' steady-state caches keep, which
     hold no random generator state (blocks with random ops are not cached)."""
-    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB)
     for _ in range(4):
-        report = _run(model, meter, c, 32)
+        report = run_step(model, meter, c, 32)
     assert report.mode == PLANNED and len(report.block_traces) == 3
     tapes = [weakref.ref(t.tape) for t in report.block_traces]
     assert c.report.plan is report.plan and c.report.block_traces == []
@@ -112,8 +61,8 @@ def test_the_controller_keeps_no_tape_of_a_finished_step() -> None:
 
 
 def test_state_machine_warmup_profile_control_then_one_plan_per_bucket() -> None:
-    model, meter, c = _setup(64 * MiB + 2 * MiB)
-    modes = [_run(model, meter, c, 32).mode for _ in range(5)]
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB)
+    modes = [run_step(model, meter, c, 32).mode for _ in range(5)]
     assert modes == [WARMUP, PROFILE, CONTROL, PLANNED, PLANNED]
     assert len(c.plans) == 1
     (key,) = c.plans
@@ -124,7 +73,7 @@ def test_state_machine_warmup_profile_control_then_one_plan_per_bucket() -> None
     assert not c.plans[key].empty
     # Another count in the same bucket reuses the plan: no new solve, no new memory sample.
     readings = meter.readings
-    report = _run(
+    report = run_step(
         model, meter, c, 33
     )  # 66 tokens: bucket of 64 when 1.1**q <= 64 < 66 < 1.1**(q+1)
     assert bucket(66, 1.1) == q and report.mode == PLANNED and len(c.plans) == 1
@@ -132,51 +81,51 @@ def test_state_machine_warmup_profile_control_then_one_plan_per_bucket() -> None
 
 
 def test_a_new_bucket_gets_its_own_plan_solved_at_its_upper_edge() -> None:
-    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB)
     for _ in range(4):
-        _run(model, meter, c, 32)
-    report = _run(model, meter, c, 36)  # 72 tokens: 12.5% more, a new bucket, no new sample
+        run_step(model, meter, c, 32)
+    report = run_step(model, meter, c, 36)  # 72 tokens: 12.5% more, a new bucket, no new sample
     assert report.mode == CONTROL
-    report = _run(model, meter, c, 36)
+    report = run_step(model, meter, c, 36)
     assert report.mode == PLANNED and len(c.plans) == 2
     assert report.plan.regions["DecoderLayer"].tokens == upper_edge(bucket(72, 1.1), 1.1)
 
 
 def test_memory_is_sampled_again_when_tokens_move_more_than_15_percent() -> None:
-    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB)
     for _ in range(4):
-        _run(model, meter, c, 32)
+        run_step(model, meter, c, 32)
     assert [s.tokens for s in c.memory.samples] == [64]
-    assert _run(model, meter, c, 36).mode == CONTROL  # 72 tokens: within 15%
-    assert _run(model, meter, c, 38).mode == SAMPLE  # 76 tokens: 18.75% away
+    assert run_step(model, meter, c, 36).mode == CONTROL  # 72 tokens: within 15%
+    assert run_step(model, meter, c, 38).mode == SAMPLE  # 76 tokens: 18.75% away
     assert [s.tokens for s in c.memory.samples] == [64, 76]
 
 
 def test_a_region_is_profiled_again_when_its_tokens_exceed_twice_the_reference() -> None:
-    model, meter, c = _setup(64 * MiB + 8 * MiB)
+    model, meter, c = setup_controller(64 * MiB + 8 * MiB)
     for _ in range(4):
-        _run(model, meter, c, 32)
+        run_step(model, meter, c, 32)
     assert c.profiles["DecoderLayer"].tokens == 64
-    report = _run(model, meter, c, 66)  # 132 tokens > 2 x 64
+    report = run_step(model, meter, c, 66)  # 132 tokens > 2 x 64
     assert report.mode == PROFILE
     assert c.profiles["DecoderLayer"].tokens == 132
 
 
 def test_fragmentation_near_the_limit_shrinks_the_plan(caplog) -> None:
     limit = 64 * MiB + 2 * MiB
-    model, meter, c = _setup(limit)
+    model, meter, c = setup_controller(limit)
     for _ in range(3):
-        _run(model, meter, c, 32)
+        run_step(model, meter, c, 32)
     meter.extra = (
         int(0.995 * limit) - meter.base - meter.per_token * 64
     )  # the planned step reads 99.5%
     with caplog.at_level(logging.WARNING):
-        first = _run(model, meter, c, 32)
+        first = run_step(model, meter, c, 32)
     assert first.mode == PLANNED and first.peak == int(0.995 * limit)
     first = first.plan
     assert "raising the fragmentation estimate" in caplog.text
     meter.extra = 0
-    second = _run(model, meter, c, 32).plan
+    second = run_step(model, meter, c, 32).plan
     assert c.memory.extra_fragmentation > 0
     assert second.saved_bytes < first.saved_bytes
     assert second.capacity < first.capacity
@@ -184,12 +133,12 @@ def test_fragmentation_near_the_limit_shrinks_the_plan(caplog) -> None:
 
 def _near_limit_step(limit, caplog):
     """Three steps to the first plan, then one planned step whose peak reads 99.5% of the limit."""
-    model, meter, c = _setup(limit, CachingAllocatorMeter())
+    model, meter, c = setup_controller(limit, CachingAllocatorMeter())
     for _ in range(3):
-        _run(model, meter, c, 32)
+        run_step(model, meter, c, 32)
     meter.extra = int(0.995 * limit) - meter.base - meter.per_token * 64
     with caplog.at_level(logging.WARNING):
-        near = _run(model, meter, c, 32)
+        near = run_step(model, meter, c, 32)
     meter.extra = 0
     assert near.mode == PLANNED and near.plan.saved_bytes > 0
     return model, meter, c, near.plan
@@ -205,7 +154,7 @@ def test_reserved_memory_left_by_one_near_limit_step_raises_once_and_leaves_the_
     limit = 8 * MiB + 650 * KiB
     model, meter, c, before = _near_limit_step(limit, caplog)
     with caplog.at_level(logging.WARNING):
-        plans = [_run(model, meter, c, 32).plan for _ in range(6)]
+        plans = [run_step(model, meter, c, 32).plan for _ in range(6)]
     assert meter.reserved == int(0.995 * limit)  # the allocator still holds the near-limit peak
     assert _raises(caplog) == 1
     assert c.memory.extra_fragmentation == max(
@@ -217,13 +166,13 @@ def test_reserved_memory_left_by_one_near_limit_step_raises_once_and_leaves_the_
 
 def test_allocation_retries_raise_once_although_the_peak_is_below_the_limit(caplog) -> None:
     limit = 8 * MiB + 650 * KiB
-    model, meter, c = _setup(limit, CachingAllocatorMeter())
+    model, meter, c = setup_controller(limit, CachingAllocatorMeter())
     for _ in range(3):
-        _run(model, meter, c, 32)
+        run_step(model, meter, c, 32)
     meter.retries = 3  # the first planned step: the allocator freed its cache and retried
     with caplog.at_level(logging.WARNING):
-        first = _run(model, meter, c, 32)
-        plans = [_run(model, meter, c, 32).plan for _ in range(4)]
+        first = run_step(model, meter, c, 32)
+        plans = [run_step(model, meter, c, 32).plan for _ in range(4)]
     assert first.mode == PLANNED and first.peak < 0.99 * limit
     assert _raises(caplog) == 1
     assert c.memory.extra_fragmentation == int(0.01 * limit)
@@ -236,20 +185,20 @@ def test_a_sample_step_that_fits_in_memory_reserved_earlier_measures_no_fragment
 ) -> None:
     limit = 8 * MiB + 650 * KiB
     model, meter, c, _ = _near_limit_step(limit, caplog)
-    assert _run(model, meter, c, 38).mode == SAMPLE  # 76 tokens: a new memory sample
+    assert run_step(model, meter, c, 38).mode == SAMPLE  # 76 tokens: a new memory sample
     assert meter.reserved > meter.base + meter.per_token * 76
     assert c.memory.measured_fragmentation == 0
 
 
 def _planned(limit, **settings):
     """The plan of the first planned step, with node times fixed at 1 ms (no timing noise)."""
-    model, meter, c = _setup(limit, **settings)
+    model, meter, c = setup_controller(limit, **settings)
     for _ in range(2):
-        _run(model, meter, c, 32)
+        run_step(model, meter, c, 32)
     for profile in c.profiles.values():
         profile.node_time = dict.fromkeys(profile.node_time, 1e-3)
     for _ in range(2):
-        report = _run(model, meter, c, 32)
+        report = run_step(model, meter, c, 32)
     assert report.mode == PLANNED
     return report.plan
 
@@ -264,10 +213,12 @@ def test_later_blocks_get_the_larger_sets() -> None:
 
 
 def test_the_must_only_peak_above_the_limit_warns_once_and_runs_must_only(caplog) -> None:
-    model, meter, c = _setup(64 * MiB)  # the fake must-only peak is 64 MiB + tokens x 4 KiB
+    model, meter, c = setup_controller(
+        64 * MiB
+    )  # the fake must-only peak is 64 MiB + tokens x 4 KiB
     with caplog.at_level(logging.WARNING):
         for _ in range(5):
-            report = _run(model, meter, c, 32)
+            report = run_step(model, meter, c, 32)
     assert report.mode == PLANNED and report.plan.empty and report.saved_bytes == 0
     assert caplog.text.count("no plan fits") == 1
     # At the bucket's edge, 66 tokens: 64 MiB + 66 x 4 KiB; the capacity is the limit less 2%.
@@ -279,15 +230,17 @@ def test_the_must_only_peak_above_the_limit_warns_once_and_runs_must_only(caplog
 
 
 def test_state_dict_round_trip_reuses_plans_without_profiling() -> None:
-    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB)
     for _ in range(4):
-        _run(model, meter, c, 32)
+        run_step(model, meter, c, 32)
     state = c.state_dict()
-    model2, meter2, fresh = _setup(64 * MiB + 2 * MiB)
+    model2, meter2, fresh = setup_controller(64 * MiB + 2 * MiB)
     fresh.load_state_dict(state)
     assert fresh.plans.keys() == c.plans.keys()
     assert fresh.plans[(bucket(64, 1.1),)] == c.plans[(bucket(64, 1.1),)]
-    report = _run(model2, meter2, fresh, 32)  # resumed: no warm-up, no profiling, the stored plan
+    report = run_step(
+        model2, meter2, fresh, 32
+    )  # resumed: no warm-up, no profiling, the stored plan
     assert report.mode == PLANNED and report.plan == c.plans[(bucket(64, 1.1),)]
     assert not fresh.profiles  # nothing was profiled again
     with pytest.raises(tapesac_core.TapeSACError, match="another model"):
@@ -297,7 +250,7 @@ def test_state_dict_round_trip_reuses_plans_without_profiling() -> None:
 def test_full_checkpointing_control_steps_run_torch_checkpoint_on_every_block_and_record_none() -> (
     None
 ):
-    model, meter, c = _setup(64 * MiB + 2 * MiB, full_control_every=3)
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB, full_control_every=3)
     counted = []
     original = torch.utils.checkpoint.checkpoint
 
@@ -307,7 +260,7 @@ def test_full_checkpointing_control_steps_run_torch_checkpoint_on_every_block_an
 
     torch.utils.checkpoint.checkpoint = counting
     try:
-        reports = [_run(model, meter, c, seq=16) for _ in range(12)]
+        reports = [run_step(model, meter, c, seq=16) for _ in range(12)]
     finally:
         torch.utils.checkpoint.checkpoint = original
     modes = [r.mode for r in reports]
@@ -347,8 +300,8 @@ def test_full_checkpointing_control_steps_run_torch_checkpoint_on_every_block_an
 
 
 def test_measured_reason_names_what_is_missing() -> None:
-    model, meter, c = _setup(64 * MiB + 2 * MiB)
-    first = _run(model, meter, c, seq=16)
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB)
+    first = run_step(model, meter, c, seq=16)
     assert first.measured_speedup is None
     assert first.measured_reason == (
         "no plan yet for this token bucket (warming up, profiling or sampling memory)"
@@ -363,9 +316,9 @@ def _micro_batches(seq: int = 32) -> list[torch.Tensor]:
 def test_several_micro_batches_in_one_step_are_an_error_saying_to_bracket_each() -> None:
     # Under Eq. 8: the peak-aware model plans several micro-batches in one step correctly
     # (tests/test_peak_sweep.py::test_two_micro_batches_in_one_step_the_second_starts_from_freed_memory).
-    model, meter, c = _setup(64 * MiB + 2 * MiB, memory_model="sum")
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB, memory_model="sum")
     for _ in range(4):
-        _run(model, meter, c, 32)
+        run_step(model, meter, c, 32)
     first, second = _micro_batches()
     with pytest.raises(
         tapesac_core.TapeSACError,
@@ -383,21 +336,11 @@ def test_several_micro_batches_in_one_step_are_an_error_saying_to_bracket_each()
 
 
 def test_gradient_accumulation_with_one_step_per_micro_batch_is_bitwise() -> None:
-    torch.manual_seed(0)
-    plain = DecoderLM(
-        ModelConfig(
-            hidden_size=32,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            intermediate_size=64,
-            num_layers=3,
-        )
-    )
-    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    plain = tiny_lm(**SMALL)
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB)
     model.load_state_dict(plain.state_dict())
     for _ in range(4):
-        _run(model, meter, c, 32)
+        run_step(model, meter, c, 32)
     modes = []
     for ids in _micro_batches():
         plain.loss(ids).backward()
@@ -411,13 +354,13 @@ def test_gradient_accumulation_with_one_step_per_micro_batch_is_bitwise() -> Non
 
 
 def test_a_zero_memory_limit_runs_must_only_in_planned_steps(caplog) -> None:
-    model, meter, c = _setup(0.0)
+    model, meter, c = setup_controller(0.0)
     with caplog.at_level(logging.INFO):
         for _ in range(2):
-            _run(model, meter, c, 32)
-        must_only = _run(model, meter, c, 32)  # a control step: must-only by definition
+            run_step(model, meter, c, 32)
+        must_only = run_step(model, meter, c, 32)  # a control step: must-only by definition
         assert must_only.mode == CONTROL
-        report = _run(model, meter, c, 32)
+        report = run_step(model, meter, c, 32)
     # Asked for, so said once at info level, never warned about.
     assert caplog.text.count("memory_limit is 0: every step runs must-only") == 1
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -428,8 +371,8 @@ def test_a_zero_memory_limit_runs_must_only_in_planned_steps(caplog) -> None:
 
 
 def test_a_control_step_runs_every_control_every_planned_steps() -> None:
-    model, meter, c = _setup(64 * MiB + 2 * MiB, control_every=3)
-    modes = [_run(model, meter, c, 32).mode for _ in range(11)]
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB, control_every=3)
+    modes = [run_step(model, meter, c, 32).mode for _ in range(11)]
     assert modes == [WARMUP, PROFILE, CONTROL] + [PLANNED] * 3 + [CONTROL] + [PLANNED] * 3 + [
         CONTROL
     ]
@@ -437,17 +380,7 @@ def test_a_control_step_runs_every_control_every_planned_steps() -> None:
 
 
 def test_secondary_regions_bucket_their_largest_count_so_far_with_their_own_factor() -> None:
-    torch.manual_seed(0)
-    model = DecoderLM(
-        ModelConfig(
-            hidden_size=32,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            intermediate_size=64,
-            num_layers=3,
-        )
-    )
+    model = tiny_lm(**SMALL)
     last = model.layers[2]
     tapesac_core.checkpoint_modules(
         model, {DecoderLayer}, regions=lambda m: "vision" if m is last else "text"
@@ -457,10 +390,7 @@ def test_secondary_regions_bucket_their_largest_count_so_far_with_their_own_fact
         model,
         64 * MiB + 2 * MiB,
         meter=meter,
-        warmup_steps=1,
-        profile_steps=1,
-        control_steps=1,
-        control_every=0,
+        **SHORT_SCHEDULE,
         secondary_regions={"vision"},
         secondary_bucket_factor=2.0,
     )
@@ -491,10 +421,10 @@ def test_secondary_regions_bucket_their_largest_count_so_far_with_their_own_fact
 def test_a_step_above_its_predicted_peak_adds_the_error_and_solves_again(caplog) -> None:
     # Capacity leaves about 1.9 MiB beside the must-only peak (64.25 MiB); the plan saves less.
     limit = int((64.25 + 1.91) * MiB / 0.98)
-    model, meter, c = _setup(limit, meter_every=1)  # every planned step metered
+    model, meter, c = setup_controller(limit, meter_every=1)  # every planned step metered
     for _ in range(3):
-        _run(model, meter, c, 32)
-    first = _run(model, meter, c, 32)
+        run_step(model, meter, c, 32)
+    first = run_step(model, meter, c, 32)
     edge = first.plan.regions["DecoderLayer"].tokens
     assert first.mode == PLANNED and first.predicted_peak == first.plan.peak_at_tokens(
         c.memory.base(64), 64 / edge
@@ -502,11 +432,11 @@ def test_a_step_above_its_predicted_peak_adds_the_error_and_solves_again(caplog)
     assert c.memory.model_error == 0 and first.plan.saved_bytes > 0
     meter.extra = 2 * MiB  # the model was wrong: the step measures 2 MiB more than before
     with caplog.at_level(logging.INFO):
-        checked = _run(model, meter, c, 32)
+        checked = run_step(model, meter, c, 32)
     error = checked.peak - checked.predicted_peak
     assert error > 0.02 * limit and "above the predicted" in caplog.text
     meter.extra = 0
-    again = _run(model, meter, c, 32)  # the error is applied at the next step (all ranks agree)
+    again = run_step(model, meter, c, 32)  # the error is applied at the next step (all ranks agree)
     assert c.memory.model_error == error
     # The error comes off the capacity (and the near-limit watch may take fragmentation off too).
     assert again.plan.capacity <= first.plan.capacity - error
@@ -514,28 +444,28 @@ def test_a_step_above_its_predicted_peak_adds_the_error_and_solves_again(caplog)
     # The same under-prediction again is what the correction already covers: it is not added a
     # second time (errors of one size adding up would shrink the plans step after step).
     meter.extra = 2 * MiB
-    repeated = _run(model, meter, c, 32)
+    repeated = run_step(model, meter, c, 32)
     meter.extra = 0
-    _run(model, meter, c, 32)
+    run_step(model, meter, c, 32)
     assert repeated.peak - repeated.predicted_peak > 0.02 * limit
     assert c.memory.model_error == error
 
 
 def test_without_peak_correction_the_error_is_only_reported() -> None:
     limit = int((64.25 + 1.91) * MiB / 0.98)
-    model, meter, c = _setup(limit, peak_correction=False)
+    model, meter, c = setup_controller(limit, peak_correction=False)
     for _ in range(3):
-        _run(model, meter, c, 32)
+        run_step(model, meter, c, 32)
     meter.extra = 2 * MiB
-    report = _run(model, meter, c, 32)
+    report = run_step(model, meter, c, 32)
     assert report.peak - report.predicted_peak > 0.02 * limit
     assert c.memory.model_error == 0 and c.plans
 
 
 def test_a_state_of_an_older_version_is_solved_again_with_an_info_log(caplog) -> None:
-    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB)
     for _ in range(4):
-        _run(model, meter, c, 32)
+        run_step(model, meter, c, 32)
     state = c.state_dict()
     assert state["version"] == 4
     old = {
@@ -545,22 +475,22 @@ def test_a_state_of_an_older_version_is_solved_again_with_an_info_log(caplog) ->
             k: json.dumps({**json.loads(v), "version": 1}) for k, v in state["plans"].items()
         },
     }
-    model2, meter2, fresh = _setup(64 * MiB + 2 * MiB)
+    model2, meter2, fresh = setup_controller(64 * MiB + 2 * MiB)
     with caplog.at_level(logging.INFO):
         fresh.load_state_dict(old)
     assert not fresh.plans and "state version 2" in caplog.text and "solved again" in caplog.text
-    modes = [_run(model2, meter2, fresh, 32).mode for _ in range(3)]
+    modes = [run_step(model2, meter2, fresh, 32).mode for _ in range(3)]
     assert modes == [PROFILE, PLANNED, PLANNED]  # profiled again, then the bucket is solved anew
     assert fresh.plan.version == PLAN_VERSION and fresh.plan.predicted_peak > 0
 
 
 def test_replan_under_a_new_limit_solves_each_bucket_again_from_the_same_profiles() -> None:
     # The fake must-only peak is 64 MiB + 64 tokens x 4 KiB; saving everything takes ~240 KiB.
-    model, meter, c = _setup(64 * MiB + 256 * KiB + 100 * KiB, margin=0.0)
+    model, meter, c = setup_controller(64 * MiB + 256 * KiB + 100 * KiB, margin=0.0)
     with pytest.raises(tapesac_core.TapeSACError, match="plan_for needs profiled blocks"):
         c.plan_for(64)
     for _ in range(4):
-        report = _run(model, meter, c, 32)
+        report = run_step(model, meter, c, 32)
     assert report.mode == PLANNED and c.plan_for(64) is report.plan  # the cached plan
     profiles = dict(c.profiles)
     c.replan(memory_limit=GiB)

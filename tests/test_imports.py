@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_plan_data import _plan
+from support import sample_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 INTEGRATIONS = {"lightning", "accelerate", "tensorboard", "matplotlib", "yaml"}
@@ -54,8 +54,7 @@ def test_planner_imports_and_solves_without_torch() -> None:
         {"torch"},
         """
         import tapesac_core.plan
-        from plan_graphs import worked_example
-        from test_plan_frontier import WORKED_FRONTIER
+        from plan_graphs import WORKED_FRONTIER, worked_example
         from tapesac_core.plan import RegionFrontier, solve_frontier, solve_knapsack
 
         points = solve_frontier(worked_example()).points
@@ -141,7 +140,7 @@ def test_integrations_without_their_library_name_the_extra() -> None:
 def _save_state(folder: Path) -> None:
     """An Accelerate save_state folder as TapeSAC leaves it: the controller's plan cache."""
     state = {
-        "plans": {"4096": _plan().to_json()},
+        "plans": {"4096": sample_plan().to_json()},
         "planned_times": {"4096": [0.10, 0.12, 0.11]},
         "must_only_times": {"4096": [0.13, 0.14]},
     }
@@ -166,6 +165,6 @@ def test_cli_commands_run_without_accelerate_and_yaml(command: str, tmp_path: Pa
     if command == "report":
         result = json.loads(done.stdout)
         assert result["kind"] == "accelerate"
-        assert [b["plan"] for b in result["buckets"]] == [_plan().to_json()]
+        assert [b["plan"] for b in result["buckets"]] == [sample_plan().to_json()]
     else:
         assert "usage: tapesac bench" in done.stdout

@@ -3,7 +3,7 @@
 import logging
 
 import torch
-from support import assert_bitwise, step
+from support import FakeMeter, assert_bitwise, step
 
 import tapesac_core
 from tapesac_core.tape import INVISIBLE_WRITE
@@ -64,8 +64,6 @@ def test_the_verifying_step_finds_nothing_where_replay_is_exact(caplog) -> None:
 
 
 def test_the_controller_looks_for_hidden_writes_in_its_first_step_only(caplog) -> None:
-    from test_controller import FakeMeter
-
     torch.manual_seed(0)
     module, x = Block(), torch.randn(4, 8, requires_grad=True)
     ref = step(module, lambda: module(x).sum())
@@ -126,8 +124,6 @@ def test_two_models_in_one_process_keep_their_own_findings() -> None:
 
 
 def test_a_controller_state_keeps_the_findings_for_a_resumed_run() -> None:
-    from test_controller import FakeMeter
-
     found, x = _verified()
     controller = tapesac_core.Controller(found, "1GiB", meter=FakeMeter())
     state = controller.state_dict()

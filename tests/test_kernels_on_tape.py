@@ -1,8 +1,8 @@
 """A kernel registered with register_kernel is one node on the tape, replayed, with outputs saved separately."""
 
 import torch
+from fused_kernel import FusedRMSNormGate, fused
 from support import assert_bitwise
-from test_kernels import FusedRMSNormGate, fused
 
 import tapesac_core
 

@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+from support import sample_plan
 
 from tapesac_core.config import MemoryLimit, TapeSACConfig, parse_memory_limit
 from tapesac_core.plan.coords import Anchor, Coord
@@ -11,35 +12,8 @@ from tapesac_core.plan.plan import PLAN_VERSION, Plan, RegionPlan, Saved
 from tapesac_core.units import GiB, MiB
 
 
-def _plan() -> Plan:
-    saved = (
-        Saved(
-            coord=("aten.mm.default", 0, 0),
-            module="self_attn.q_proj",
-            bytes=3 * MiB,
-            time_removed=0.0021,
-        ),
-    )
-    region = RegionPlan(
-        sequence="abc-90",
-        tokens=4096,
-        saved=saved,
-        blocks=(frozenset(), frozenset({("aten.mm.default", 0, 0)})),
-        block_bytes=(0, 3 * MiB),
-    )
-    return Plan(
-        model="DecoderLayer",
-        regions={"DecoderLayer": region},
-        capacity=20 * GiB,
-        base=12 * GiB,
-        saved_bytes=3 * MiB,
-        predicted_speedup=1.08,
-        predicted_speedup_vs_full=1.21,
-    )
-
-
 def test_plan_json_round_trip() -> None:
-    plan = _plan()
+    plan = sample_plan()
     text = plan.to_json()
     assert json.loads(text)["version"] == PLAN_VERSION == 4
     assert Plan.from_json(text, model="DecoderLayer", regions={"DecoderLayer": "abc-90"}) == plan
@@ -60,18 +34,18 @@ def test_plan_json_round_trip() -> None:
 def test_a_plan_from_another_model_or_region_set_is_refused(change, match) -> None:
     kwargs = dict(model="DecoderLayer", regions={"DecoderLayer": "abc-90"}) | change
     with pytest.raises(ValueError, match=match):
-        Plan.from_json(_plan().to_json(), **kwargs)
+        Plan.from_json(sample_plan().to_json(), **kwargs)
 
 
 def test_a_plan_from_another_version_is_refused() -> None:
-    data = json.loads(_plan().to_json())
+    data = json.loads(sample_plan().to_json())
     data["version"] = 99
     with pytest.raises(ValueError, match="version 99.*Solve the plan again"):
         Plan.from_json(json.dumps(data))
 
 
 def test_explain_is_a_table_with_bytes_time_and_speedups() -> None:
-    text = _plan().explain()
+    text = sample_plan().explain()
     assert "predicted speedup 1.080x vs must-only, 1.210x vs full recomputation" in text
     assert "capacity 20.00 GiB, must-only peak 12.00 GiB, saves 3.00 MiB more" in text
     assert "values saved per block: [0, 1]" in text
@@ -154,7 +128,7 @@ def test_config_is_frozen_and_validated() -> None:
 
 
 def test_a_version_1_plan_still_reads_for_reports_and_explain_names_the_peak() -> None:
-    data = json.loads(_plan().to_json())
+    data = json.loads(sample_plan().to_json())
     for key in ("memory_model", "predicted_peak", "peak_at", "static"):
         del data[key]
     old = Plan.from_json(json.dumps({**data, "version": 1}))
@@ -162,7 +136,7 @@ def test_a_version_1_plan_still_reads_for_reports_and_explain_names_the_peak() -
     assert "predicted step peak" not in old.explain()
     plan = Plan(
         **{
-            **vars(_plan()),
+            **vars(sample_plan()),
             "memory_model": "peak",
             "predicted_peak": 13 * GiB,
             "peak_at": "backward window of layers.3",

@@ -6,7 +6,7 @@ from itertools import pairwise
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from plan_graphs import plan_graphs, worked_example
+from plan_graphs import WORKED_FRONTIER, plan_graphs, worked_example
 
 from tapesac_core.plan import (
     Graph,
@@ -19,15 +19,6 @@ from tapesac_core.plan import (
     saved_bytes,
     solve_frontier,
 )
-
-WORKED_FRONTIER = [
-    Point(bytes=0, time=23.0, saved=frozenset()),
-    Point(bytes=5, time=16.0, saved=frozenset({"x5"})),
-    Point(bytes=6, time=10.0, saved=frozenset({"x2"})),
-    Point(bytes=8, time=7.0, saved=frozenset({"x4"})),
-    Point(bytes=11, time=3.0, saved=frozenset({"x2", "x5"})),
-    Point(bytes=13, time=0.0, saved=frozenset({"x4", "x5"})),
-]
 
 
 def test_exact_frontier_of_worked_example():

@@ -4,7 +4,7 @@ import copy
 import time
 
 import torch
-from test_controller import FakeMeter
+from support import FakeMeter
 
 import tapesac_core
 from examples.models import ModelConfig, MoEDecoderLayer, rotary_cos_sin

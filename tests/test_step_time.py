@@ -10,8 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import VirtualClock
-from test_controller import FakeMeter, _run, _setup
+from support import FakeMeter, VirtualClock, run_step, setup_controller
 
 import tapesac_core
 from tapesac_core.controller import CONTROL, PLANNED, PROFILE, Controller
@@ -134,9 +133,9 @@ def test_profiled_replay_far_from_the_measured_wall_time_is_scaled_to_it(caplog)
 def test_a_step_time_shorter_than_the_profiled_replay_gives_a_bounded_speedup():
     """Issue 11's repro: a must-only step time of 0.9x the profiled replay made the prediction
     explode (2.6e6 on a tiny Llama; 4.7 on this model before the fix)."""
-    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB)
     for _ in range(4):
-        report = _run(model, meter, c, 32)
+        report = run_step(model, meter, c, 32)
     assert report.mode == PLANNED and not report.plan.empty
     (p,) = c.profiles.values()
     edges = c.bucket_tokens(report.bucket)
@@ -270,18 +269,18 @@ def test_explain_shows_predicted_and_measured_speedups(monkeypatch):
 
 
 def test_a_version_1_state_is_solved_again_with_an_info_log(caplog):
-    model, meter, c = _setup(64 * MiB + 2 * MiB)
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB)
     for _ in range(4):
-        _run(model, meter, c, 32)
+        run_step(model, meter, c, 32)
     state = c.state_dict()
     assert state["version"] == 4 and state["must_only_steps"]
     state["version"] = 1
     del state["must_only_steps"]
-    model2, meter2, fresh = _setup(64 * MiB + 2 * MiB)
+    model2, meter2, fresh = setup_controller(64 * MiB + 2 * MiB)
     with caplog.at_level(logging.INFO, logger="tapesac_core"):
         fresh.load_state_dict(state)
     assert not fresh.plans and "solved again" in caplog.text
     assert fresh.times.must_only_steps == [
         (k, fresh.bucket_tokens(k), s) for k, v in c.times.must_only.items() for s in v
     ]
-    assert _run(model2, meter2, fresh, 32).mode == PROFILE
+    assert run_step(model2, meter2, fresh, 32).mode == PROFILE
