@@ -24,6 +24,7 @@ steps (a bucket's first planned step, and every ``meter_every``-th) for that.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections import OrderedDict
@@ -57,7 +58,7 @@ class Recorded(str, Enum):
     HOST_SYNC = "a host sync (.item(), a tensor's truth value) may steer its ops"
     UNSAVED_KEPT = "the plan or S0 keeps values autograd does not save"
     OUTSIDE_GRAPH = "its autograd graph reaches tensors that are not its inputs"
-    GRAPH_DIFFERS = "its first steady-state calls made other autograd nodes than recording did"
+    GRAPH_DIFFERS = "its first steady-state calls twice made other autograd nodes than its tape"
 
     def __str__(self) -> str:
         return self.value
@@ -79,7 +80,7 @@ class Holds(NamedTuple):
 @dataclass(eq=False)
 class SteadyTape:
     """A recorded call, as later calls with its signature run from it. Fixed once made, but for
-    ``steady_autograd``, which its first steady-state call sets."""
+    ``confirmed``, which its first matching steady-state call sets."""
 
     tape: Tape
     handles: tuple[int, ...]  # the value of each pack, in pack order
@@ -96,10 +97,8 @@ class SteadyTape:
     pack_count: Mapping[int, int]
     writes_in_place: bool
     device_types: frozenset[str]
-    autograd: tuple[type, ...]  # autograd node types the forward created, in walk order
-    # The same, as a steady-state call of this signature created them: without the dispatch
-    # mode, some composite ops decompose otherwise (``same_graph``).
-    steady_autograd: tuple[type, ...] | None = None
+    autograd: tuple[str, ...]  # the autograd nodes the forward created (``autograd_nodes``)
+    confirmed: bool = False  # a steady-state call of it made the same autograd nodes
 
 
 def steady_tape(
@@ -159,7 +158,7 @@ def steady_tape(
     for (j, i), held in held_at_exit.items():
         vid, layout = block.exits[j][i]
         exit_hold[j] = (i, layout, Holds(written_later(vid), tuple(held)))
-    autograd = autograd_types(outputs, inputs, limit=2 * len(tape.nodes) + 64)
+    autograd = autograd_nodes(outputs, inputs, limit=2 * len(tape.nodes) + 64)
     if autograd is None:
         return Recorded.OUTSIDE_GRAPH
     alive = block.refs
@@ -210,46 +209,41 @@ def _storage(value: Value) -> tuple[int, int]:
     return (value.sid, value.epoch)
 
 
-def autograd_types(
+def autograd_nodes(
     outputs: Sequence[Tensor], inputs: Sequence[Tensor], limit: int
-) -> tuple[type, ...] | None:
-    """The types of the autograd nodes between ``outputs`` and ``inputs``, in a fixed walk
-    order; None when the walk passes ``limit`` nodes (the graph reaches tensors made before the
-    block that are not its inputs: a walk would cross the whole model)."""
+) -> tuple[str, ...] | None:
+    """The kinds of the autograd nodes between ``outputs`` and ``inputs``, in a fixed walk
+    order (``node_kind``); None when the walk passes ``limit`` nodes (the graph reaches tensors
+    made before the block that are not its inputs: a walk would cross the whole model)."""
     stop = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
     stack = [t.grad_fn for t in reversed(outputs) if t.grad_fn is not None]
     seen: set[int] = set()
-    types: list[type] = []
+    kinds: list[str] = []
     while stack:
         fn = stack.pop()
         key = id(fn)
         if key in seen or key in stop:
             continue
         seen.add(key)
-        types.append(type(fn))
-        if len(types) > limit:
+        kinds.append(node_kind(type(fn)))
+        if len(kinds) > limit:
             return None
         for nxt, _ in reversed(fn.next_functions):
             if nxt is not None:
                 stack.append(nxt)
-    return tuple(types)
+    return tuple(kinds)
 
 
-# Autograd nodes a composite op makes without a dispatch mode, and the one it makes under it
-# (``reshape`` takes ``_reshape_alias`` unless ``isTensorSubclassLike``, true under any mode).
+# Autograd nodes a composite op makes without a dispatch mode, and the one it makes under any
+# (``reshape`` takes ``_reshape_alias`` unless ``isTensorSubclassLike``, true under a mode):
+# the recorder's mode, or a user's (FlopCounterMode) around a steady-state call.
 _UNDER_A_MODE = {"ReshapeAliasBackward0": "ViewBackward0"}
 
 
-def same_graph(recorded: Sequence[type], steady: Sequence[type]) -> bool:
-    """Whether a steady-state call's autograd nodes are the recorded call's, up to the
-    decompositions a dispatch mode changes."""
-    if len(recorded) != len(steady):
-        return False
-    for r, s in zip(recorded, steady):
-        if r is not s and _UNDER_A_MODE.get(s.__name__) != r.__name__:
-            logger.debug("steady state: autograd node %s, %s when recorded", s.__name__, r.__name__)
-            return False
-    return True
+@functools.cache
+def node_kind(node_type: type) -> str:
+    """An autograd node's type name, the same with and without a dispatch mode."""
+    return _UNDER_A_MODE.get(node_type.__name__, node_type.__name__)
 
 
 def differences(old: Tape, new: Tape) -> str | None:
@@ -299,7 +293,7 @@ class SteadyCache:
         per module at warning level (then at debug level): a branch that flips once often
         flips again."""
         self._entries.pop(signature, None)
-        if entry.steady_autograd is None:
+        if not entry.confirmed:
             self._first_diverged[signature] = self._first_diverged.get(signature, 0) + 1
         logger.log(
             logging.DEBUG if self._told else logging.WARNING,
@@ -434,13 +428,9 @@ class SteadyForward:
         if self.diverged is None and self.exits != entry.exits:
             self.diverged = f"{self.exits} submodule calls, the tape has {entry.exits}"
         if self.diverged is None:
-            made = autograd_types(outputs, inputs, limit=len(entry.autograd))
-            if entry.steady_autograd is not None:
-                same = made == entry.steady_autograd
-            else:
-                same = made is not None and same_graph(entry.autograd, made)
-                if same:
-                    entry.steady_autograd = made
+            made = autograd_nodes(outputs, inputs, limit=len(entry.autograd))
+            same = made == entry.autograd
+            entry.confirmed = entry.confirmed or same
             if not same:
                 self.diverged = "autograd recorded other operations than the tape's"
         if self.diverged is not None:

@@ -4,6 +4,7 @@ where the signature or the ops change, and never replaying a stale tape."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -440,3 +441,21 @@ def test_steady_state_under_fsdp2_is_bitwise_on_two_ranks() -> None:
     for results in ranks:
         assert [r["equal"] for r in results] == [True] * 4
         assert [r["steady"] for r in results] == [[first] * 4] + [["steady"] * 4] * 3
+
+
+def test_a_dispatch_mode_around_a_steady_state_call_is_not_a_divergence(caplog) -> None:
+    """Under any dispatch mode (the recorder's, a user's FlopCounterMode) ``reshape``
+    decomposes to ``view``, without one to ``_reshape_alias``: not a change of the forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    reference, model = _lm()
+    ids = _ids()
+    ref = step(reference, lambda: reference.loss(ids), seed=0)
+    with caplog.at_level(logging.WARNING, logger="tapesac_core"):
+        for mode in (None, FlopCounterMode(display=False), None):
+            with mode or contextlib.nullcontext():
+                got, blocks = _run(model, ids)
+            assert_bitwise(ref, got)
+            assert not any(b.diverged for b in blocks)
+    assert _paths(blocks) == ["steady"] * 4
+    assert not caplog.records

@@ -1,0 +1,180 @@
+"""Must-only TapeSAC in steady state against torch's full checkpoint, interleaved in one process.
+
+For one model, four ways of running the same training step (forward, loss, backward), each on a
+copy of the same weights:
+
+* ``none``              no checkpointing
+* ``full``              every block under ``torch.utils.checkpoint(use_reentrant=False)``
+* ``tapesac_recorded``  TapeSAC must-only, every block recorded (``trace(record=True)``: what a
+                        first call, a profiling or a verification step costs)
+* ``tapesac_steady``    TapeSAC must-only from the cached tapes (steady state, saved-tensor hooks
+                        only)
+
+Each round runs ``--reps`` steps of every method, in an order rotated per round; a round's value
+is the median of its steps (the calling thread's CPU time, one torch thread). Reported: each
+method's median step and IQR over rounds, the per-round ratios against ``full`` (median, IQR,
+rounds), recomputed FLOPs (a step's FLOPs over ``none``'s, ``FlopCounterMode``) and exact step
+peaks (torch's profiler, ``profile_memory=True``).
+
+Models: the frontier harness's (``--model dense|moe|qwen3 --size small|example``) or a Hugging
+Face ``Qwen3ForCausalLM`` stack (``--model hf_stack --hidden 128``: 4 layers, 4 x 256 tokens).
+
+Run: python -m benchmarks.steady_state --model hf_stack --hidden 256 [--rounds 20] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import tapesac_core
+from benchmarks.baselines import wrap_torch
+from benchmarks.common import quartiles
+from benchmarks.workload import HFCausalLM, build_model
+
+METHODS = ("none", "full", "tapesac_recorded", "tapesac_steady")
+
+
+def hf_stack(hidden: int, layers: int = 4) -> tuple[torch.nn.Module, type, int, int]:
+    """A Hugging Face Qwen3 stack: ``layers`` decoder layers at ``hidden``, 4 x 256 tokens."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    heads = max(2, hidden // 32)
+    config = Qwen3Config(
+        vocab_size=1024,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        head_dim=32,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return HFCausalLM(Qwen3ForCausalLM(config)), Qwen3DecoderLayer, 256, 4
+
+
+def methods(
+    base: torch.nn.Module, block: type
+) -> dict[str, tuple[torch.nn.Module, Callable[[], Any]]]:
+    """Each method's model copy and the context its steps run in."""
+    tapesac = copy.deepcopy(base)
+    tapesac_core.checkpoint_modules(tapesac, {block})
+    recorded = copy.deepcopy(tapesac)
+    return {
+        "none": (copy.deepcopy(base), nullcontext),
+        "full": (wrap_torch(copy.deepcopy(base), block, early_stop=True), nullcontext),
+        "tapesac_recorded": (recorded, lambda: tapesac_core.trace(record=True)),
+        "tapesac_steady": (tapesac, nullcontext),
+    }
+
+
+def step(model: torch.nn.Module, context: Callable[[], Any], ids: torch.Tensor) -> float:
+    """One step's CPU seconds on this thread (with one thread, CPU autograd runs here too)."""
+    start = time.thread_time()
+    with context():
+        model.loss(ids).backward()
+    seconds = time.thread_time() - start
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def flops(model: torch.nn.Module, context: Callable[[], Any], ids: torch.Tensor) -> int:
+    counter = FlopCounterMode(display=False)
+    with counter, context():
+        model.loss(ids).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def measure(
+    runs: dict[str, tuple[torch.nn.Module, Callable[[], Any]]],
+    ids: torch.Tensor,
+    rounds: int,
+    reps: int,
+) -> dict[str, list[float]]:
+    """Per method, each round's median step seconds (methods interleaved, order rotated)."""
+    names = list(runs)
+    for model, context in runs.values():  # warm up, and fill TapeSAC's tape caches
+        for _ in range(2):
+            step(model, context, ids)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            model, context = runs[name]
+            out[name].append(statistics.median(step(model, context, ids) for _ in range(reps)))
+    return out
+
+
+def report(
+    title: str,
+    times: dict[str, list[float]],
+    flop: dict[str, int],
+    peaks: dict[str, int],
+) -> str:
+    rounds = len(times["full"])
+    lines = [
+        title,
+        f"{'method':<18} {'step ms':>9} {'IQR':>17} {'recomputed GFLOP':>17} {'peak MiB':>9}",
+    ]
+    for name, ts in times.items():
+        lo, _, hi = quartiles([1e3 * t for t in ts])
+        recomputed = (flop[name] - flop["none"]) / 1e9
+        lines.append(
+            f"{name:<18} {1e3 * statistics.median(ts):>9.2f} {f'[{lo:.2f}, {hi:.2f}]':>17} "
+            f"{recomputed:>17.3f} {peaks[name] / 2**20:>9.2f}"
+        )
+    for name in ("tapesac_steady", "tapesac_recorded", "none"):
+        ratios = [a / b for a, b in zip(times[name], times["full"])]
+        lo, _, hi = quartiles(ratios)
+        lines.append(
+            f"{name} / full per round: {statistics.median(ratios):.3f} "
+            f"(IQR {lo:.3f}-{hi:.3f}, {rounds} rounds)"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.steady_state", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--model", default="hf_stack", choices=["hf_stack", "dense", "moe", "qwen3"]
+    )
+    parser.add_argument("--size", default="small", help="the harness's size (not for hf_stack)")
+    parser.add_argument("--hidden", type=int, default=128, help="hf_stack's hidden size")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.model == "hf_stack":
+        base, block, seq, batch = hf_stack(args.hidden)
+        title = f"HF Qwen3ForCausalLM, 4 layers, hidden {args.hidden}, {batch}x{seq} tokens"
+    else:
+        base, block, seq, batch = build_model(args.model, args.size, 0.0)
+        title = f"{args.model} {args.size}, {batch}x{seq} tokens"
+    vocab = getattr(base, "vocab_size", None) or base.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    runs = methods(base, block)
+    times = measure(runs, ids, args.rounds, args.reps)
+    flop = {n: flops(m, c, ids) for n, (m, c) in runs.items()}
+    peaks = {
+        n: tapesac_core.profile_memory(lambda m=m, c=c: step(m, c, ids))[1].peak
+        for n, (m, c) in runs.items()
+    }
+    print(f"{title}; torch {torch.__version__}, 1 thread, {args.rounds} rounds x {args.reps} steps")
+    print(report(title, times, flop, peaks))
+
+
+if __name__ == "__main__":
+    main()
