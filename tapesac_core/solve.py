@@ -11,6 +11,7 @@ from .plan import Point, RegionFrontier, replay_time, saved_bytes, solve_knapsac
 from .plan.peak import Option, RegionMenu, Timeline, menus_of, predict, solve_peak
 from .plan.plan import BlockKind, Plan, RegionPlan, Saved
 from .profile import RegionProfile
+from .steady import tape_blocker
 from .step_time import StepTime
 from .units import format_bytes
 
@@ -369,6 +370,9 @@ def _region_plan(
             "saved sizes depend on data: a plain block is given the bytes of the most any block "
             "of the region kept when profiled"
         )
+    blocker = tape_blocker(profile.tape)
+    if any(recorded) and blocker is not None:
+        notes.append(f"its recorded blocks record every call, not only the first: {blocker}")
     if BlockKind.TORCH_CHECKPOINT in kinds:
         notes.append(
             "torch checkpoint: the block runs under torch.utils.checkpoint, which measured "

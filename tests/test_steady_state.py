@@ -460,3 +460,15 @@ def test_a_dispatch_mode_around_a_steady_state_call_is_not_a_divergence(caplog) 
             assert not any(b.diverged for b in blocks)
     assert _paths(blocks) == ["steady"] * 4
     assert not caplog.records
+
+
+def test_explain_says_when_a_regions_blocks_record_every_call() -> None:
+    for config, says in ((dict(dropout=0.1), True), (dict(), False)):
+        _, model = _lm(**config)
+        controller = tapesac_core.Controller(model, 0.0, warmup_steps=1, profile_steps=1)
+        ids = _ids()
+        for _ in range(4):
+            with controller.step(tokens=ids.numel()) as report:
+                model.loss(ids).backward()
+        text = report.plan.explain()
+        assert ("record every call, not only the first: random ops" in text) == says, text
