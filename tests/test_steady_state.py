@@ -472,3 +472,77 @@ def test_explain_says_when_a_regions_blocks_record_every_call() -> None:
                 model.loss(ids).backward()
         text = report.plan.explain()
         assert ("record every call, not only the first: random ops" in text) == says, text
+
+
+def _hf_model(family: str, dropout: float) -> tuple[torch.nn.Module, type]:
+    import transformers as tf
+
+    common = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4)
+    torch.manual_seed(0)
+    if family == "gpt2":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        config = tf.GPT2Config(
+            vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        )  # fmt: skip
+        return tf.GPT2LMHeadModel(config), GPT2Block
+    if family == "llama":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        config = tf.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_key_value_heads=2,
+            attention_dropout=dropout, **common,
+        )  # fmt: skip
+        return tf.LlamaForCausalLM(config), LlamaDecoderLayer
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    config = tf.Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_key_value_heads=2, head_dim=16,
+        attention_dropout=dropout, **common,
+    )  # fmt: skip
+    return tf.Qwen3ForCausalLM(config), Qwen3DecoderLayer
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0], ids=["dropout", "no_dropout"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gpt2"])
+def test_hugging_face_models_are_bitwise_over_five_steps(family: str, dropout: float) -> None:
+    reference, layer = _hf_model(family, dropout)
+    model = copy.deepcopy(reference)
+    reference.train()
+    model.train()
+    tapesac_core.checkpoint_modules(model, {layer})
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    seen = []
+    for i in range(5):
+        ref = step(reference, lambda: reference(input_ids=ids, labels=ids).loss, seed=i)
+        with tapesac_core.trace() as blocks:
+            got = step(model, lambda: model(input_ids=ids, labels=ids).loss, seed=i)
+        assert_bitwise(ref, got)
+        assert_replayed_as_predicted(blocks)
+        seen.append(set(_paths(blocks)))
+    later = {str(Recorded.RANDOM)} if dropout else {"steady"}
+    assert seen == [{str(Recorded.FIRST_CALL)}] + [later] * 4
+
+
+def test_a_resumed_run_records_its_blocks_once_then_runs_steady_bitwise() -> None:
+    reference, model = _lm()
+    settings = dict(warmup_steps=1, profile_steps=1, control_every=0, meter_every=4)
+    controller = tapesac_core.Controller(model, 0.0, **settings)
+    ids = _ids()
+    for _ in range(4):
+        with controller.step(tokens=ids.numel()):
+            step(model, lambda: model.loss(ids))
+    state = controller.state_dict()
+    resumed = copy.deepcopy(reference)
+    tapesac_core.checkpoint_modules(resumed, {DecoderLayer})
+    controller = tapesac_core.Controller(resumed, 0.0, **settings)
+    controller.load_state_dict(state)
+    ref = step(reference, lambda: reference.loss(ids))
+    seen = []
+    for _ in range(3):
+        with controller.step(tokens=ids.numel()) as report:
+            got = step(resumed, lambda: resumed.loss(ids))
+        assert_bitwise(ref, got)
+        seen.append((str(report.mode), report.steady_blocks, report.blocks))
+    assert seen == [("planned", 0, 4), ("planned", 4, 4), ("planned", 4, 4)]
