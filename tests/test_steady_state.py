@@ -163,14 +163,23 @@ def test_steady_state_holds_replays_and_frees_what_recording_does(planned: bool)
         assert r.alive_taken == s.alive_taken
 
 
-def test_steady_state_peaks_at_the_bytes_recording_peaks_at() -> None:
-    _, model = _lm(hidden_size=128, intermediate_size=256)
-    ids = _ids(64)
-    _run(model, ids)
+@pytest.mark.parametrize("family", ["example", "qwen3"])
+def test_steady_state_peaks_at_the_bytes_recording_peaks_at(family: str) -> None:
+    if family == "example":
+        _, model = _lm(hidden_size=128, intermediate_size=256)
+        ids = _ids(64)
+        loss = lambda: model.loss(ids)  # noqa: E731
+    else:
+        model, layer = _hf_model("qwen3", 0.0)
+        tapesac_core.checkpoint_modules(model, {layer})
+        ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(1))
+        loss = lambda: model(input_ids=ids, labels=ids, use_cache=False).loss  # noqa: E731
+    loss().backward()  # records, and caches the tapes
+    model.zero_grad(set_to_none=True)
 
     def one_step(**trace: bool) -> None:
         with tapesac_core.trace(**trace) as blocks:
-            model.loss(ids).backward()
+            loss().backward()
         model.zero_grad(set_to_none=True)
         assert [b.steady for b in blocks] == [not trace] * len(blocks)
 
