@@ -239,26 +239,26 @@ class TapeSACAccelerator(Accelerator):
 
     @override
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        if self.tapesac_plugin is None:
+        plugin = self.tapesac_plugin
+        if plugin is None:
             return super().prepare(*args, device_placement=device_placement)
         models = [a for a in args if isinstance(a, torch.nn.Module)]
         for model in models:
-            self._checkpoint_blocks(model)
+            self._checkpoint_blocks(model, plugin)
         # TapeSAC replaces Accelerate's checkpoint wrapper: the two are never stacked.
         self.state.fsdp_plugin.activation_checkpointing = False
         prepared = super().prepare(*args, device_placement=device_placement)
         results = prepared if isinstance(prepared, (tuple, list)) else (prepared,)
         for model in (r for r in results if isinstance(r, torch.nn.Module)):
-            self._drive(model)
+            self._drive(model, plugin)
         for optimizer in (r for r in results if isinstance(r, AcceleratedOptimizer)):
             optimizer.optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step())
         return prepared
 
-    def _checkpoint_blocks(self, model: torch.nn.Module) -> None:
+    def _checkpoint_blocks(self, model: torch.nn.Module, plugin: TapeSACPlugin) -> None:
         """TapeSAC on the configured block classes, before FSDP2 shards them."""
         if any(block_config(m) for m in model.modules()):
             return
-        plugin = self.tapesac_plugin
         names, key = plugin.checkpoint_modules, "tapesac_checkpoint_modules"
         if names is None:
             names = self.state.fsdp_plugin.transformer_cls_names_to_wrap
@@ -266,14 +266,13 @@ class TapeSACAccelerator(Accelerator):
         policy = named_blocks(model, names, key) if names else repeated_blocks(model)
         plugin.checkpoint(model, policy)
 
-    def _drive(self, model: torch.nn.Module) -> None:
+    def _drive(self, model: torch.nn.Module, plugin: TapeSACPlugin) -> None:
         """A controller for the prepared model, its steps driven by hooks that survive ``prepare``."""
-        self.tapesac_controller = Controller(
-            model, config=self.tapesac_plugin.config(), device=self.device
-        )
-        self._driver = StepDriver(self.tapesac_controller, self.tapesac_plugin.tokens or tokens_in)
-        open_at_forward(model, self._driver, self._finish_step)
-        self.register_for_checkpointing(self.tapesac_controller)
+        controller = Controller(model, config=plugin.config(), device=self.device)
+        driver = StepDriver(controller, plugin.tokens or tokens_in)
+        self.tapesac_controller, self._driver = controller, driver
+        open_at_forward(model, driver, self._finish_step)
+        self.register_for_checkpointing(controller)
 
     @override
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -285,15 +284,17 @@ class TapeSACAccelerator(Accelerator):
             self._finish_step()  # accumulating: no optimizer step belongs to this micro-batch
 
     def _after_optimizer_step(self) -> None:
-        if self._driver.backward_done:
+        if self._driver is not None and self._driver.backward_done:
             self._finish_step()
 
     def _finish_step(self) -> None:
-        report = self._driver.close()
+        controller, driver = self.tapesac_controller, self._driver
+        assert controller is not None and driver is not None  # _drive made them before any step
+        report = driver.close()
         if report is None or not self.is_main_process:
             return
         self._publisher.publish(
-            self.tapesac_controller,
+            controller,
             report,
             report.step,
             lambda metrics, step: self.log(metrics, step=step),
@@ -306,7 +307,7 @@ class TapeSACAccelerator(Accelerator):
             self._finish_step()
         elif self._driver is not None:
             self._driver.discard(StepDiscarded("training ended before its backward"))
-        if self._driver is not None and self.is_main_process:
+        if self.tapesac_controller is not None and self.is_main_process:
             self._publisher.finish(
                 self.tapesac_controller, self.tapesac_controller.steps, self._tensorboard()
             )

@@ -8,10 +8,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from .driver import StepDiscarded
+from .driver import StepDiscarded, StepDriver
 from .logging import Publisher
 
 if TYPE_CHECKING:
+    from tapesac_core import Controller
+
     from .strategy import TapeSACFSDPStrategy
 
 
@@ -31,11 +33,21 @@ class TapeSACCallback(Callback):
     def state_key(self) -> str:
         return "TapeSAC"
 
+    def _driver(self) -> StepDriver:
+        driver = self.strategy.driver
+        assert driver is not None, "TapeSACFSDPStrategy.setup makes the driver before any batch"
+        return driver
+
+    def _controller(self) -> Controller:
+        controller = self.strategy.controller
+        assert controller is not None, "TapeSACFSDPStrategy.setup makes the controller"
+        return controller
+
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self.strategy.driver.open(batch)
+        self._driver().open(batch)
 
     @override
     def on_train_batch_end(
@@ -46,12 +58,12 @@ class TapeSACCallback(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        report = self.strategy.driver.close()
+        report = self._driver().close()
         if report is None or trainer.logger is None or not trainer.is_global_zero:
             return
         logger = trainer.logger
         self._publisher.publish(
-            self.strategy.controller,
+            self._controller(),
             report,
             _log_step(trainer),
             lambda metrics, step: logger.log_metrics(metrics, step=step),
@@ -62,14 +74,14 @@ class TapeSACCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.logger is not None and trainer.is_global_zero:
             self._publisher.finish(
-                self.strategy.controller,
+                self._controller(),
                 _log_step(trainer),
                 getattr(trainer.logger, "experiment", None),
             )
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.strategy.driver.discard(StepDiscarded("the batch was skipped"))
+        self._driver().discard(StepDiscarded("the batch was skipped"))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -91,7 +103,7 @@ class TapeSACCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
-            self.strategy.controller.load_state_dict(state_dict)
+            self._controller().load_state_dict(state_dict)
 
 
 def _log_step(trainer: pl.Trainer) -> int:

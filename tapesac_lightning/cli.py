@@ -54,14 +54,14 @@ def launch(args: argparse.Namespace) -> None:
         # Accelerate's multi-process launcher does not tell CPU workers they are CPU workers:
         # without this each comes up as a single non-distributed process.
         os.environ["ACCELERATE_USE_CPU"] = "true"
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(rest, f)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as tmp:
+        yaml.safe_dump(rest, tmp)
     try:
-        args.config_file = f.name
+        args.config_file = tmp.name
         args.nondefault = getattr(args, "nondefault", set()) | {"config_file"}
         launch_command(args)
     finally:
-        os.unlink(f.name)
+        os.unlink(tmp.name)
 
 
 def report(args: argparse.Namespace) -> None:

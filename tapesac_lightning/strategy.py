@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies import model_parallel as _model_parallel
 from typing_extensions import override
@@ -101,7 +102,7 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
         self._tokens = tokens or tokens_in
         self._deterministic_ops = op_names(deterministic_ops)  # validated now, applied at setup
         # Only the options given: fully_shard's own defaults stay in charge of the others.
-        self._fsdp_options = {
+        self._fsdp_options: dict[str, Any] = {
             k: v
             for k, v in (
                 ("mp_policy", mp_policy),
@@ -128,9 +129,10 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
             super().setup(trainer)
         self.controller = Controller(module, config=self.tapesac_config, device=self.root_device)
         self.driver = StepDriver(self.controller, self._tokens)
-        if not any(isinstance(c, TapeSACCallback) for c in trainer.callbacks):
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, not declared on Trainer
+        if not any(isinstance(c, TapeSACCallback) for c in callbacks):
             # First, so the step is closed (and its report ready) before other callbacks run.
-            trainer.callbacks.insert(0, TapeSACCallback(self))
+            callbacks.insert(0, TapeSACCallback(self))
 
     def _apply(self, module: pl.LightningModule) -> None:
         """TapeSAC on the selected blocks, then FSDP2 around them (checkpointing inside sharding)."""

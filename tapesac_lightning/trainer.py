@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -148,6 +148,7 @@ class TapeSACTrainerCallback(TrainerCallback):
         model: torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
+        assert model is not None  # the Trainer passes its model to every event
         if not any(block_config(m) for m in model.modules()):
             raise TapeSACError(
                 f"the Trainer's model {type(model).__name__} has no TapeSAC block: train() "
@@ -159,11 +160,13 @@ class TapeSACTrainerCallback(TrainerCallback):
             self._model = model
             self.controller = Controller(model, config=self.plugin.config(), device=args.device)
             self._driver = StepDriver(self.controller, self.plugin.tokens or tokens_in)
+        controller, driver = self.controller, self._driver
+        assert controller is not None and driver is not None  # made for self._model
         self._discard("a new train() began before it finished")
-        saved = state.stateful_callbacks.get(STATE_KEY)
+        saved = _stateful_callbacks(state).get(STATE_KEY)
         if saved:  # resume_from_checkpoint: the trainer_state.json it loaded holds the plans
-            self.controller.load_state_dict(saved)
-        self._hook = open_at_forward(model, self._driver, self._close)
+            controller.load_state_dict(saved)
+        self._hook = open_at_forward(model, driver, self._close)
         self._state = state
         if state.is_world_process_zero and "tensorboard" in (args.report_to or ()):
             self._writer = _summary_writer(args)
@@ -185,12 +188,14 @@ class TapeSACTrainerCallback(TrainerCallback):
 
     def _close(self) -> None:
         """Finish the open step; rank 0 publishes it at the Trainer's step index."""
-        report = self._driver.close()
-        if report is None or not self._state.is_world_process_zero:
+        controller, driver, state = self.controller, self._driver, self._state
+        assert controller is not None and driver is not None and state is not None  # train began
+        report = driver.close()
+        if report is None or not state.is_world_process_zero:
             return
         self._latest = step_metrics(report)
         self._publisher.publish(
-            self.controller, report, self._state.global_step, self._add_scalars, self._writer
+            controller, report, state.global_step, self._add_scalars, self._writer
         )
 
     def _add_scalars(self, metrics: dict[str, float], step: int) -> None:
@@ -240,7 +245,7 @@ class TapeSACTrainerCallback(TrainerCallback):
         """The plan cache into the TrainerState the coming checkpoint's trainer_state.json
         holds (a save follows this event, or may, after evaluation with save_strategy best)."""
         if self.controller is not None and (control.should_save or args.save_strategy == "best"):
-            state.stateful_callbacks[STATE_KEY] = self.controller.state_dict()
+            _stateful_callbacks(state)[STATE_KEY] = self.controller.state_dict()
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -249,7 +254,7 @@ class TapeSACTrainerCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if self._writer is not None:
+        if self._writer is not None and self.controller is not None:
             self._publisher.finish(self.controller, state.global_step, self._writer)
             self._writer.close()
             self._writer = None
@@ -279,8 +284,14 @@ def _switch_off_model_checkpointing(model: torch.nn.Module) -> bool:
     if not any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         return False
     disable = getattr(model, "activation_checkpointing_disable", None)
-    (disable or model.gradient_checkpointing_disable)()
+    (disable or getattr(model, "gradient_checkpointing_disable"))()
     return True
+
+
+def _stateful_callbacks(state: TrainerState) -> dict[str, Any]:
+    """The callbacks' saved states by name: transformers annotates the field as a list of
+    callbacks, which ``TrainerState.__post_init__`` turns into this dict."""
+    return cast("dict[str, Any]", state.stateful_callbacks)
 
 
 def _fsdp_plugin() -> Any:
@@ -298,4 +309,5 @@ def _summary_writer(args: TrainingArguments) -> Any:
     from torch.utils.tensorboard import SummaryWriter
 
     log_dir = os.getenv("TENSORBOARD_LOGGING_DIR") or getattr(args, "logging_dir", None)
+    assert args.output_dir is not None  # TrainingArguments.__post_init__ fills it in
     return SummaryWriter(log_dir or os.path.join(args.output_dir, "runs", "tapesac"))
