@@ -14,9 +14,9 @@ import torch
 from .errors import TapeSACError
 from .plan.coords import Anchor, Coord
 from .plan.plan import BlockKind
-from .recorder import is_subclass_with_dispatch
 from .replay import Replay
 from .tape import BUFFER, OP, PARAM, Node, Tape, Value
+from .tensors import is_subclass_with_dispatch
 from .timing import NodeTimer
 from .verify import HiddenWrites
 

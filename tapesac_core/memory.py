@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .recorder import flat_tensors, is_subclass_with_dispatch
+from .tensors import flat_tensors, is_subclass_with_dispatch
 
 
 @dataclass(frozen=True, kw_only=True)

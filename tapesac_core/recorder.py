@@ -42,98 +42,25 @@ from .tape import (
     PARAM,
     Meta,
     Node,
-    Slot,
     Value,
 )
+from .tensors import (
+    default_generator,
+    detached,
+    flat_tensors,
+    has_default_generator,
+    is_subclass_with_dispatch,
+    layout_of,
+    on_storage,
+)
+from .tensors import slot as _slot
+from .tensors import slot_args as _slot_args
 from .verify import fingerprint
 
 Tensor = torch.Tensor
 
 
-def has_default_generator(device: torch.device) -> bool:
-    module = getattr(torch, device.type, None)
-    return device.type == "cpu" or bool(getattr(module, "default_generators", None))
-
-
-def default_generator(device: torch.device) -> torch.Generator:
-    """The default random generator of a device, or a clear error if it cannot be captured."""
-    if device.type == "cpu":
-        return torch.default_generator
-    module = getattr(torch, device.type, None)
-    generators = getattr(module, "default_generators", None)
-    if not generators:
-        raise TapeSACError(
-            f"cannot capture the random generator of device {device}: "
-            f"torch.{device.type}.default_generators is not available"
-        )
-    index = device.index if device.index is not None else module.current_device()
-    return generators[index]
-
-
-def view_on(storage: torch.UntypedStorage, meta: Meta) -> Tensor:
-    """A tensor with layout ``meta`` (offset, shape, strides, dtype) on ``storage``."""
-    view = torch.empty(0, dtype=meta.dtype, device=meta.device)
-    with torch.no_grad():
-        view.set_(storage, meta.offset, meta.shape, meta.stride)
-    return view
-
-
-def on_storage(t: Tensor, storage: torch.UntypedStorage) -> Tensor:
-    """``t``'s view (offset, shape, strides) of another storage, e.g. a copy of its own.
-
-    Copying whole storages rather than views keeps every alias of a storage addressable.
-    """
-    return view_on(storage, layout_of(t))
-
-
-def detached(t: Tensor) -> Tensor:
-    """``t``'s storage, layout and version counter without its autograd graph, unrecorded.
-
-    Autograd's saved tensors reach the block through its unpack hook, so a block that
-    held a tensor with a ``grad_fn`` would close a cycle through C++ graph nodes the garbage
-    collector cannot see: a forward whose backward never runs would leak the block forever.
-    """
-    # No dispatch mode (the recorder) sees this bookkeeping op. The C++ guard, not
-    # ``_disable_current_modes``, which pops and pushes every mode in Python (16 µs a call).
-    with torch._C._DisableTorchDispatch():
-        return t.detach()
-
-
-def flat_tensors(out: Any) -> list[Tensor]:
-    """The tensors in an op's arguments or results, in order."""
-    if isinstance(out, Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in flat_tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in flat_tensors(o)]
-    return []
-
-
-def is_subclass_with_dispatch(t: Tensor) -> bool:
-    """A tensor subclass that intercepts ops itself (DTensor, FakeTensor, ...)."""
-    return type(t).__torch_dispatch__ is not Tensor.__torch_dispatch__
-
-
 _new_tuple = tuple.__new__
-_SLOTS = tuple(Slot(i) for i in range(64))  # immutable: slots are shared by every node
-# The arguments of a call whose arguments are exactly its tensor inputs, in order: one shared
-# tuple per count, so replay recognises them by identity and passes its tensors as they are.
-SLOT_ARGS = tuple(_SLOTS[:n] for n in range(len(_SLOTS) + 1))
-
-
-def _slot(i: int) -> Slot:
-    return _SLOTS[i] if i < len(_SLOTS) else Slot(i)
-
-
-def _slot_args(n: int) -> tuple[Slot, ...]:
-    """The arguments of a call whose arguments are its ``n`` tensor inputs, in order."""
-    return SLOT_ARGS[n] if n < len(SLOT_ARGS) else tuple(_slot(i) for i in range(n))
-
-
-def layout_of(t: Tensor) -> Meta:
-    """``t``'s layout: shape, strides, storage offset, dtype and device."""
-    return _new_tuple(Meta, (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device))
 
 
 class Recorder(TorchDispatchMode):
@@ -313,7 +240,7 @@ class Recorder(TorchDispatchMode):
                 None,
                 ALIAS_OP,
                 k,
-                (_SLOTS[0],),
+                (_slot(0),),
                 {},
                 [write],
                 [write],

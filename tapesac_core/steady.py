@@ -38,8 +38,8 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from .errors import TapeSACError
-from .recorder import default_generator, detached, flat_tensors, layout_of, on_storage, view_on
 from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, OP, Meta, Node, Slot, Tape, Value
+from .tensors import default_generator, detached, flat_tensors, layout_of, on_storage, view_on
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
