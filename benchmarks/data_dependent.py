@@ -7,7 +7,7 @@ with its anchors stripped) it keeps only its mandatory set. Same weights, same b
 interleaved; measured per step: blocks whose sequence changed, bytes kept beyond S0, nodes
 replayed, backward FLOPs (FlopCounterMode) and step time (median, IQR).
 
-Run: python benchmarks/data_dependent.py [--steps 20] [--threads 1]
+Run: python -m benchmarks.data_dependent [--steps 20] [--threads 1]
 Writes benchmarks/results/data_dependent.json.
 """
 
@@ -17,23 +17,21 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import tapesac_core
+from benchmarks.common import iqr
+from benchmarks.workload import EXAMPLE_SHAPE
+from examples.models import DecoderLM, ModelConfig, MoEDecoderLayer
+from examples.training import train_step
+from tapesac_core.controller import PLANNED, Controller
+from tapesac_core.plan.plan import Plan
 
-import tapesac_core  # noqa: E402
-from benchmarks.common import iqr  # noqa: E402
-from benchmarks.workload import EXAMPLE_SHAPE  # noqa: E402
-from examples.models import DecoderLM, ModelConfig, MoEDecoderLayer  # noqa: E402
-from examples.training import train_step  # noqa: E402
-from tapesac_core.controller import PLANNED, Controller  # noqa: E402
-from tapesac_core.plan.plan import Plan  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def without_anchors(plan: Plan) -> Plan:
@@ -60,7 +58,9 @@ def measure(model: DecoderLM, plan: Plan, ids: torch.Tensor) -> dict[str, float]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.data_dependent", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()

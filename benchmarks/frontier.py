@@ -28,7 +28,7 @@ order), and the paper's Figure 9 normalisation against ``full``.
 checkpointing and TapeSAC's Controller at one fixed limit with the batch grown 3x (which exceed
 the limit, by how much; TapeSAC's re-planned speedup).
 
-Run: python benchmarks/frontier.py [--size tiny|example|small|1b] [--model dense|moe|qwen3]
+Run: python -m benchmarks.frontier [--size tiny|example|small|1b] [--model dense|moe|qwen3]
      [--steps 10] [--warmup 2] [--compile-backend inductor] [--out-dir benchmarks/results]
      [--markdown benchmarks/RESULTS.md] [--grow 3]   (or: tapesac bench ...)
 Writes benchmarks/results/frontier_<model>_<size>.json (and _growth_), two PNG plots, and its
@@ -53,24 +53,22 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.baselines import baseline_methods, policy_replay_methods  # noqa: E402
-from benchmarks.common import git_commit, machine  # noqa: E402
-from benchmarks.growth import run_growth  # noqa: E402
-from benchmarks.measure import count_flops, interleaved_rounds, measure_peaks, warm_up  # noqa: E402
-from benchmarks.report import comparisons, table, update_markdown, write_growth, write_outputs  # noqa: E402
-from benchmarks.rows import rows  # noqa: E402
-from benchmarks.tapesac_plans import (  # noqa: E402
+from benchmarks.baselines import baseline_methods, policy_replay_methods
+from benchmarks.common import git_commit, machine
+from benchmarks.growth import run_growth
+from benchmarks.measure import count_flops, interleaved_rounds, measure_peaks, warm_up
+from benchmarks.report import comparisons, table, update_markdown, write_growth, write_outputs
+from benchmarks.rows import rows
+from benchmarks.tapesac_plans import (
     limit_targets,
     must_only_method,
     plan_tapesac,
     planned_methods,
     tapesac_copy,
 )
-from benchmarks.workload import SIZES, load_workload  # noqa: E402
+from benchmarks.workload import SIZES, load_workload
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BUDGETS = (0.0, 0.1, 0.3, 0.5, 0.8)
 FRACTIONS = (0.1, 0.25, 0.5, 0.75, 1.0)
@@ -142,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def parser(prog: str = "frontier.py") -> argparse.ArgumentParser:
+def parser(prog: str = "python -m benchmarks.frontier") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("dense", "moe", "qwen3"), default="dense")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -210,7 +208,7 @@ def parser(prog: str = "frontier.py") -> argparse.ArgumentParser:
 
 
 def main(
-    argv: Sequence[str] | None = None, prog: str = "python benchmarks/frontier.py"
+    argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.frontier"
 ) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser(prog).parse_args(argv)

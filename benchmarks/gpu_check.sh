@@ -15,7 +15,7 @@
 # Everything goes under one folder (first argument, default gpu_check_<date>), each stage's
 # output as soon as the stage ends; a summary is printed at the end.
 #
-# On CPU at tiny size (what tests/test_gpu_check.py runs):
+# On CPU at tiny size (what tests/test_frontier_bench.py runs):
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_SIZE=tiny GPU_CHECK_INSTALL=0 benchmarks/gpu_check.sh OUT
 set -uo pipefail
 
@@ -54,7 +54,7 @@ stage() {  # stage NAME COMMAND...: run, keep its output, record pass/fail
 }
 
 # 0. Versions first: a missing package stops everything here, clearly.
-if ! stage 0_versions "$PY" benchmarks/gpu_stages.py versions --device "$DEVICE" --out "$OUT/0_versions.json"; then
+if ! stage 0_versions "$PY" -m benchmarks.gpu_stages versions --device "$DEVICE" --out "$OUT/0_versions.json"; then
   echo "gpu_check: missing packages or device, see $OUT/0_versions.out" >&2
   cat "$OUT/0_versions.out" >&2
   exit 1
@@ -63,12 +63,12 @@ if [ "$INSTALL" = 1 ]; then
   # Not fatal: the stages below run from this checkout (PYTHONPATH) either way.
   stage 1_install "$PY" -m pip install --no-deps --no-build-isolation --no-index "$ROOT"
 fi
-stage 2_correctness "$PY" benchmarks/gpu_stages.py correctness --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/2_correctness.json"
-stage 2b_readiness "$PY" benchmarks/gpu_stages.py readiness --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/2b_readiness.json"
-stage 3_timing "$PY" benchmarks/gpu_stages.py timing --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/3_timing.json"
-stage 4_limit "$PY" benchmarks/gpu_stages.py limit --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/4_limit.json"
-stage 4b_mixed "$PY" benchmarks/gpu_stages.py mixed --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/4b_mixed.json"
-stage 5_frontier "$PY" benchmarks/frontier.py --device "$DEVICE" "${FRONTIER[@]}" \
+stage 2_correctness "$PY" -m benchmarks.gpu_stages correctness --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/2_correctness.json"
+stage 2b_readiness "$PY" -m benchmarks.gpu_stages readiness --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/2b_readiness.json"
+stage 3_timing "$PY" -m benchmarks.gpu_stages timing --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/3_timing.json"
+stage 4_limit "$PY" -m benchmarks.gpu_stages limit --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/4_limit.json"
+stage 4b_mixed "$PY" -m benchmarks.gpu_stages mixed --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/4b_mixed.json"
+stage 5_frontier "$PY" -m benchmarks.frontier --device "$DEVICE" "${FRONTIER[@]}" \
   --families none,full,torch_sac,tapesac_policy,tapesac --out-dir "$OUT/frontier" --markdown "$OUT/RESULTS.md"
 
 echo "=== summary ($OUT)"

@@ -15,7 +15,7 @@ Stages (``--device cuda`` on a GPU, ``cpu`` to test the script here):
 * ``mixed``        a plan mixing plain, torch-checkpoint, attention-saving and must-only blocks (~1B)
                    (bf16): bitwise, and timed against no checkpointing and torch's checkpoint.
 
-Run: python benchmarks/gpu_stages.py STAGE --device cuda --size small --out FILE
+Run: python -m benchmarks.gpu_stages STAGE --device cuda --size small --out FILE
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 SIZES = {
     "tiny": dict(
@@ -452,7 +450,9 @@ STAGES = {
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_stages", description=__doc__.split("\n")[0]
+    )
     p.add_argument("stage", choices=sorted(STAGES))
     p.add_argument("--device", default="cpu")
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")

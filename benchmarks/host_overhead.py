@@ -21,7 +21,7 @@ median and IQR over the rounds; then TapeSAC's forward excess over the no-op mod
 step excess over torch checkpoint's (ratios of the medians), and, for reference, its forward
 excess over the bare no-op mode's.
 
-Run: python benchmarks/host_overhead.py [--rounds 35] [--reps 10]
+Run: python -m benchmarks.host_overhead [--rounds 35] [--reps 10]
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -43,10 +41,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import tapesac_core  # noqa: E402
-from benchmarks.common import BareNoOpMode, NoOpMode  # noqa: E402
+import tapesac_core
+from benchmarks.common import BareNoOpMode, NoOpMode
 
 OPS = 200
 SIZE = 16
@@ -160,7 +156,9 @@ def report(excess: dict[str, dict[str, list[float]]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.host_overhead", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--rounds", type=int, default=35, help="measured interleaved rounds")
     parser.add_argument("--reps", type=int, default=10, help="steps per configuration per round")
     args = parser.parse_args()

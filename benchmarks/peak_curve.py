@@ -11,7 +11,7 @@ f x (plain - must-only) over 0.98 (the margin); each run trains a few steps on o
 token count is its bucket's upper edge, and the first planned step is measured.
 Writes benchmarks/results/peak_curve_{dense,moe}.json.
 
-Run: python benchmarks/peak_curve.py [--moe] [--threads 1]
+Run: python -m benchmarks.peak_curve [--moe] [--threads 1]
 """
 
 from __future__ import annotations
@@ -19,22 +19,20 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import tapesac_core
+from benchmarks.common import pct
+from benchmarks.workload import EXAMPLE_SHAPE
+from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
+from examples.training import train_step
+from tapesac_core.controller import CONTROL, PLANNED, Controller
+from tapesac_core.memory import LiveTensorMeter
+from tapesac_core.units import format_bytes
 
-import tapesac_core  # noqa: E402
-from benchmarks.common import pct  # noqa: E402
-from benchmarks.workload import EXAMPLE_SHAPE  # noqa: E402
-from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer  # noqa: E402
-from examples.training import train_step  # noqa: E402
-from tapesac_core.controller import CONTROL, PLANNED, Controller  # noqa: E402
-from tapesac_core.memory import LiveTensorMeter  # noqa: E402
-from tapesac_core.units import format_bytes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 FRACTIONS = (0.0, 0.025, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0)
 SEQ = 434  # 2 x 434 = 868 tokens, the upper edge of its bucket
@@ -85,7 +83,7 @@ def run(base, ids, limit, memory_model):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peak_curve", description=__doc__)
     parser.add_argument("--moe", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()

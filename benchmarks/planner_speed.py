@@ -3,7 +3,7 @@ solve (replay simulated per frontier point, then the DP over blocks) on a timeli
 repeated as 48 blocks, and the gap between the beam-search frontier and the exact one on random
 small graphs.
 
-Run: python benchmarks/planner_speed.py [--nodes 2000] [--graphs 300]
+Run: python -m benchmarks.planner_speed [--nodes 2000] [--graphs 300]
 """
 
 from __future__ import annotations
@@ -11,16 +11,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import median_seconds  # noqa: E402
-from tapesac_core.plan import (  # noqa: E402
+from benchmarks.common import median_seconds
+from tapesac_core.plan import (
     PlanGraph,
     Point,
     RegionFrontier,
@@ -30,7 +25,7 @@ from tapesac_core.plan import (  # noqa: E402
     solve_frontier,
     solve_knapsack,
 )
-from tapesac_core.plan.peak import (  # noqa: E402
+from tapesac_core.plan.peak import (
     RegionMenu,
     Segment,
     Timeline,
@@ -39,6 +34,8 @@ from tapesac_core.plan.peak import (  # noqa: E402
     predict,
     solve_peak,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Tape:
@@ -248,7 +245,7 @@ def knapsack_instance(rng: random.Random) -> dict[str, RegionFrontier]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.planner_speed", description=__doc__)
     parser.add_argument("--nodes", type=int, default=2000)
     parser.add_argument("--graphs", type=int, default=300)
     parser.add_argument("--runs", type=int, default=5)

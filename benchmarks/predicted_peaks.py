@@ -6,26 +6,24 @@ SGD), one process, TapeSAC's Controller with plain blocks at ``--memory-limit`` 
 (values saved per block, ``P`` for plain, ``T`` for torch checkpoint), where the model puts the peak, and metered /
 predicted. Then the largest and smallest ratio. Writes nothing.
 
-Run: python benchmarks/predicted_peaks.py [--moe] [--memory-limit 45MiB] [--steps 70]
+Run: python -m benchmarks.predicted_peaks [--moe] [--memory-limit 45MiB] [--steps 70]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import tapesac_core  # noqa: E402
-from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer  # noqa: E402
-from tapesac_core.controller import PLANNED  # noqa: E402
+import tapesac_core
+from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
+from tapesac_core.controller import PLANNED
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.predicted_peaks", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--moe", action="store_true")
     p.add_argument("--memory-limit", default="45MiB")
     p.add_argument("--steps", type=int, default=70)

@@ -12,7 +12,7 @@ Measured: step time (A/B interleaved rounds, rotating order), peak and forward-e
 (torch profiler, exact), FLOPs and aten ops recomputed in backward, TapeSAC replayed nodes, and
 the host cost of recording per op on a loop of tiny ops (with a cProfile of it).
 
-Run: python benchmarks/replay_vs_block.py [--steps 12] [--size small|medium] [--threads 1]
+Run: python -m benchmarks.replay_vs_block [--steps 12] [--size small|medium] [--threads 1]
      [--cprofile]
 Writes benchmarks/results/replay_vs_block.json.
 """
@@ -41,11 +41,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import tapesac_core  # noqa: E402
-from benchmarks.common import (  # noqa: E402
+import tapesac_core
+from benchmarks.common import (
     BareNoOpMode,
     NoOpMode,
     git_commit,
@@ -54,9 +51,11 @@ from benchmarks.common import (  # noqa: E402
     quartiles,
     rotated,
 )
-from examples.data import batches  # noqa: E402
-from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer  # noqa: E402
-from tapesac_core.memory import profile_memory  # noqa: E402
+from examples.data import batches
+from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
+from tapesac_core.memory import profile_memory
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS = ("none", "torch", "torch_no_stop", "tapesac")
 SIZES = {
@@ -419,7 +418,9 @@ def profile_table(what: str, rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.replay_vs_block", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--steps", type=int, default=12, help="measured interleaved rounds")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up rounds (not measured)")
     parser.add_argument("--size", choices=sorted(SIZES), default="small")

@@ -13,7 +13,7 @@ from tapesac_core.figures import method_frontier_figure, normalised_frontier_fig
 
 TITLE = (
     "# TapeSAC against every baseline: the memory-time frontier\n\n"
-    "Sections between the `frontier` HTML comment markers are written by `benchmarks/frontier.py` "
+    "Sections between the `frontier` HTML comment markers are written by `python -m benchmarks.frontier` "
     "(`tapesac bench`); the rest is written by hand.\n"
 )
 

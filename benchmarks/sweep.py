@@ -8,7 +8,7 @@ other, each alone in memory; within a run, must-only control steps are interleav
 ones (every 5th step) so the measured speedup compares steps taken at the same time.
 Writes benchmarks/results/sweep_{dense,moe}.json.
 
-Run: python benchmarks/sweep.py [--moe] [--steps 40] [--threads 1]
+Run: python -m benchmarks.sweep [--moe] [--steps 40] [--threads 1]
 """
 
 from __future__ import annotations
@@ -17,23 +17,21 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import tapesac_core
+from benchmarks.common import iqr
+from benchmarks.workload import EXAMPLE_SHAPE
+from examples.data import batches
+from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
+from examples.training import train_step
+from tapesac_core.controller import PLANNED, Controller
+from tapesac_core.memory import LiveTensorMeter
+from tapesac_core.units import format_bytes
 
-import tapesac_core  # noqa: E402
-from benchmarks.common import iqr  # noqa: E402
-from benchmarks.workload import EXAMPLE_SHAPE  # noqa: E402
-from examples.data import batches  # noqa: E402
-from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer  # noqa: E402
-from examples.training import train_step  # noqa: E402
-from tapesac_core.controller import PLANNED, Controller  # noqa: E402
-from tapesac_core.memory import LiveTensorMeter  # noqa: E402
-from tapesac_core.units import format_bytes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 FRACTIONS = (0.0, 0.15, 0.35, 0.6, 1.0)
 
@@ -71,7 +69,7 @@ class Run:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sweep", description=__doc__)
     parser.add_argument("--moe", action="store_true")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)

@@ -3,7 +3,8 @@
 ``tapesac launch``: Accelerate's own launcher, taking exactly ``accelerate launch``'s arguments,
 with TapeSAC's ``tapesac_*`` keys taken out of the config YAML and carried to the workers.
 ``tapesac report RUN_OR_CHECKPOINT``: a finished run's plans, speedups and peaks, and figures.
-``tapesac bench ...``: benchmarks/frontier.py of a source checkout (TapeSAC against every baseline).
+``tapesac bench ...``: the frontier harness of a source checkout, ``python -m benchmarks.frontier``
+(TapeSAC against every baseline).
 """
 
 from __future__ import annotations
@@ -86,29 +87,22 @@ def report(args: argparse.Namespace) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
-    """Run ``benchmarks/frontier.py`` with the remaining arguments. It needs the example models
-    of a source checkout (they are not installed): the current directory's, else the checkout
-    this package is installed from (editable install)."""
-    import importlib.util
+    """Run the frontier harness (``python -m benchmarks.frontier``) with the remaining arguments.
+    It needs the benchmarks and example models of a source checkout (they are not installed): the
+    current directory's, else the checkout this package is installed from (editable install)."""
+    import importlib
 
     roots = (Path.cwd(), Path(__file__).resolve().parents[1])
-    script = next(
-        (
-            r / "benchmarks" / "frontier.py"
-            for r in roots
-            if (r / "benchmarks" / "frontier.py").is_file()
-        ),
-        None,
-    )
-    if script is None:
+    root = next((r for r in roots if (r / "benchmarks" / "frontier.py").is_file()), None)
+    if root is None:
         raise TapeSACError(
             "benchmarks/frontier.py not found. Fix: run `tapesac bench` from a "
             "TapeSAC source checkout"
         )
-    spec = importlib.util.spec_from_file_location("tapesac_frontier_bench", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    # The checkout's packages (benchmarks, examples) import from it, as under `python -m`.
+    if sys.path[:1] != [str(root)]:
+        sys.path.insert(0, str(root))
+    module = importlib.import_module("benchmarks.frontier")
     module.main(args.args, prog="tapesac bench")
 
 
@@ -142,9 +136,9 @@ def parser() -> argparse.ArgumentParser:
     bench_parser = commands.add_parser(
         "bench",
         help="TapeSAC against every checkpointing baseline at equal memory",
-        description="benchmarks/frontier.py (from a source checkout): table, JSON and plots; "
+        description="python -m benchmarks.frontier (from a source checkout): table, JSON and plots; "
         "`tapesac bench --help` lists its options.",
-        # Every argument goes to frontier.py: no option of this parser may claim a "-" one.
+        # Every argument goes to the harness: no option of this parser may claim a "-" one.
         add_help=False,
         prefix_chars="+",
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import frontier
 from tapesac_core.figures import method_frontier_figure, normalised_frontier_figure
 from tapesac_core.units import MiB
 
@@ -29,17 +30,9 @@ BUDGETS = {"compile@0", "compile@0.1", "compile@0.3", "compile@0.5", "compile@0.
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _frontier():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import frontier
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return frontier
-
-
+@pytest.mark.slow
+@pytest.mark.bench
 def test_every_method_gives_a_measured_row_and_outputs_are_written(tmp_path: Path) -> None:
-    frontier = _frontier()
     markdown = tmp_path / "RESULTS.md"
     markdown.write_text("# title\n\nhand-written analysis stays\n")
     result = frontier.main(
@@ -92,7 +85,7 @@ def test_every_method_gives_a_measured_row_and_outputs_are_written(tmp_path: Pat
 
     data = json.loads((tmp_path / "frontier_dense_tiny.json").read_text())
     assert data["rows"] == json.loads(json.dumps(result["rows"], default=str))
-    assert data["command"].startswith("python benchmarks/frontier.py --size tiny")
+    assert data["command"].startswith("python -m benchmarks.frontier --size tiny")
     for png in ("frontier_dense_tiny_time_vs_memory.png", "frontier_dense_tiny_normalised.png"):
         assert (tmp_path / png).read_bytes()[:8] == PNG
     assert all(len(r["round_s"]) == 2 for r in rows.values() if r["error"] is None)
@@ -108,8 +101,6 @@ def test_every_method_gives_a_measured_row_and_outputs_are_written(tmp_path: Pat
 
 
 def test_each_baseline_none_included_is_compared_per_round_too() -> None:
-    frontier = _frontier()
-
     def row(method: str, family: str, peak: int, rounds: list[float | None]) -> dict:
         times = sorted(t for t in rounds if t is not None)
         return {
@@ -139,8 +130,9 @@ def test_each_baseline_none_included_is_compared_per_round_too() -> None:
     assert "per round 0.980, IQR 0.980-0.980, 4 rounds" in line
 
 
+@pytest.mark.slow
+@pytest.mark.bench
 def test_a_torch_compile_failure_is_a_row_with_the_exception_text(tmp_path: Path) -> None:
-    frontier = _frontier()
     result = frontier.main(
         [
             "--size",
@@ -164,10 +156,11 @@ def test_a_torch_compile_failure_is_a_row_with_the_exception_text(tmp_path: Path
     assert rows["none"]["error"] is None and rows["full"]["n"] == 1
 
 
+@pytest.mark.slow
+@pytest.mark.bench
 def test_a_save_set_cap_other_than_the_default_gets_its_own_files_and_section(
     tmp_path: Path,
 ) -> None:
-    frontier = _frontier()
     markdown = tmp_path / "RESULTS.md"
     result = frontier.main(
         [
@@ -199,10 +192,11 @@ def test_a_save_set_cap_other_than_the_default_gets_its_own_files_and_section(
     assert planned and all(r["peak_bytes"] > 0 for r in planned)
 
 
+@pytest.mark.slow
+@pytest.mark.bench
 def test_plans_with_torch_checkpoint_blocks_get_their_own_files_and_section(
     tmp_path: Path,
 ) -> None:
-    frontier = _frontier()
     markdown = tmp_path / "RESULTS.md"
     result = frontier.main(
         [
@@ -225,6 +219,7 @@ def test_plans_with_torch_checkpoint_blocks_get_their_own_files_and_section(
     assert planned and all("per block: DecoderLayer " in r["note"] for r in planned)
 
 
+@pytest.mark.bench
 def test_tapesac_bench_runs_the_harness_from_the_checkout(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     out = subprocess.run(
@@ -296,6 +291,8 @@ def test_comparison_figures_have_titled_axes_with_units() -> None:
     assert "%" in axes.get_xlabel() and "%" in axes.get_ylabel() and axes.get_title()
 
 
+@pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script")
 def test_gpu_check_script_passes_on_cpu_at_tiny_size(tmp_path: Path) -> None:
     env = dict(
