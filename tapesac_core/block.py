@@ -139,7 +139,7 @@ class Block:
         # Some node writes in place: only then must replay guard what it must not write into.
         self.writes_in_place = False
         self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
-        self.device_types: set[str] = set()  # of the recorded layouts (Recorder._layout)
+        self.device_types: set[str] = set()  # of the recorded layouts (ValueIds.layout)
         self.verify = False  # fingerprint packed values; replay compares (see verify.py)
         self.deterministic_ops: frozenset[str] = frozenset()  # custom ops declared not random
         self.fingerprints: dict[int, torch.Tensor] = {}
@@ -191,6 +191,8 @@ class Block:
         """A parameter or buffer by name, as the module holds it now (FSDP2: the re-gathered one)."""
         owner = self._owners.get(value.vid)
         if owner is None:
+            # A parameter or buffer value is named by its path in the block's module.
+            assert isinstance(value.name, str) and self.module is not None
             path, _, attr = value.name.rpartition(".")
             owner = self._owners[value.vid] = (self.module.get_submodule(path), attr)
         module, attr = owner
@@ -256,9 +258,14 @@ class Block:
         held tensors and the values backward may take alive, which the call itself supplies."""
         tape = entry.tape
         self.nodes, self.values, self.storage_bytes = tape.nodes, tape.values, tape.storage_bytes
-        self.demand, self.mandatory, self.planned = tape.demand, tape.mandatory, tape.planned
+        # Copies where recording mutates its own (a few values: S0 and the plan's).
+        self.demand, self.mandatory, self.planned = (
+            tape.demand,
+            dict(tape.mandatory),
+            set(tape.planned),
+        )
         self.handles, self.pack_count, self.kept = entry.handles, entry.pack_count, entry.kept
-        self.writes_in_place, self.device_types = entry.writes_in_place, entry.device_types
+        self.writes_in_place, self.device_types = entry.writes_in_place, set(entry.device_types)
         self.trace.tape, self.trace.saved, self.trace.steady = tape, entry.saved, True
 
     def _drop_unread(self, tape: Tape, available: frozenset[int]) -> None:
@@ -278,7 +285,7 @@ class Block:
         here; its anchored coordinates in submodules whose own ops match the reference's still
         name the values the plan chose."""
         digests = tape.module_fingerprints
-        modules = {v: tape.anchor(v)[0] for v in self.anchored}
+        modules = {v: anchor[0] for v in self.anchored if (anchor := tape.anchor(v)) is not None}
         return {v for v, m in modules.items() if digests[m] == self.plan_modules.get(m)}
 
     def _within_budget(self, tape: Tape, budget: int) -> set[int]:

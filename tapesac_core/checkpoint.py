@@ -166,12 +166,13 @@ class _PlanScope:
         self.blocks[region] += 1  # an unrecorded block counts too: later ones keep their entries
         if not entry:
             return BlockPlan()
-        if isinstance(entry[i % len(entry)], BlockKind):
-            return BlockPlan(kind=entry[i % len(entry)])
+        item = entry[i % len(entry)]
+        if isinstance(item, BlockKind):
+            return BlockPlan(kind=item)
         budgets = self.budgets.get(region)
         anchors, modules = self.anchors.get(region, ([], {}))
         return BlockPlan(
-            entry[i % len(entry)],
+            item,
             self.sequences.get(region),
             budgets[i % len(budgets)] if budgets else None,
             anchors[i % len(anchors)] if anchors else frozenset(),
@@ -439,7 +440,7 @@ def _run_block(
         else None
     )
     entry = cache.get(signature) if cache is not None else Recorded.NOT_A_MODULE
-    if isinstance(entry, SteadyTape) and (scope is None or scope.steady):
+    if isinstance(entry, SteadyTape) and cache is not None and (scope is None or scope.steady):
         return _run_steady(block, entry, fn, args, kwargs, inputs, cache, signature)
     block.trace.recorded_because = str(
         Recorded.MEASURED if isinstance(entry, SteadyTape) else entry
@@ -584,7 +585,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any, region: str = "default", **kw
         return _outside_compile(checkpoint, fn, *args, region=region, **kwargs)
     module = _module_of(fn)
     config = block_config(module) if module is not None else None
-    name = (config.path if config else None) or getattr(fn, "__qualname__", type(fn).__name__)
+    name = (config.path if config else None) or str(getattr(fn, "__qualname__", type(fn).__name__))
     return _run_block(fn, args, kwargs, region, module, name)
 
 
@@ -594,9 +595,15 @@ def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> A
     # fall back: the block is excluded explicitly, reading none of its attributes while tracing.
     if torch.compiler.is_compiling():
         return _outside_compile(_checkpointed_forward, self, *args, **kwargs)
-    config: BlockConfig = self._tapesac
+    config = block_config(self)
+    assert config is not None  # _wrap patches this forward in with the module's config
     return _run_block(
-        self._tapesac_forward, args, kwargs, config.region, self, config.path or type(self).__name__
+        vars(self)["_tapesac_forward"],
+        args,
+        kwargs,
+        config.region,
+        self,
+        config.path or type(self).__name__,
     )
 
 
@@ -643,8 +650,9 @@ def _wrap(
     name = path or type(module).__name__
     _refuse_wrapping(module, name)
     # Bound methods deep-copy with their module, so a copied model checkpoints its own blocks.
-    module._tapesac_forward = module.forward
-    module._tapesac = BlockConfig(
+    # Plain attributes, past nn.Module's registries (Module.__setattr__ stores them the same way).
+    vars(module)["_tapesac_forward"] = module.forward
+    vars(module)["_tapesac"] = BlockConfig(
         region=region or type(module).__name__,
         path=path,
         hidden_writes=hidden_writes,
@@ -808,7 +816,7 @@ def describe_policy(policy: Policy) -> str:
 
 def repeated_blocks(root: torch.nn.Module) -> Callable[[torch.nn.Module], bool]:
     """The default policy: modules held in a ModuleList beside others of their class (layer stacks)."""
-    repeated = set()
+    repeated: set[int] = set()
     for child in root.modules():
         if isinstance(child, torch.nn.ModuleList):
             classes = [type(m) for m in child]

@@ -151,7 +151,9 @@ def _repeated(samples: list[Mapping[int, float]]) -> dict[int, float]:
     return out
 
 
-def region_profiles(blocks: list[BlockTrace], tokens: dict[str, int]) -> dict[str, RegionProfile]:
+def region_profiles(
+    blocks: list[BlockTrace], tokens: Mapping[str, int]
+) -> dict[str, RegionProfile]:
     """One profile per region from a profiling step's traces: the reference block's tape, and
     each node's time over every block that ran the reference's op sequence (``_repeated``)."""
     by_region: dict[str, list[BlockTrace]] = {}

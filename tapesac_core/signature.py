@@ -39,7 +39,7 @@ def tensor_key(t: Tensor) -> tuple:
     )
 
 
-def _leaf_key(x: Any) -> Hashable:
+def _leaf_key(x: Any) -> object:
     if isinstance(x, Tensor):
         return tensor_key(x)
     if type(x) in _VALUES or isinstance(x, Enum):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from .config import TapeSACConfig
 from .plan import Point, RegionFrontier, replay_time, saved_bytes, solve_knapsack
@@ -109,6 +110,7 @@ def solve_plan(
         if config.memory_model == "peak" and timeline is not None
         else None
     )
+    choices: Mapping[str, tuple[int, ...]]
     if peak is not None:
         choices, saved_bytes, gain, predicted, peak_at = peak
     else:
@@ -280,6 +282,17 @@ def _matches(timeline: Timeline, profiles: Mapping[str, RegionProfile]) -> bool:
     return all(counts.get(r, 0) == p.blocks for r, p in profiles.items())
 
 
+class PeakChoice(NamedTuple):
+    """A plan under the timeline model: per region the menu option of each block, the bytes
+    saved, the replay seconds removed, the predicted step peak and where in the step it falls."""
+
+    choices: dict[str, tuple[int, ...]]
+    saved_bytes: int
+    gain: float
+    predicted: int
+    peak_at: str
+
+
 def _peak_choice(
     profiles: Mapping[str, RegionProfile],
     frontiers: Mapping[str, tuple[Point, ...]],
@@ -290,10 +303,9 @@ def _peak_choice(
     config: TapeSACConfig,
     extras: Mapping[str, tuple[BlockKind, ...]],
     torch_checkpoint_gains: Mapping[str, float],
-):
-    """Per region the point of each block, bytes, gain, predicted peak and where it falls,
-    under the timeline model; None when the timeline's blocks do not match the profiles (the
-    caller falls back to Eq. 8)."""
+) -> PeakChoice | None:
+    """The plan under the timeline model; None when the timeline's blocks do not match the
+    profiles (the caller falls back to Eq. 8)."""
     if not _matches(timeline, profiles):
         return None
     scaled_timeline = timeline.scaled(base)
@@ -305,7 +317,7 @@ def _peak_choice(
     if picks is None:  # a limit of 0 asks for must-only, any other for the least memory
         picks = (
             (0,) * len(menus)
-            if config.memory_limit.must_only
+            if config.parsed_memory_limit.must_only
             else _lowest_peak(scaled_timeline, menus, capacity, config.knapsack_resolution)
         )
     options = [m[c] for m, c in zip(menus, picks)]
@@ -314,12 +326,12 @@ def _peak_choice(
     for b, o in zip(timeline.blocks, options):
         if b.region in choices:
             choices[b.region][b.index] = o.point
-    return (
-        {r: tuple(c) for r, c in choices.items()},
-        sum(o.bytes for o in options),
-        math.fsum(o.gain for o in options),
-        prediction.peak,
-        prediction.label,
+    return PeakChoice(
+        choices={r: tuple(c) for r, c in choices.items()},
+        saved_bytes=sum(o.bytes for o in options),
+        gain=math.fsum(o.gain for o in options),
+        predicted=prediction.peak,
+        peak_at=prediction.label,
     )
 
 
@@ -355,7 +367,7 @@ def _region_plan(
     plain = tuple(k is BlockKind.PLAIN for k in kinds)
     recorded = tuple(k is BlockKind.TAPE for k in kinds)
     blocks = tuple(points[i].saved if r else frozenset() for i, r in zip(chosen, recorded))
-    anchors = tuple(frozenset(graph.anchors[v] for v in graph.value_ids(b)) for b in blocks)
+    anchors = tuple(frozenset(graph.produced(v)[1] for v in graph.value_ids(b)) for b in blocks)
     modules = {a.module: graph.module_digests[a.module] for b in anchors for a in b}
     others = len(blocks) - sum(profile.shares_reference)
     notes = []
@@ -408,10 +420,11 @@ def _describe(profile: RegionProfile, point: Point, factor: float) -> tuple[Save
     rows = []
     for vid in sorted(saved):
         grows = vid not in graph.token_independent
+        coord, anchor = graph.produced(vid)
         rows.append(
             Saved(
-                coord=graph.value_names[vid],
-                module=graph.anchors[vid].module or None,  # "": the block's own op
+                coord=coord,
+                module=anchor.module or None,  # "": the block's own op
                 bytes=math.ceil(saved_bytes(graph, [vid]) * (factor if grows else 1)),
                 time_removed=(replay_time(graph, saved - {vid}) - whole) * factor,
             )

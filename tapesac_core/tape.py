@@ -82,7 +82,7 @@ class Value(NamedTuple):
 class Node(NamedTuple):
     """One recorded op call: ``op(*args, **kwargs)`` with tensors replaced by ``Slot``s."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the node's position; shadows tuple.index on purpose
     op: Any
     name: str  # str(op), e.g. "aten.mm.default"
     k: int  # how many calls of this op came before it in the block

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .coords import Anchor, Unproduced, ValueName
+from .coords import Anchor, Coord, Unproduced, ValueName
 from .model import PlanGraph
 
 
@@ -23,6 +23,12 @@ class TapeGraph(PlanGraph[ValueName]):
     anchors: tuple[Anchor | None, ...]  # per value, its anchored coordinate (None: no producer)
     module_digests: Mapping[str, str]  # per submodule path, the digest of the ops it issued
     token_independent: frozenset[int]  # values whose size does not grow with tokens
+
+    def produced(self, v: int) -> tuple[Coord, Anchor]:
+        """The coordinate and the anchored coordinate of an op's output (what a plan keeps)."""
+        name, anchor = self.value_names[v], self.anchors[v]
+        assert isinstance(name, Coord) and anchor is not None, f"value {v} has no producer"
+        return name, anchor
 
 
 def graph_of(
