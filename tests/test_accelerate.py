@@ -2,15 +2,13 @@
 
 import glob
 import json
-import os
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from launch import ROOT, tapesac_launch, tapesac_report
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from examples.data import batches
@@ -18,7 +16,6 @@ from tapesac_core import TapeSACError
 from tapesac_lightning.accelerate import SETTINGS_ENV, TapeSACAccelerator, TapeSACPlugin
 from tapesac_lightning.logging import SCALARS
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "accelerate_tapesac.yaml").read_text())
 SHORT = ("--steps", "10", "--min-len", "96", "--max-len", "96")
 
@@ -37,37 +34,10 @@ def config(tmp: Path, tapesac: bool = True, **changes) -> Path:
     return path
 
 
-def launch(
-    yaml_path: Path,
-    *args: str,
-    check: bool = True,
-    script: tuple[str, ...] = ("-m", "examples.train_accelerate"),
-) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != SETTINGS_ENV}
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])]),
-        OMP_NUM_THREADS="1",
-    )
-    command = [
-        sys.executable,
-        "-m",
-        "tapesac_lightning.cli",
-        "launch",
-        "--config_file",
-        str(yaml_path),
-        *script,
-        *args,
-    ]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if check:
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
-
-
 def fit(tmp: Path, name: str, yaml_path: Path, *args: str) -> list[dict]:
     """Each rank's JSON: what the run was made of and its per-step records."""
     out = tmp / name
-    launch(yaml_path, *args, "--out", str(out), "--logdir", str(out / "runs"))
+    tapesac_launch(yaml_path, *args, "--out", str(out), "--logdir", str(out / "runs"))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -104,6 +74,8 @@ def assert_really_tapesac(ranks: list[dict], recorded: bool = True) -> None:
     assert full and all((s["blocks"], s["torch_checkpointed"]) == (0, blocks) for s in full)
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_launch_shards_the_run_is_bitwise_torch_checkpoint_and_logs_from_rank_0(tmp_path) -> None:
     tapesac = fit(tmp_path, "tapesac", config(tmp_path), *SHORT)
     assert losses(tapesac) == losses(torch_baseline(tmp_path, *SHORT))
@@ -135,6 +107,8 @@ def test_launch_shards_the_run_is_bitwise_torch_checkpoint_and_logs_from_rank_0(
     assert acc.Tags()["tensors"] == ["tapesac/plan/text_summary"]
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_plain_accelerator_on_the_same_path_wraps_blocks_in_its_checkpoint_wrapper(
     tmp_path,
 ) -> None:
@@ -152,6 +126,8 @@ def test_plain_accelerator_on_the_same_path_wraps_blocks_in_its_checkpoint_wrapp
     assert all(r["run"]["is_fsdp2"] for r in plain)
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_tapesac_checkpoint_modules_names_other_blocks_than_fsdp_wraps(tmp_path) -> None:
     yaml_path = config(tmp_path, tapesac_checkpoint_modules=["GatedMLP"])
     ranks = fit(tmp_path, "mlp", yaml_path, "--steps", "1")
@@ -159,6 +135,8 @@ def test_tapesac_checkpoint_modules_names_other_blocks_than_fsdp_wraps(tmp_path)
     assert [r["run"]["tapesac_blocks"] for r in ranks] == [4, 4]
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_hugging_face_qwen3_named_by_class_in_the_yaml(tmp_path) -> None:
     args = (*SHORT, "--hf")
     yaml_path = config(tmp_path, fsdp_transformer_layer_cls_to_wrap="Qwen3DecoderLayer", **RECORDED)
@@ -172,6 +150,8 @@ def test_hugging_face_qwen3_named_by_class_in_the_yaml(tmp_path) -> None:
     assert tapesac[0]["run"]["tapesac_blocks"] == 2 and tapesac[0]["run"]["same_state_dict_keys"]
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_bf16_mixed_precision_is_bitwise_torch_checkpoint(tmp_path) -> None:
     yaml_path = config(tmp_path, mixed_precision="bf16", **RECORDED)
     tapesac = fit(tmp_path, "tapesac", yaml_path, *SHORT)
@@ -179,6 +159,8 @@ def test_bf16_mixed_precision_is_bitwise_torch_checkpoint(tmp_path) -> None:
     assert_really_tapesac(tapesac)
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_accumulation_and_no_grad_evaluation_count_one_step_per_micro_batch(tmp_path) -> None:
     args = (*SHORT, "--accumulate", "2", "--eval-every", "3")
     tapesac = fit(tmp_path, "tapesac", config(tmp_path, **RECORDED), *args)
@@ -191,6 +173,8 @@ def test_accumulation_and_no_grad_evaluation_count_one_step_per_micro_batch(tmp_
     assert_really_tapesac(tapesac)
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_save_state_load_state_round_trips_the_plan_cache(tmp_path) -> None:
     yaml_path = config(tmp_path)
     common = ("--steps", "12", "--min-len", "96", "--max-len", "96", "--dropout", "0.0")
@@ -218,26 +202,13 @@ def test_save_state_load_state_round_trips_the_plan_cache(tmp_path) -> None:
     assert [s["mode"] for s in resumed[0]["steps"]] == ["planned"] * 6  # no warm-up, no profiling
     assert resumed[0]["steps"][0]["plan"] == whole[0]["steps"][5]["plan"]
     # tapesac report reads the plan cache from the save_state folder.
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tapesac_lightning.cli",
-            "report",
-            str(tmp_path / "state"),
-            "--json",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
+    result = json.loads(tapesac_report(tmp_path / "state", "--json"))
     assert result["kind"] == "accelerate"
     assert whole[0]["steps"][5]["plan"] in [b["plan"] for b in result["buckets"]]
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -253,7 +224,7 @@ def test_save_state_load_state_round_trips_the_plan_cache(tmp_path) -> None:
     ids=["limit", "unknown_key", "fsdp1", "unknown_class", "dynamo"],
 )
 def test_bad_yaml_fails_at_start_naming_the_key_and_the_fix(tmp_path, change, message) -> None:
-    done = launch(config(tmp_path, **change), "--steps", "2", check=False)
+    done = tapesac_launch(config(tmp_path, **change), "--steps", "2", check=False)
     assert done.returncode != 0
     assert message in done.stderr and "Fix:" in done.stderr
 
@@ -272,16 +243,6 @@ def test_plugin_from_yaml_keys_and_explicit_fields_win() -> None:
     assert declared.deterministic_ops == ("mylib::fused_norm",)
     with pytest.raises(TapeSACError, match="tapesac_deterministic_ops.*'namespace::name'"):
         TapeSACPlugin.from_keys({"tapesac_deterministic_ops": ["fused_norm"]})
-
-
-@pytest.fixture
-def fresh_accelerate_state():
-    """Accelerate keeps its state in process-wide singletons: reset them around the test."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_without_settings_it_is_plain_accelerate(monkeypatch, fresh_accelerate_state) -> None:
@@ -315,13 +276,15 @@ accelerator.backward(model(input_ids=ids, labels=ids).loss)
 """
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_hugging_face_checkpointing_inside_the_blocks_stops_the_run_naming_the_fix(
     tmp_path,
 ) -> None:
     script = tmp_path / "hf_checkpointed.py"
     script.write_text(HF_CHECKPOINTED)
     yaml_path = config(tmp_path, fsdp_transformer_layer_cls_to_wrap="Qwen3DecoderLayer")
-    done = launch(yaml_path, check=False, script=(str(script),))
+    done = tapesac_launch(yaml_path, check=False, script=(str(script),))
     assert done.returncode != 0
     assert "has Hugging Face activation checkpointing on" in done.stderr, done.stderr[-3000:]
     assert "gradient_checkpointing_disable()" in done.stderr
@@ -389,6 +352,8 @@ Path(sys.argv[1], f"rank{accelerator.process_index}.json").write_text(json.dumps
 """
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_a_forward_without_backward_is_left_out_and_two_forwards_one_backward_are_one_step(
     tmp_path,
 ) -> None:
@@ -398,7 +363,7 @@ def test_a_forward_without_backward_is_left_out_and_two_forwards_one_backward_ar
     before one backward (DPO: chosen and rejected) are one step with both forwards' blocks."""
     script = tmp_path / "forwards_without_backward.py"
     script.write_text(FORWARDS_WITHOUT_BACKWARD)
-    done = launch(config(tmp_path), str(tmp_path), script=(str(script),))
+    done = tapesac_launch(config(tmp_path), str(tmp_path), script=(str(script),))
     for rank in range(2):
         records = json.loads((tmp_path / f"rank{rank}.json").read_text())
         by_case = lambda case: [r for r in records if r["case"] == case]  # noqa: E731

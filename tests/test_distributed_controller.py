@@ -2,14 +2,14 @@
 
 import json
 import os
-import tempfile
 
-import torch
+import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from launch import join_group_of_two, spawn_two
+from support import SHORT_SCHEDULE, SMALL, checkpointed_lm, token_ids
 
 import tapesac_core
-from examples.models import DecoderLayer, DecoderLM, ModelConfig
+from examples.models import DecoderLM
 from tapesac_core.controller import Controller
 from tapesac_core.memory import MemoryReading
 from tapesac_core.plan import bucket, upper_edge
@@ -40,24 +40,9 @@ class RankMeter:
 
 
 def _rank_model(rank: int, out: str) -> DecoderLM:
-    """Join the 2-rank gloo group (a file store: no TCP port to race other processes for) and
-    build the same checkpointed model on every rank."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank, world_size=2
-    )
-    torch.manual_seed(0)
-    model = DecoderLM(
-        ModelConfig(
-            hidden_size=32,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            intermediate_size=64,
-            num_layers=3,
-        )
-    )
-    tapesac_core.checkpoint_modules(model, {DecoderLayer})
-    return model
+    """Join the 2-rank gloo group and build the same checkpointed model on every rank."""
+    join_group_of_two(rank, out)
+    return checkpointed_lm(**SMALL)
 
 
 def _worker(rank: int, out: str) -> None:
@@ -68,14 +53,11 @@ def _worker(rank: int, out: str) -> None:
         LIMIT,
         meter=meter,
         margin=0.0,
-        warmup_steps=1,
-        profile_steps=1,
-        control_steps=1,
-        control_every=0,
+        **SHORT_SCHEDULE,
     )
     steps = []
     for step in range(STEPS):
-        ids = torch.randint(0, 256, (2, SEQ[rank]), generator=torch.Generator().manual_seed(step))
+        ids = token_ids(step, batch=2, seq=SEQ[rank])
         meter.tokens = ids.numel()
         with controller.step(tokens=ids.numel()) as report:
             model.loss(ids).backward()
@@ -93,10 +75,10 @@ def _worker(rank: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_ranks_agree_on_one_plan_for_the_larger_count_and_the_smaller_capacity() -> None:
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(out,), nprocs=2, join=True)
-        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    ranks = spawn_two(_worker, "rank")
     steps0, steps1 = ranks[0]["steps"], ranks[1]["steps"]
     assert [s["mode"] for s in steps0] == [s["mode"] for s in steps1]
     assert [s["plan"] for s in steps0] == [s["plan"] for s in steps1]
@@ -138,16 +120,13 @@ def _flags_worker(rank: int, out: str) -> None:
         LIMIT,
         meter=meter,
         margin=0.0,
-        warmup_steps=1,
-        profile_steps=1,
-        control_steps=1,
-        control_every=0,
+        **SHORT_SCHEDULE,
         peak_correction=False,
     )
     record: dict = {"modes": [], "plans": [], "fragmentation": []}
 
     def step(seq: int) -> None:
-        ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(seq))
+        ids = token_ids(seq, batch=2, seq=seq)
         meter.tokens = ids.numel()
         with controller.step(tokens=ids.numel()) as report:
             model.loss(ids).backward()
@@ -175,10 +154,10 @@ def _flags_worker(rank: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_ranks_agree_on_a_flag_one_rank_raised_and_a_solve_failure_on_rank_0_reaches_all() -> None:
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_flags_worker, args=(out,), nprocs=2, join=True)
-        ranks = [json.load(open(os.path.join(out, f"flags{r}.json"))) for r in range(2)]
+    ranks = spawn_two(_flags_worker, "flags")
     assert (
         ranks[0]["modes"]
         == ranks[1]["modes"]
@@ -204,16 +183,14 @@ def _longer_rank_worker(rank: int, out: str) -> None:
     controller = Controller(
         model,
         "1GiB",  # everything fits: every block runs plain, holding all autograd saves
-        warmup_steps=1,
-        profile_steps=1,
-        control_every=0,
+        **SHORT_SCHEDULE,
         meter_every=1,
         plain_blocks=True,
     )
     steps = []
     for step in range(7):
         seq = 32 if rank == 0 and step == 1 else 56  # rank 0's profiling batch is the shorter
-        ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(step))
+        ids = token_ids(step, batch=2, seq=seq)
         with controller.step(tokens=ids.numel()) as report:
             model.loss(ids).backward()
         model.zero_grad(set_to_none=True)
@@ -224,13 +201,13 @@ def _longer_rank_worker(rank: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_a_rank_profiles_its_own_batch_and_predicts_its_peak_when_another_rank_is_longer() -> None:
     """The bucket is the longest rank's, but each rank's tapes are of its own batch: rank 0
     (which solves) profiled at the agreed count would scale its blocks' bytes from too many
     tokens and predict every plan's peak too low (under Lightning, 3-9% on the main job)."""
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_longer_rank_worker, args=(out,), nprocs=2, join=True)
-        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    ranks = spawn_two(_longer_rank_worker, "rank")
     assert [r["profile_tokens"] for r in ranks] == [2 * 32, 2 * 56]
     assert [s["mode"] for s in ranks[0]["steps"]][-2:] == ["planned", "planned"]
     for r in ranks:
@@ -253,16 +230,14 @@ def _torch_checkpoint_worker(rank: int, out: str) -> None:
         controller = Controller(
             model,
             limit,
-            warmup_steps=1,
-            profile_steps=1,
-            control_every=0,
+            **SHORT_SCHEDULE,
             torch_checkpoint_blocks=True,
             full_control_every=full_every,
         )
         modes, plans, solved = [], [], []
         for step in range(steps):
             # A must-only step of about 8 MiB: far above rank 1's tight limit.
-            ids = torch.randint(0, 256, (4, 512), generator=torch.Generator().manual_seed(step))
+            ids = token_ids(step, batch=4, seq=512)
             with controller.step(tokens=ids.numel()) as report:
                 model.loss(ids).backward()
             model.zero_grad(set_to_none=True)
@@ -277,10 +252,10 @@ def _torch_checkpoint_worker(rank: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_ranks_agree_whether_to_measure_full_checkpointing_and_on_the_plan() -> None:
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_torch_checkpoint_worker, args=(out,), nprocs=2, join=True)
-        ranks = [json.load(open(os.path.join(out, f"ckpt{r}.json"))) for r in range(2)]
+    ranks = spawn_two(_torch_checkpoint_worker, "ckpt")
     tight, room = (ranks[0][k] for k in ("tight on rank 1", "room"))
     assert tight["modes"] == ranks[1]["tight on rank 1"]["modes"]
     assert tight["modes"][:4] == ["warmup", "profile", "control", "planned"], tight

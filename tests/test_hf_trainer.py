@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from launch import ROOT, tapesac_launch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_accelerate import launch
 
 from tapesac_lightning.logging import SCALARS
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "hf_trainer_tapesac.yaml").read_text())
 SHORT = ("--steps", "6", "--min-len", "96", "--max-len", "96", "--accumulate", "2")
 SCRIPT = ("-m", "examples.train_hf_trainer")
@@ -38,7 +37,7 @@ def fit(tmp: Path, name: str, *args: str, tapesac: bool = True, **keys) -> list[
     """Each rank's JSON; the Trainer's output_dir is ``tmp/name/output``."""
     out = tmp / name
     baseline = () if tapesac else ("--baseline", "hf")
-    launch(
+    tapesac_launch(
         config(tmp, tapesac, **keys),
         *args,
         *baseline,
@@ -55,6 +54,8 @@ def losses(ranks: list[dict]) -> list[list[float]]:
     return [[s["loss"] for s in rank["steps"]] for rank in ranks]
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_trainer_is_bitwise_its_own_checkpointing_one_step_per_micro_batch(tmp_path) -> None:
     # Every block recorded (no block plain): the plans save values and replay the rest.
     tapesac = fit(tmp_path, "tapesac", *SHORT, tapesac_plain_blocks=False)
@@ -94,6 +95,8 @@ def test_trainer_is_bitwise_its_own_checkpointing_one_step_per_micro_batch(tmp_p
     assert "tapesac/plan/text_summary" in tags["tensors"]
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_resume_from_a_checkpoint_elsewhere_needs_no_profiling(tmp_path) -> None:
     common = (*SHORT, "--memory-limit", "28MiB", "--save-steps", "3")
     whole = fit(tmp_path, "whole", *common)
@@ -107,16 +110,6 @@ def test_resume_from_a_checkpoint_elsewhere_needs_no_profiling(tmp_path) -> None
     assert losses(resumed) == [run[6:] for run in losses(whole)]
     assert [s["mode"] for s in resumed[0]["steps"]] == ["planned"] * 6  # no profiling again
     assert resumed[0]["steps"][0]["plan"] == whole[0]["steps"][5]["plan"]
-
-
-@pytest.fixture
-def fresh_accelerate_state():
-    """Accelerate keeps its state in process-wide singletons: reset them around the test."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def tiny_qwen3(vocab_size: int = 64, dropout: float = 0.1) -> torch.nn.Module:

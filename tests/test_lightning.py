@@ -1,56 +1,30 @@
-"""TapeSACFSDPStrategy end to end: 2-process CPU fits (subprocesses; Lightning re-executes argv)."""
+"""TapeSACFSDPStrategy end to end: 2-process CPU fits (subprocesses: the main job through
+Lightning's own launcher, which re-executes argv; the others with both ranks started at once), and
+fits in this process on one rank."""
 
 import glob
-import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch import lightning_fit, tapesac_report
+from support import SHORT_SCHEDULE, SMALL
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tapesac_core import TapeSACError
 from tapesac_core.plan.plan import Plan
 from tapesac_lightning.logging import SCALARS
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def fit(out: Path, *args: str) -> list[dict]:
+def fit(out: Path, *args: str, launcher: str = "external") -> list[list[dict]]:
     """Run the job on 2 CPU processes; each rank's per-step records."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-        "OMP_NUM_THREADS": "1",
-    }
-    command = [
-        sys.executable,
-        str(ROOT / "tests" / "lightning_app.py"),
-        "--out",
-        str(out),
-        "--logdir",
-        str(out / "runs"),
-        *args,
-    ]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text())["steps"] for r in range(2)]
+    return lightning_fit(out, *args, launcher=launcher)
 
 
 def report(run: Path, out: Path) -> str:
     """What `tapesac report RUN --out OUT` prints."""
-    done = subprocess.run(
-        [sys.executable, "-m", "tapesac_lightning.cli", "report", str(run), "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return tapesac_report(run, "--out", str(out))
 
 
 def losses(ranks: list[list[dict]]) -> list[list[float]]:
@@ -63,6 +37,17 @@ SHORT = ("--steps", "10", "--min-len", "96", "--max-len", "96")
 RECORDED = ("--no-plain-blocks",)  # every block recorded: plans save, none runs plain
 
 
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory) -> tuple[Path, list[list[dict]]]:
+    """The job as a user runs it (one process, whose Lightning launcher starts rank 1) with the
+    SHORT settings, launched once: the TapeSAC run of the bitwise test's default variant, and
+    the run whose TensorBoard scalars and report the scalars test reads back."""
+    out = tmp_path_factory.mktemp("main_job")
+    return out, fit(out, *SHORT, launcher="lightning")
+
+
+@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.parametrize(
     "variant",
     [
@@ -72,9 +57,15 @@ RECORDED = ("--no-plain-blocks",)  # every block recorded: plans save, none runs
     ],
     ids=["dropout_plain_blocks", "accumulate_validate_bf16", "manual_optimization"],
 )
-def test_fit_is_bitwise_torch_checkpoint_and_really_uses_tapesac(tmp_path, variant) -> None:
-    tapesac = fit(tmp_path / "tapesac", *SHORT, *variant)
-    torch_ckpt = fit(tmp_path / "torch", *SHORT, *variant, "--baseline", "torch")
+def test_fit_is_bitwise_torch_checkpoint_and_really_uses_tapesac(
+    tmp_path, variant, request
+) -> None:
+    if variant:
+        tapesac = fit(tmp_path / "tapesac", *SHORT, *variant)
+        torch_ckpt = fit(tmp_path / "torch", *SHORT, *variant, "--baseline", "torch")
+    else:  # the main job, as a user launches it; its baseline launched the same way
+        _, tapesac = request.getfixturevalue("main_job")
+        torch_ckpt = fit(tmp_path / "torch", *SHORT, "--baseline", "torch", launcher="lightning")
     assert losses(tapesac) == losses(torch_ckpt)
     planned = [s for s in tapesac[0] if s["mode"] == "planned"]
     # Beyond must-only: each planned step saved values or ran blocks plain (not recorded).
@@ -95,6 +86,8 @@ def test_fit_is_bitwise_torch_checkpoint_and_really_uses_tapesac(tmp_path, varia
     assert [s["plan"] for s in tapesac[0]] == [s["plan"] for s in tapesac[1]]
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_fsdp2_mixed_precision_is_bitwise_torch_checkpoint_under_the_same_policy(tmp_path) -> None:
     # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on every fully_shard call, given
     # to the strategy and, for the baseline, to plain FSDP2 + torch.utils.checkpoint.
@@ -106,9 +99,11 @@ def test_fsdp2_mixed_precision_is_bitwise_torch_checkpoint_under_the_same_policy
     assert planned and all(s["saved_bytes"] > 0 for s in planned)
 
 
-def test_scalars_read_back_from_tensorboard(tmp_path) -> None:
-    fit(tmp_path, *SHORT)
-    (events,) = glob.glob(str(tmp_path / "runs" / "tapesac" / "version_0" / "events*"))
+@pytest.mark.slow
+@pytest.mark.launch
+def test_scalars_read_back_from_tensorboard(tmp_path, main_job) -> None:
+    run, _ = main_job
+    (events,) = glob.glob(str(run / "runs" / "tapesac" / "version_0" / "events*"))
     acc = EventAccumulator(events, size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     acc.Reload()
     assert {t for t in acc.Tags()["scalars"] if t.startswith("tapesac/")} == set(SCALARS)
@@ -123,7 +118,7 @@ def test_scalars_read_back_from_tensorboard(tmp_path) -> None:
     assert acc.Tags()["images"] == ["tapesac/frontier"]
     assert "tapesac/plan/text_summary" in acc.Tags()["tensors"]
     # tapesac report reads the same run back: plans, speedups over the run, figures.
-    text = report(tmp_path / "runs", tmp_path / "report")
+    text = report(run / "runs", tmp_path / "report")
     plans = acc.Tensors("tapesac/plan/text_summary")
     assert text.count("plan logged at step") == len(plans) > 0
     measured = [e.value for e in acc.Scalars("tapesac/measured_speedup")]
@@ -138,6 +133,8 @@ def test_scalars_read_back_from_tensorboard(tmp_path) -> None:
     ]
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
 def test_resume_reuses_the_stored_plan_and_continues_with_identical_losses(tmp_path, full) -> None:
     common = (
@@ -165,6 +162,8 @@ def test_resume_reuses_the_stored_plan_and_continues_with_identical_losses(tmp_p
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["speedup_by_bucket.png"]
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_ranks_with_batches_of_different_lengths_keep_their_plans(tmp_path) -> None:
     # Each rank reads its own batches (64 to 256 tokens per sequence): the ranks agree on the
     # largest count, but each measures its own memory. Their plans must not shrink step by step.
@@ -187,6 +186,8 @@ def test_ranks_with_batches_of_different_lengths_keep_their_plans(tmp_path) -> N
     assert max(peaks) <= 30 * 2**20
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_a_growing_batch_replans_and_stays_under_the_limit(tmp_path) -> None:
     ranks = fit(
         tmp_path,
@@ -211,6 +212,8 @@ def test_a_growing_batch_replans_and_stays_under_the_limit(tmp_path) -> None:
     assert peaks and max(peaks) <= 20 * 2**20
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_a_hugging_face_model_is_bitwise_fsdp2_with_torch_checkpoint(tmp_path) -> None:
     args = ("--hf", "--steps", "8", "--min-len", "64", "--max-len", "64")
     tapesac = fit(tmp_path / "tapesac", *args, *RECORDED)
@@ -296,9 +299,7 @@ def test_a_model_sharded_in_configure_model_gets_tapesac_only_and_options_apply(
         activation_checkpointing_policy={DecoderLayer},
         regions={DecoderLayer: "attention_block"},
         tokens=tokens,
-        warmup_steps=1,
-        profile_steps=1,
-        control_steps=1,
+        **SHORT_SCHEDULE,
     )
     module = _fit_tiny(tmp_path, SelfSharded, strategy, batches=5, max_steps=5)
     controller = strategy.controller
@@ -322,7 +323,7 @@ def test_a_batch_skipped_by_the_module_discards_its_step_and_training_goes_on(tm
         def on_train_epoch_end(self) -> None:
             open_steps.append(_TRACE.get() is not None)
 
-    strategy = TapeSACFSDPStrategy("64MiB", warmup_steps=1, profile_steps=1, control_steps=1)
+    strategy = TapeSACFSDPStrategy("64MiB", **SHORT_SCHEDULE)
     _fit_tiny(tmp_path, SkipsOnce, strategy, batches=4, max_epochs=2)
     # 2 batches in epoch 0, 4 in epoch 1; the skipped batch's step left nothing behind.
     assert strategy.controller.steps == 6 and strategy.controller.report.mode == "planned"
@@ -347,16 +348,7 @@ def _fit_tiny(tmp_path, module_class, strategy, batches: int, **trainer_args):
         **trainer_args,
     )
     torch.manual_seed(0)
-    module = module_class(
-        ModelConfig(
-            hidden_size=32,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            intermediate_size=64,
-            num_layers=2,
-        )
-    )
+    module = module_class(ModelConfig(**(SMALL | dict(num_layers=2))))
     data = torch.utils.data.DataLoader(
         [torch.randint(0, 256, (2, 16)) for _ in range(batches)], batch_size=None
     )

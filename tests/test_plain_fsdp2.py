@@ -4,11 +4,11 @@ shards bitwise those of FSDP2 without checkpointing, with the mix changing betwe
 import copy
 import json
 import os
-import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from launch import join_group_of_two, spawn_two
 
 import tapesac_core
 from examples.models import DecoderLayer, DecoderLM, ModelConfig
@@ -43,9 +43,7 @@ def _step(model: DecoderLM, ids: torch.Tensor, seed: int) -> tuple[torch.Tensor,
 
 
 def _rank(rank: int, out: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank, world_size=2
-    )
+    join_group_of_two(rank, out)
     try:
         torch.manual_seed(0)
         base = DecoderLM(ModelConfig(num_layers=4, dropout=0.1))
@@ -76,10 +74,9 @@ def _rank(rank: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.launch
 def test_plain_checkpointed_and_planned_blocks_mixed_under_fsdp2_are_bitwise_on_two_ranks() -> None:
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank, args=(out,), nprocs=2, join=True)
-        ranks = [json.loads(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(2)]
+    ranks = spawn_two(_rank)
     for results in ranks:
         assert [r["loss_equal"] for r in results] == [True] * len(MIXES)
         assert [r["differ"] for r in results] == [[]] * len(MIXES)
