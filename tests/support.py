@@ -6,6 +6,7 @@ fused_kernel.py, lightning_app.py), never from another test file."""
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from collections import Counter
@@ -142,11 +143,31 @@ SMALL = dict(
 SHORT_SCHEDULE = dict(warmup_steps=1, profile_steps=1, control_steps=1, control_every=0)
 
 
+# A wider decoder of 4 layers, whose blocks' times and peaks stand well above a host's noise.
+WIDE = dict(
+    hidden_size=256,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+    intermediate_size=768,
+    moe_intermediate_size=256,
+    num_layers=4,
+)
+
+
 def checkpointed_lm(blocks: Any = (DecoderLayer,), **overrides: Any) -> DecoderLM:
     """``tiny_lm(**overrides)`` with TapeSAC on its ``blocks`` classes."""
     model = tiny_lm(**overrides)
     tapesac_core.checkpoint_modules(model, set(blocks))
     return model
+
+
+def reference_and_copy(**overrides: Any) -> tuple[DecoderLM, DecoderLM]:
+    """``tiny_lm(**overrides)``, and a copy of it (the same weights) with TapeSAC on its blocks."""
+    reference = tiny_lm(**overrides)
+    model = copy.deepcopy(reference)
+    tapesac_core.checkpoint_modules(model, BLOCK_CLASSES)
+    return reference, model
 
 
 def token_ids(seed: int, batch: int = 2, seq: int = 32, vocab: int = 256) -> torch.Tensor:

@@ -5,6 +5,7 @@ import copy
 import importlib
 import logging
 
+import pytest
 import torch
 import torch._dynamo
 from support import assert_bitwise, step
@@ -55,6 +56,7 @@ def _compiled_run(
     return counter, step(model, lambda: compiled(x))
 
 
+@pytest.mark.slow
 def test_compile_excludes_blocks_compiles_the_rest_and_matches_uncompiled_blocks_bitwise(
     caplog, monkeypatch
 ) -> None:

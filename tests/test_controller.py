@@ -8,7 +8,15 @@ import weakref
 
 import pytest
 import torch
-from support import SHORT_SCHEDULE, SMALL, FakeMeter, run_step, setup_controller, tiny_lm
+from support import (
+    SHORT_SCHEDULE,
+    SMALL,
+    FakeMeter,
+    run_step,
+    setup_controller,
+    tiny_lm,
+    token_ids,
+)
 
 import tapesac_core
 from examples.models import DecoderLayer
@@ -394,7 +402,7 @@ def test_secondary_regions_bucket_their_largest_count_so_far_with_their_own_fact
         secondary_regions={"vision"},
         secondary_bucket_factor=2.0,
     )
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = token_ids(0, batch=2, seq=32)
     meter.tokens = ids.numel()
 
     def run(vision: int):

@@ -5,22 +5,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support import tiny_lm
+from support import checkpointed_lm
 
-import tapesac_core
-from examples.models import DecoderLayer
 from tapesac_core import TapeSACError
 from tapesac_core.controller import Controller
 from tapesac_core.memory import AcceleratorMeter
 from tapesac_core.timing import DeviceQueue, NodeTimer, seconds
 
 CUDA1 = torch.device("cuda", 1)
-
-
-def _model():
-    model = tiny_lm(num_layers=2)
-    tapesac_core.checkpoint_modules(model, {DecoderLayer})
-    return model
 
 
 @pytest.fixture
@@ -50,7 +42,7 @@ def nccl_on_two_ranks(monkeypatch):
 
 
 def test_collectives_take_tensors_on_the_controllers_device(nccl_on_two_ranks) -> None:
-    c = Controller(_model(), 0.5, device=CUDA1)
+    c = Controller(checkpointed_lm(num_layers=2), 0.5, device=CUDA1)
     assert c.ranks.largest([3, 5]) == [3, 5]
 
     def fail():
@@ -84,7 +76,7 @@ def test_node_timer_records_events_on_the_stream_of_the_device_it_times(monkeypa
 
 
 def test_with_fsdp2_cpu_offload_the_controller_meters_the_compute_device() -> None:
-    model = _model()
+    model = checkpointed_lm(num_layers=2)
     # FSDP2 with CPUOffloadPolicy: parameters stay on the CPU, blocks compute on cuda:1.
     model.layers[0]._get_fsdp_state = lambda: SimpleNamespace(_device=CUDA1)
     c = Controller(model, 0.5)
@@ -94,7 +86,7 @@ def test_with_fsdp2_cpu_offload_the_controller_meters_the_compute_device() -> No
     assert isinstance(meter, AcceleratorMeter) and meter.device == CUDA1
     # An explicit device wins; a model FSDP2 does not shard keeps its parameters' device.
     assert Controller(model, 0.5, device="cuda:0").device == torch.device("cuda", 0)
-    assert Controller(_model(), 0.5).device == torch.device("cpu")
+    assert Controller(checkpointed_lm(num_layers=2), 0.5).device == torch.device("cpu")
 
 
 class SimulatedDevice:

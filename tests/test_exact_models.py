@@ -2,7 +2,14 @@
 
 import pytest
 import torch
-from support import BLOCK_CLASSES, assert_bitwise, assert_replayed_as_predicted, step, tiny_lm
+from support import (
+    BLOCK_CLASSES,
+    assert_bitwise,
+    assert_replayed_as_predicted,
+    step,
+    tiny_lm,
+    token_ids,
+)
 
 import tapesac_core
 
@@ -18,7 +25,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_example_model_is_bitwise_exact(name: str) -> None:
     model = tiny_lm(**CONFIGS[name])
-    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    ids = token_ids(1, batch=2, seq=24)
     ref = step(model, lambda: model.loss(ids))
     tapesac_core.checkpoint_modules(model, BLOCK_CLASSES)
     with tapesac_core.trace() as blocks:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import token_ids
 
 from examples import data, models
 from examples.models import DecoderLM, ModelConfig
@@ -30,15 +31,11 @@ def build(config: ModelConfig, seed: int = 0) -> DecoderLM:
     return DecoderLM(config)
 
 
-def random_ids(batch: int, seq_len: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 256, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("name", CONFIGS)
 def test_logits_shape_and_layer_classes(name: str) -> None:
     config = CONFIGS[name]
     model = build(config)
-    assert model(random_ids(3, 11)).shape == (3, 11, config.vocab_size)
+    assert model(token_ids(1, batch=3, seq=11)).shape == (3, 11, config.vocab_size)
     expected = "MoEDecoderLayer" if config.moe else "DecoderLayer"
     assert [type(layer).__name__ for layer in model.layers] == [expected] * config.num_layers
 
@@ -46,7 +43,7 @@ def test_logits_shape_and_layer_classes(name: str) -> None:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_backward_reaches_every_parameter(name: str) -> None:
     model = build(CONFIGS[name])
-    loss = model.loss(random_ids(4, 16))
+    loss = model.loss(token_ids(1, batch=4, seq=16))
     loss.backward()
     assert torch.isfinite(loss)
     # 64 tokens over 4 experts: every expert receives tokens, so even skip_empty_experts runs them all.
@@ -64,7 +61,7 @@ def test_query_projection_also_produces_the_gate() -> None:
 @pytest.mark.parametrize("name", ["dense", "moe_skip_empty"])
 def test_model_is_causal(name: str) -> None:
     model = build(CONFIGS[name])
-    ids = random_ids(2, 12)
+    ids = token_ids(1, batch=2, seq=12)
     changed = ids.clone()
     changed[:, 8:] = (changed[:, 8:] + 1) % 256
     torch.testing.assert_close(model(ids)[:, :8], model(changed)[:, :8], rtol=0, atol=1e-6)
@@ -78,19 +75,19 @@ def test_skip_empty_experts_runs_only_routed_experts(skip: bool) -> None:
     for expert in model.layers[0].mlp.experts:
         expert.register_forward_hook(lambda module, args, output: calls.append(module))
     # One token is routed to exactly top_k experts.
-    model(random_ids(1, 1))
+    model(token_ids(1, batch=1, seq=1))
     assert len(calls) == (config.top_k if skip else config.num_experts)
 
 
 def test_skip_empty_experts_does_not_change_the_result() -> None:
-    ids = random_ids(1, 3)
+    ids = token_ids(1, batch=1, seq=3)
     dense_loop = build(ModelConfig.tiny(moe=True))(ids)
     skipping = build(ModelConfig.tiny(moe=True, skip_empty_experts=True))(ids)
     assert torch.equal(dense_loop, skipping)
 
 
 def test_routing_weights_on_input_changes_the_result() -> None:
-    ids = random_ids(2, 8)
+    ids = token_ids(1, batch=2, seq=8)
     on_output = build(ModelConfig.tiny(moe=True))(ids)
     on_input = build(ModelConfig.tiny(moe=True, routing_weights_on_input=True))(ids)
     assert not torch.equal(on_output, on_input)
@@ -141,7 +138,7 @@ def test_config_is_frozen_and_keyword_only() -> None:
 
 @pytest.mark.parametrize("name", ["dense_dropout", "moe_no_shared_top1"])
 def test_same_seed_gives_bitwise_same_loss_and_gradients(name: str) -> None:
-    ids = random_ids(2, 16)
+    ids = token_ids(1, batch=2, seq=16)
     runs = []
     for _ in range(2):
         model = build(CONFIGS[name], seed=7)
@@ -157,10 +154,10 @@ def test_same_seed_gives_bitwise_same_loss_and_gradients(name: str) -> None:
 @pytest.mark.parametrize("name", ["dense", "moe_skip_empty"])
 def test_forward_depends_on_no_global_state(name: str) -> None:
     model = build(CONFIGS[name])
-    ids = random_ids(2, 9)
+    ids = token_ids(1, batch=2, seq=9)
     reference = model(ids)
     # Earlier calls with other shapes, other seeds and another default dtype must not matter.
-    model(random_ids(3, 17, seed=5))
+    model(token_ids(5, batch=3, seq=17))
     random.seed(99)
     torch.manual_seed(99)
     default_dtype = torch.get_default_dtype()

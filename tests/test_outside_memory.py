@@ -7,33 +7,18 @@ import logging
 import statistics
 import time
 
+import pytest
 import torch
+from support import SHORT_SCHEDULE, checkpointed_lm, token_ids
 
 import tapesac_core
-from examples.models import DecoderLayer, DecoderLM, ModelConfig
+from examples.models import DecoderLM
 from tapesac_core.controller import CONTROL, PLANNED, Controller
 from tapesac_core.units import MiB
 
 # mismatch_windows: measured speedups on a busy host must not send the run back to profiling.
-SETTINGS = dict(
-    warmup_steps=1,
-    profile_steps=1,
-    control_steps=1,
-    control_every=4,
-    meter_every=4,
-    mismatch_windows=1000,
-)
-
-
-def _model() -> DecoderLM:
-    torch.manual_seed(0)
-    model = DecoderLM(ModelConfig(hidden_size=64, num_layers=4, dropout=0.1))
-    tapesac_core.checkpoint_modules(model, {DecoderLayer})
-    return model
-
-
-def _ids(step: int) -> torch.Tensor:
-    return torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(step))
+SETTINGS = SHORT_SCHEDULE | dict(control_every=4, meter_every=4, mismatch_windows=1000)
+MODEL = dict(hidden_size=64, num_layers=4, dropout=0.1)  # trained on batches of 4 x 64 tokens
 
 
 def _must_only_peak(model: DecoderLM) -> int:
@@ -41,15 +26,15 @@ def _must_only_peak(model: DecoderLM) -> int:
     probe = Controller(model, 0.0, **SETTINGS)
     for step in range(3):
         _train(model, probe, step)
-    return probe.memory.base(_ids(0).numel())
+    return probe.memory.base(token_ids(0, batch=4, seq=64).numel())
 
 
 def _train(model, controller, step: int) -> tuple:
     """The step's report (without its block traces: their tapes would stay alive and count as
     memory outside the blocks at the next steps' start) and its wall seconds."""
     start = time.perf_counter()
-    with controller.step(tokens=_ids(step).numel()) as report:
-        model.loss(_ids(step)).backward()
+    with controller.step(tokens=token_ids(step, batch=4, seq=64).numel()) as report:
+        model.loss(token_ids(step, batch=4, seq=64)).backward()
     model.zero_grad(set_to_none=True)
     return dataclasses.replace(report, block_traces=[]), time.perf_counter() - start
 
@@ -59,10 +44,11 @@ def _run(model, controller, steps: range, caplog) -> list[tuple]:
         return [_train(model, controller, step) for step in steps]
 
 
+@pytest.mark.slow
 def test_a_limit_made_unreachable_by_outside_memory_warns_once_and_solves_again_when_freed(
     caplog,
 ) -> None:
-    model = _model()
+    model = checkpointed_lm(**MODEL)
     must_only = _must_only_peak(model)
     limit = int(1.15 * must_only)  # above the must-only peak at the bucket edge (276 tokens)
     controller = Controller(model, limit, **SETTINGS)
@@ -104,14 +90,14 @@ def test_a_limit_made_unreachable_by_outside_memory_warns_once_and_solves_again_
     assert caplog.text.count("TapeSAC solved bucket") == 1 and "no plan fits" not in caplog.text
     assert abs(controller.memory.static_growth) < 0.02 * limit
     assert after[-1][0].mode != PLANNED or after[-1][0].saved_bytes > 0
-    assert controller.plan_for(_ids(0).numel()).saved_bytes > 0
+    assert controller.plan_for(token_ids(0, batch=4, seq=64).numel()).saved_bytes > 0
 
 
 def test_memory_that_grows_after_planning_is_seen_within_meter_every_steps(caplog) -> None:
-    model = _model()
+    model = checkpointed_lm(**MODEL)
     controller = Controller(model, 2 * _must_only_peak(model), **SETTINGS)
     _run(model, controller, range(4), caplog)
-    before = controller.plan_for(_ids(0).numel())
+    before = controller.plan_for(token_ids(0, batch=4, seq=64).numel())
     extra = torch.ones(2 * MiB, dtype=torch.uint8)  # above the margin (2% of about 6 MiB)
     ran = _run(model, controller, range(4, 4 + SETTINGS["meter_every"] + 2), caplog)
     planned = [r for r, _ in ran if r.mode == PLANNED]
@@ -119,5 +105,5 @@ def test_memory_that_grows_after_planning_is_seen_within_meter_every_steps(caplo
     assert metered and metered[0] < SETTINGS["meter_every"]  # within as many planned steps
     _run(model, controller, range(20, 21), caplog)  # the ranks apply what it saw at the next
     assert abs(controller.memory.static_growth - extra.nbytes) < 0.25 * MiB
-    after = controller.plan_for(_ids(0).numel())
+    after = controller.plan_for(token_ids(0, batch=4, seq=64).numel())
     assert after is not before and after.capacity < before.capacity - MiB

@@ -9,9 +9,9 @@ import copy
 
 import pytest
 import torch
+from support import BLOCK_CLASSES, SHORT_SCHEDULE, checkpointed_lm, token_ids
 
 import tapesac_core
-from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
 from examples.training import train_step
 from tapesac_core.controller import CONTROL, PLANNED, Controller
 from tapesac_core.memory import LiveTensorMeter
@@ -25,14 +25,13 @@ assert upper_edge(bucket(4 * SEQ, 1.1), 1.1) == 4 * SEQ
 
 
 def _model(**overrides):
-    torch.manual_seed(0)
-    model = DecoderLM(ModelConfig(**({"dropout": 0.1} | overrides)))
-    tapesac_core.checkpoint_modules(model, {DecoderLayer, MoEDecoderLayer})
-    return model
+    """The example model (dropout 0.1 unless overridden), its blocks checkpointed."""
+    return checkpointed_lm(BLOCK_CLASSES, **({"dropout": 0.1} | overrides))
 
 
 def _ids(step: int, vocab: int = 256, seq: int = SEQ):
-    return torch.randint(0, vocab, (4, seq), generator=torch.Generator().manual_seed(step))
+    """A batch of 4 x ``seq`` tokens: the bucket's upper edge at ``SEQ``."""
+    return token_ids(step, batch=4, seq=seq, vocab=vocab)
 
 
 def _step_up(controller, plan) -> int | None:
@@ -87,10 +86,7 @@ def _run(base, limit, memory_model="peak", vocab=256, steps=5, fresh=False, cont
     controller = Controller(
         model,
         limit,
-        warmup_steps=1,
-        profile_steps=1,
-        control_steps=1,
-        control_every=0,
+        **SHORT_SCHEDULE,
         memory_model=memory_model,
         peak_correction=False,
     )
@@ -119,6 +115,7 @@ def dense():
     return base, must_only, plan.saved_bytes  # must-only peak, and all that is worth saving
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.1, 0.3, 0.6, 1.0])
 def test_predicted_peak_within_3_percent_never_above_the_limit_and_the_capacity_used(
     dense, fraction, caplog
@@ -152,6 +149,7 @@ def test_predicted_peak_within_3_percent_never_above_the_limit_and_the_capacity_
     )
 
 
+@pytest.mark.slow
 def test_a_zero_limit_runs_must_only_under_the_peak_aware_model(dense, caplog):
     """Nothing fits a limit of 0, but it asks for must-only: not for the plan of the lowest peak."""
     base, must_only, _ = dense
@@ -163,6 +161,7 @@ def test_a_zero_limit_runs_must_only_under_the_peak_aware_model(dense, caplog):
     assert "memory_limit is 0" in caplog.text and "no plan fits" not in caplog.text
 
 
+@pytest.mark.slow
 def test_eq8_overcharges_the_same_step(dense):
     base, must_only, everything = dense
     limit = int((must_only + 0.6 * everything) / 0.98)
@@ -175,6 +174,7 @@ def test_eq8_overcharges_the_same_step(dense):
     assert max(p for p, _ in planned) <= limit
 
 
+@pytest.mark.slow
 def test_a_peak_at_the_loss_is_located_and_the_plan_uses_the_memory_beside_it():
     vocab = 16384  # logits of 276 x 16384 floats (and their float copy) set the peak
     base = _model(vocab_size=vocab)
@@ -194,6 +194,7 @@ def test_a_peak_at_the_loss_is_located_and_the_plan_uses_the_memory_beside_it():
     assert _uses_its_capacity(controller, plan, measured, measured_must_only)
 
 
+@pytest.mark.slow
 def test_moe_routing_on_fresh_batches_stays_under_the_limit():
     base = _model(moe=True, num_layers=3)
     _, must_only, report = _run(base, "1GiB", fresh=True)
@@ -215,6 +216,7 @@ def test_moe_routing_on_fresh_batches_stays_under_the_limit():
         assert predicted <= 1.03 * measured, (predicted, measured)
 
 
+@pytest.mark.slow
 def test_a_longer_sequence_mid_run_samples_again_and_stays_under_the_limit(dense):
     base, must_only, everything = dense
     limit = int((must_only + 0.6 * everything) / 0.98)
@@ -223,10 +225,7 @@ def test_a_longer_sequence_mid_run_samples_again_and_stays_under_the_limit(dense
     controller = Controller(
         model,
         limit,
-        warmup_steps=1,
-        profile_steps=1,
-        control_steps=1,
-        control_every=0,
+        **SHORT_SCHEDULE,
         peak_correction=False,
     )
     for step in range(3):
@@ -273,10 +272,7 @@ def _qwen3_run(base, limit):
     controller = Controller(
         model,
         limit,
-        warmup_steps=1,
-        profile_steps=1,
-        control_steps=1,
-        control_every=0,
+        **SHORT_SCHEDULE,
         peak_correction=False,
     )
     ids = _ids(0, vocab=128)
@@ -294,6 +290,7 @@ def _qwen3_run(base, limit):
     return planned, must_only, report
 
 
+@pytest.mark.slow
 def test_hugging_face_qwen3_predicted_within_3_percent_and_under_the_limit():
     pytest.importorskip("transformers")
     base = _qwen3()
@@ -309,6 +306,7 @@ def test_hugging_face_qwen3_predicted_within_3_percent_and_under_the_limit():
         assert max(p for p, _ in planned) <= limit
 
 
+@pytest.mark.slow
 def test_two_micro_batches_in_one_step_the_second_starts_from_freed_memory(dense):
     base, must_only, everything = dense
     model = copy.deepcopy(base)
@@ -317,10 +315,7 @@ def test_two_micro_batches_in_one_step_the_second_starts_from_freed_memory(dense
     controller = Controller(
         model,
         limit,
-        warmup_steps=1,
-        profile_steps=1,
-        control_steps=1,
-        control_every=0,
+        **SHORT_SCHEDULE,
         peak_correction=False,
     )
     planned = []
@@ -371,6 +366,7 @@ def test_measuring_the_timeline_leaves_the_step_bitwise_and_sees_every_block():
     assert timeline.peak == meter.reading().peak  # the segments cover the whole window
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.97, 0.5])  # 0.5: no plan reaches that low
 def test_a_limit_below_the_must_only_peak_warns_only_when_no_plan_fits_below_it(
     dense, caplog, fraction
@@ -389,10 +385,7 @@ def test_a_limit_below_the_must_only_peak_warns_only_when_no_plan_fits_below_it(
     controller = Controller(
         model,
         limit,
-        warmup_steps=1,
-        profile_steps=1,
-        control_steps=1,
-        control_every=0,
+        **SHORT_SCHEDULE,
         peak_correction=False,
     )
     planned = []

@@ -1,14 +1,21 @@
 """Plain blocks in a plan: run as without checkpointing (not recorded, nothing replayed), mixed
 with TapeSAC blocks of the same region type; loss and gradients bitwise those of no checkpointing."""
 
-import copy
-
 import pytest
 import torch
-from support import assert_bitwise, step
+from support import (
+    BLOCK_CLASSES,
+    SHORT_SCHEDULE,
+    WIDE,
+    assert_bitwise,
+    checkpointed_lm,
+    reference_and_copy,
+    step,
+    token_ids,
+)
 
 import tapesac_core
-from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
+from examples.models import DecoderLM
 from tapesac_core import PLAIN, TORCH_CHECKPOINT
 from tapesac_core.checkpoint import trace
 from tapesac_core.memory import profile_memory
@@ -18,12 +25,8 @@ from tapesac_core.profile import plain_bytes
 
 def _model(moe: bool = False) -> tuple[DecoderLM, DecoderLM, torch.Tensor]:
     """A reference model and its TapeSAC copy (dropout on), and a batch."""
-    torch.manual_seed(0)
-    reference = DecoderLM(ModelConfig(num_layers=4, dropout=0.1, moe=moe))
-    model = copy.deepcopy(reference)
-    tapesac_core.checkpoint_modules(model, {DecoderLayer, MoEDecoderLayer})
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
-    return reference, model, ids
+    reference, model = reference_and_copy(num_layers=4, dropout=0.1, moe=moe)
+    return reference, model, token_ids(1, batch=2, seq=32)
 
 
 def _step(model: DecoderLM, ids: torch.Tensor, seed: int = 0) -> tuple:
@@ -146,10 +149,7 @@ def _planned_step(controller, model, ids, seed: int):
 
 def test_the_planner_runs_blocks_plain_where_memory_allows_and_the_limit_holds() -> None:
     reference, model, ids = _model()
-    settings = dict(
-        warmup_steps=1, profile_steps=1, control_steps=1, control_every=0, plain_blocks=True
-    )
-    controller = tapesac_core.Controller(model, "1GiB", **settings)
+    controller = tapesac_core.Controller(model, "1GiB", **SHORT_SCHEDULE, plain_blocks=True)
     for seed in range(4):
         report, got = _planned_step(controller, model, ids, seed)
     assert report.mode == "planned"
@@ -176,16 +176,9 @@ def test_plain_blocks_peak_as_predicted_autograd_freeing_their_values_in_backwar
     """A plain block's saved values go when autograd's node that reads them last has run, not
     at the block's end: predicted so (also at the instant of its release, where the MoE's
     all-plain step peaks in the model otherwise), the all-plain step's peak is the metered one."""
-    torch.manual_seed(0)
-    shape = dict(hidden_size=256, num_heads=8, head_dim=32, intermediate_size=768)
-    model = DecoderLM(
-        ModelConfig(num_layers=4, num_kv_heads=4, moe=moe, moe_intermediate_size=256, **shape)
-    )
-    tapesac_core.checkpoint_modules(model, {DecoderLayer, MoEDecoderLayer})
-    ids = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(1))
-    controller = tapesac_core.Controller(
-        model, "1GiB", warmup_steps=1, profile_steps=1, control_every=0, meter_every=1
-    )
+    model = checkpointed_lm(BLOCK_CLASSES, **WIDE, moe=moe)
+    ids = token_ids(1, batch=2, seq=256)
+    controller = tapesac_core.Controller(model, "1GiB", **SHORT_SCHEDULE, meter_every=1)
     ratios = []
     for seed in range(5):
         report, _ = _planned_step(controller, model, ids, seed)
@@ -217,9 +210,7 @@ def test_plain_blocks_of_data_dependent_sizes_are_given_the_worst_blocks_bytes()
     model = torch.nn.Sequential(*(Masked(t) for t in (1.5, 0.5, -0.5, -1.5)))
     tapesac_core.checkpoint_modules(model, {Masked})
     x = torch.randn(512, 64, requires_grad=True)
-    controller = tapesac_core.Controller(
-        model, "1GiB", warmup_steps=1, profile_steps=1, control_every=0, meter_every=1
-    )
+    controller = tapesac_core.Controller(model, "1GiB", **SHORT_SCHEDULE, meter_every=1)
     reports = []
     for _ in range(5):
         with controller.step(tokens=512) as report:

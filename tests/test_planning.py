@@ -4,7 +4,7 @@ import copy
 import time
 
 import torch
-from support import FakeMeter
+from support import SHORT_SCHEDULE, FakeMeter
 
 import tapesac_core
 from examples.models import ModelConfig, MoEDecoderLayer, rotary_cos_sin
@@ -71,10 +71,7 @@ def _plan_with_delay(delay: float) -> tuple[dict[str, float], set]:
         GiB + int(1.5 * one_storage),
         meter=meter,
         margin=0.0,
-        warmup_steps=1,
-        profile_steps=2,
-        control_steps=1,
-        control_every=0,
+        **(SHORT_SCHEDULE | dict(profile_steps=2)),
     )
     x = torch.randn(TOKENS, WIDTH)
     threads = torch.get_num_threads()
@@ -135,10 +132,7 @@ def test_blocks_with_data_dependent_op_sequences_keep_the_plan_by_anchored_coord
         layers,
         GiB,
         meter=FakeMeter(base=0, per_token=0),
-        warmup_steps=1,
-        profile_steps=1,
-        control_steps=1,
-        control_every=0,
+        **SHORT_SCHEDULE,
     )
     g = torch.Generator().manual_seed(0)
     changed = kept = 0

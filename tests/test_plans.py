@@ -20,7 +20,15 @@ def _forward_end_bytes(c, plan) -> tuple[int, tapesac_core.BlockTrace]:
     return mem.end, blocks[0]
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "inplace"])
+# Ten random plans per kind take 10-20 s: the MoE and in-place kinds run in the second tier.
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "dense",
+        pytest.param("moe", marks=pytest.mark.slow),
+        pytest.param("inplace", marks=pytest.mark.slow),
+    ],
+)
 @settings(
     max_examples=10,
     deadline=None,

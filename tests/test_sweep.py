@@ -5,24 +5,15 @@ import copy
 
 import pytest
 import torch
+from support import SHORT_SCHEDULE, checkpointed_lm, token_ids
 
-import tapesac_core
-from examples.models import DecoderLayer, DecoderLM, ModelConfig
 from examples.training import train_step
 from tapesac_core.controller import PLANNED, Controller
 from tapesac_core.memory import LiveTensorMeter
 from tapesac_core.solve import solve_plan
 
-
-def _model():
-    torch.manual_seed(0)
-    model = DecoderLM(ModelConfig(dropout=0.1))
-    tapesac_core.checkpoint_modules(model, {DecoderLayer})
-    return model
-
-
-def _ids(step: int, seq: int = 64):
-    return torch.randint(0, 256, (4, seq), generator=torch.Generator().manual_seed(step))
+# Six-step runs of the example model at five limits, measured (about 2 minutes): the second tier.
+pytestmark = pytest.mark.slow
 
 
 def _peak_of_step(model, optimizer, ids, controller=None):
@@ -37,15 +28,14 @@ def _run(base, limit, steps=6, seq=64):
     controller = Controller(
         model,
         limit,
-        warmup_steps=1,
-        profile_steps=2,
-        control_steps=1,
-        control_every=0,
+        **(SHORT_SCHEDULE | dict(profile_steps=2)),
         memory_model="sum",
     )
     peaks = []
     for step in range(steps):
-        peak, report = _peak_of_step(model, optimizer, _ids(step, seq), controller)
+        peak, report = _peak_of_step(
+            model, optimizer, token_ids(step, batch=4, seq=seq), controller
+        )
         if report.mode == PLANNED:
             peaks.append(peak)
     assert report.mode == PLANNED
@@ -54,7 +44,7 @@ def _run(base, limit, steps=6, seq=64):
 
 @pytest.fixture(scope="module")
 def sweep():
-    base = _model()
+    base = checkpointed_lm(dropout=0.1)
     # Must-only peak (no plan) and the bytes the largest useful plan would add.
     report, _, controller = _run(base, "1GiB")
     must_only, full = report.plan.base, report.plan.saved_bytes
@@ -101,24 +91,21 @@ def test_more_memory_never_predicts_a_slower_step(sweep) -> None:
 def test_a_longer_sequence_mid_run_replans_and_stays_under_the_limit(sweep) -> None:
     must_only, full, runs = sweep
     limit = int((must_only + 0.9 * full) / (1 - 0.02))
-    model = copy.deepcopy(_model())
+    model = copy.deepcopy(checkpointed_lm(dropout=0.1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     controller = Controller(
         model,
         limit,
-        warmup_steps=1,
-        profile_steps=1,
-        control_steps=1,
-        control_every=0,
+        **SHORT_SCHEDULE,
         memory_model="sum",
     )
     for step in range(4):
-        _, report = _peak_of_step(model, optimizer, _ids(step), controller)
+        _, report = _peak_of_step(model, optimizer, token_ids(step, batch=4, seq=64), controller)
     old = report.plan
     assert report.mode == PLANNED and not old.empty
     peaks, modes = [], []
     for step in range(4, 10):
-        peak, report = _peak_of_step(model, optimizer, _ids(step, seq=96), controller)
+        peak, report = _peak_of_step(model, optimizer, token_ids(step, batch=4, seq=96), controller)
         peaks.append(peak)
         modes.append(report.mode)
     new = report.plan

@@ -2,40 +2,25 @@
 beat must-only, priced by the peak model (nothing kept from forward, the whole forward again at
 the block's first unpack), metered under the limit and bitwise."""
 
-import copy
 import statistics
 
 import pytest
 import torch
-from support import assert_bitwise, step
+from support import SHORT_SCHEDULE, WIDE, assert_bitwise, reference_and_copy, step, token_ids
 
 import tapesac_core
-from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
+from examples.models import DecoderLM
 from tapesac_core.plan.plan import BlockKind
 from tapesac_core.solve import torch_checkpoint_gains, torch_checkpoint_peak
 from tapesac_core.units import KiB
 
 # Every planned step metered, the limit used as given.
-SETTINGS = dict(
-    warmup_steps=1,
-    profile_steps=1,
-    control_every=0,
-    meter_every=1,
-    margin=0.0,
-    torch_checkpoint_blocks=True,
-)
+SETTINGS = SHORT_SCHEDULE | dict(meter_every=1, margin=0.0, torch_checkpoint_blocks=True)
 
 
 def _models(moe: bool) -> tuple[DecoderLM, DecoderLM, torch.Tensor]:
-    torch.manual_seed(0)
-    shape = dict(hidden_size=256, num_heads=8, head_dim=32, intermediate_size=768)
-    reference = DecoderLM(
-        ModelConfig(num_layers=4, num_kv_heads=4, moe=moe, moe_intermediate_size=256, **shape)
-    )
-    model = copy.deepcopy(reference)
-    tapesac_core.checkpoint_modules(model, {DecoderLayer, MoEDecoderLayer})
-    ids = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(1))
-    return reference, model, ids
+    reference, model = reference_and_copy(**WIDE, moe=moe)
+    return reference, model, token_ids(1, batch=2, seq=256)
 
 
 def _step(controller, model, ids, seed: int):
@@ -111,9 +96,7 @@ def test_full_checkpointing_is_not_measured_where_it_is_predicted_over_the_limit
 
 def test_a_blocks_gain_is_the_measured_saving_shared_by_full_recompute_time() -> None:
     _, model, ids = _models(moe=False)
-    controller = tapesac_core.Controller(
-        model, "1GiB", warmup_steps=1, profile_steps=1, control_every=0
-    )
+    controller = tapesac_core.Controller(model, "1GiB", **SHORT_SCHEDULE)
     for seed in range(3):
         _step(controller, model, ids, seed)
     profiles = controller.profiles
@@ -126,6 +109,7 @@ def test_a_blocks_gain_is_the_measured_saving_shared_by_full_recompute_time() ->
     assert torch_checkpoint_gains(profiles, tokens, 2.0, 2.2, 1.5) == {}
 
 
+@pytest.mark.slow
 def test_a_plan_is_solved_again_once_twice_the_full_checkpointing_steps_are_measured(
     caplog,
 ) -> None:
