@@ -252,6 +252,8 @@ class Controller:
         report.count_blocks(blocks)
         report.torch_checkpointed = len(torch_checkpointed) + len(planned_checkpoint)
         report.plain_blocks = len(plain)
+        if plan is not None:
+            report.saved_bytes += plan.plain_bytes(local)
         if probe is not None and reading is not None and blocks:
             self.memory.add_timeline(
                 probe.timeline(blocks, end_peak, tokens=self.buckets.primary(local), static=static)

@@ -59,7 +59,9 @@ class StepReport:
     time: float = 0.0  # seconds, synchronised with the device
     peak: int | None = None  # bytes, when the step was metered
     limit: int = 0  # the memory limit in bytes
-    saved_bytes: int = 0  # bytes blocks kept beyond S0 (all blocks, all micro-batches)
+    # Bytes blocks kept beyond S0 (all blocks, all micro-batches): recorded blocks' as they kept
+    # them, plain blocks' as their plan sizes them for the step's tokens.
+    saved_bytes: int = 0
     replayed_nodes: int = 0
     over_budget: int = 0  # planned values not kept: over their block's bytes
     blocks: int = 0

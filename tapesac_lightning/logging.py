@@ -20,6 +20,9 @@ SCALARS = (
     "tapesac/measured_speedup",
     "tapesac/measured_speedup_vs_full",
     "tapesac/predicted_peak_bytes",
+    "tapesac/plain_blocks",
+    "tapesac/torch_checkpoint_blocks",
+    "tapesac/steady_blocks",
 )
 
 
@@ -35,6 +38,9 @@ def step_metrics(report: StepReport) -> dict[str, float]:
         report.measured_speedup,
         report.measured_speedup_vs_full,
         report.predicted_peak,
+        report.plain_blocks,
+        report.torch_checkpointed,
+        report.steady_blocks,
     )
     return {name: float(v) for name, v in zip(SCALARS, values) if v is not None}
 

@@ -52,6 +52,12 @@ class RegionPlan:
     def kind(self, block: int) -> BlockKind:
         return self.kinds[block % len(self.kinds)] if self.kinds else BlockKind.TAPE
 
+    def plain_bytes(self, tokens: int) -> int:
+        """Bytes the plain blocks keep beyond must-only on a batch of ``tokens`` (scaled from
+        the plan's; blocks under torch's checkpoint keep nothing of their forward)."""
+        kept = sum(b for i, b in enumerate(self.block_bytes) if self.kind(i) is BlockKind.PLAIN)
+        return round(kept * tokens / self.tokens)
+
     def block_entries(self) -> list[int | str]:
         """Per block, the values it saves, or how it runs when not recorded ("plain", "torch
         checkpoint"): the plan table's column."""
@@ -88,6 +94,11 @@ class Plan:
         if not self.predicted_peak:
             return self.predicted_peak
         return round(base + (self.predicted_peak - self.base) * factor)
+
+    def plain_bytes(self, tokens: Mapping[str, int]) -> int:
+        """Bytes the plan's plain blocks keep beyond must-only on a batch of ``tokens`` per
+        region: with the recorded blocks' saved bytes, what the plan keeps (``explain``)."""
+        return sum(p.plain_bytes(tokens[r]) for r, p in self.regions.items() if r in tokens)
 
     def coordinates(self) -> dict[str, list[frozenset[Coord]]]:
         """The form ``use_plan`` takes: per region, one coordinate set per block."""
