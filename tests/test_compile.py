@@ -103,6 +103,9 @@ def test_a_compiled_function_block_runs_eagerly_and_exactly() -> None:
     def gelu_block(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.gelu(x.sin()) * x
 
+    # A fixed input: inductor's exp (outside the block) can differ from eager's by an ulp on some
+    # inputs, which would then show in the gradient whatever the block does.
+    torch.manual_seed(0)
     x = torch.randn(8, requires_grad=True)
     ref = torch.autograd.grad(gelu_block(x).sum(), x)
     torch._dynamo.reset()
