@@ -15,10 +15,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support import assert_bitwise, assert_replayed_as_predicted, step, tiny_lm
+from support import (
+    assert_bitwise,
+    assert_replayed_as_predicted,
+    reference_and_copy,
+    step,
+    token_ids,
+)
 
 import tapesac_core
-from examples.models import DecoderLayer, MoEDecoderLayer
+from examples.models import DecoderLayer
 from tapesac_core.block import PLAIN
 from tapesac_core.profile import RegionProfile, ReplayWall, with_forward_paths
 from tapesac_core.solve import full_recompute_extra, region_menus
@@ -55,17 +61,6 @@ class InplaceViews(torch.nn.Module):
         return buf + x
 
 
-def _lm(**config: object) -> tuple[torch.nn.Module, torch.nn.Module]:
-    reference = tiny_lm(**config)
-    model = copy.deepcopy(reference)
-    tapesac_core.checkpoint_modules(model, {DecoderLayer, MoEDecoderLayer})
-    return reference, model
-
-
-def _ids(length: int = 24, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(seed))
-
-
 def _paths(blocks: list[tapesac_core.BlockTrace]) -> list[str]:
     return ["steady" if b.steady else str(b.recorded_because) for b in blocks]
 
@@ -88,8 +83,8 @@ def _run(model: torch.nn.Module, ids: torch.Tensor, **trace: bool) -> tuple:
     ids=["dense", "dense_mha", "dense_dropout", "moe", "moe_skip_dropout"],
 )
 def test_a_block_runs_in_steady_state_from_its_second_call_bitwise(config, path) -> None:
-    reference, model = _lm(**config)
-    ids = _ids()
+    reference, model = reference_and_copy(**config)
+    ids = token_ids(1, seq=24)
     ref = step(reference, lambda: reference.loss(ids), seed=0)
     for i in range(STEPS):
         got, blocks = _run(model, ids)
@@ -137,8 +132,8 @@ def _holdable_plan(model: torch.nn.Module, ids: torch.Tensor) -> dict:
 
 @pytest.mark.parametrize("planned", [False, True], ids=["must_only", "plan"])
 def test_steady_state_holds_replays_and_frees_what_recording_does(planned: bool) -> None:
-    reference, model = _lm()
-    ids = _ids()
+    reference, model = reference_and_copy()
+    ids = token_ids(1, seq=24)
     ref = step(reference, lambda: reference.loss(ids), seed=0)
     plan = _holdable_plan(model, ids) if planned else {}
     with tapesac_core.use_plan(plan):
@@ -166,8 +161,8 @@ def test_steady_state_holds_replays_and_frees_what_recording_does(planned: bool)
 @pytest.mark.parametrize("family", ["example", "qwen3"])
 def test_steady_state_peaks_at_the_bytes_recording_peaks_at(family: str) -> None:
     if family == "example":
-        _, model = _lm(hidden_size=128, intermediate_size=256)
-        ids = _ids(64)
+        _, model = reference_and_copy(hidden_size=128, intermediate_size=256)
+        ids = token_ids(1, seq=64)
         loss = lambda: model.loss(ids)  # noqa: E731
     else:
         model, layer = _hf_model("qwen3", 0.0)
@@ -190,10 +185,10 @@ def test_steady_state_peaks_at_the_bytes_recording_peaks_at(family: str) -> None
 
 
 def test_a_new_signature_records_and_an_old_one_runs_steady_again() -> None:
-    reference, model = _lm()
+    reference, model = reference_and_copy()
     seen = []
     for length, train in ((24, True), (24, True), (16, True), (16, True), (24, True), (24, False)):
-        ids = _ids(length)
+        ids = token_ids(1, seq=length)
         reference.train(train)
         model.train(train)
         ref = step(reference, lambda: reference.loss(ids), seed=0)
@@ -205,8 +200,8 @@ def test_a_new_signature_records_and_an_old_one_runs_steady_again() -> None:
 
 
 def test_a_plan_change_between_steps_records_once_then_runs_steady() -> None:
-    reference, model = _lm()
-    ids = _ids()
+    reference, model = reference_and_copy()
+    ids = token_ids(1, seq=24)
     ref = step(reference, lambda: reference.loss(ids), seed=0)
     plan = _holdable_plan(model, ids)
     seen = []
@@ -323,11 +318,11 @@ def test_hugging_face_layers_reach_steady_state_bitwise_without_dropout() -> Non
 
 
 def test_the_controller_records_measuring_and_verifying_steps_and_runs_steady_between() -> None:
-    _, model = _lm()
+    _, model = reference_and_copy()
     controller = tapesac_core.Controller(
         model, 0.0, warmup_steps=2, profile_steps=1, control_every=0, meter_every=3
     )
-    ids = _ids()
+    ids = token_ids(1, seq=24)
     seen = []
     for _ in range(10):
         with controller.step(tokens=ids.numel()) as report:
@@ -379,9 +374,9 @@ def test_a_blocks_forward_overhead_is_priced_by_the_paths_its_region_took() -> N
 
 
 def test_full_checkpointing_and_plain_blocks_are_priced_without_the_forward_overhead() -> None:
-    _, model = _lm()
+    _, model = reference_and_copy()
     controller = tapesac_core.Controller(model, 0.0, warmup_steps=1, profile_steps=1)
-    ids = _ids()
+    ids = token_ids(1, seq=24)
     for _ in range(3):
         with controller.step(tokens=ids.numel()):
             model.loss(ids).backward()
@@ -420,12 +415,12 @@ def _fsdp2_rank(rank: int, out: str) -> None:
         "gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank, world_size=2
     )
     try:
-        reference, model = _lm(num_layers=4)
+        reference, model = reference_and_copy(num_layers=4)
         reference, model = sharded(reference), sharded(model)
         plan = {"DecoderLayer": [set(), {("aten.mm.default", 0, 0)}, set(), set()]}
         results = []
         for step_index in range(4):
-            ids = _ids(24 + 8 * rank, seed=step_index)
+            ids = token_ids(step_index, seq=24 + 8 * rank)
             ref_loss, ref_grads = one_step(reference, ids)
             with tapesac_core.trace() as blocks, tapesac_core.use_plan(plan):
                 loss, grads = one_step(model, ids)
@@ -440,6 +435,7 @@ def _fsdp2_rank(rank: int, out: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_steady_state_under_fsdp2_is_bitwise_on_two_ranks() -> None:
     import torch.multiprocessing as mp
 
@@ -457,8 +453,8 @@ def test_a_dispatch_mode_around_a_steady_state_call_is_not_a_divergence(caplog) 
     decomposes to ``view``, without one to ``_reshape_alias``: not a change of the forward."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    reference, model = _lm()
-    ids = _ids()
+    reference, model = reference_and_copy()
+    ids = token_ids(1, seq=24)
     with caplog.at_level(logging.WARNING, logger="tapesac_core"):
         for counting in (False, True, False):
             # Under a mode composite ops may run other kernels: the reference runs under it too.
@@ -473,9 +469,9 @@ def test_a_dispatch_mode_around_a_steady_state_call_is_not_a_divergence(caplog) 
 
 def test_explain_says_when_a_regions_blocks_record_every_call() -> None:
     for config, says in ((dict(dropout=0.1), True), (dict(), False)):
-        _, model = _lm(**config)
+        _, model = reference_and_copy(**config)
         controller = tapesac_core.Controller(model, 0.0, warmup_steps=1, profile_steps=1)
-        ids = _ids()
+        ids = token_ids(1, seq=24)
         for _ in range(4):
             with controller.step(tokens=ids.numel()) as report:
                 model.loss(ids).backward()
@@ -535,10 +531,10 @@ def test_hugging_face_models_are_bitwise_over_five_steps(family: str, dropout: f
 
 
 def test_a_resumed_run_records_its_blocks_once_then_runs_steady_bitwise() -> None:
-    reference, model = _lm()
+    reference, model = reference_and_copy()
     settings = dict(warmup_steps=1, profile_steps=1, control_every=0, meter_every=4)
     controller = tapesac_core.Controller(model, 0.0, **settings)
-    ids = _ids()
+    ids = token_ids(1, seq=24)
     for _ in range(4):
         with controller.step(tokens=ids.numel()):
             step(model, lambda: model.loss(ids))
