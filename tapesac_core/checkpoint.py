@@ -28,7 +28,7 @@ import logging
 import time
 import types
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -43,7 +43,7 @@ from .errors import TapeSACError
 from .plan.coords import Anchor, Coord
 from .plan.plan import BlockKind, Plan
 from .recorder import Recorder
-from .signature import block_signature
+from .signature import Signature, block_signature
 from .steady import (
     Recompute,
     Recorded,
@@ -439,8 +439,13 @@ def _run_block(
         if module is not None
         else None
     )
-    entry = cache.get(signature) if cache is not None else Recorded.NOT_A_MODULE
-    if isinstance(entry, SteadyTape) and cache is not None and (scope is None or scope.steady):
+    entry = (
+        cache.get(signature)
+        if cache is not None and signature is not None
+        else Recorded.NOT_A_MODULE
+    )
+    steady = scope is None or scope.steady
+    if isinstance(entry, SteadyTape) and cache is not None and signature is not None and steady:
         return _run_steady(block, entry, fn, args, kwargs, inputs, cache, signature)
     block.trace.recorded_because = str(
         Recorded.MEASURED if isinstance(entry, SteadyTape) else entry
@@ -478,8 +483,9 @@ def _run_block(
         block.trace.forward_seconds = time.perf_counter() - start
     if block.probe is not None:
         block.probe.forward_end()
-    if cache is not None:
+    if cache is not None and signature is not None:
         cache.put(signature, steady_tape(block, inputs, outputs, output_vids), name)
+    recorder.forget()
     return out
 
 
@@ -496,10 +502,10 @@ def _run_steady(
     kwargs: dict,
     inputs: list[torch.Tensor],
     cache: SteadyCache,
-    signature: Hashable,
+    signature: Signature,
 ) -> Any:
     """A call with a cached tape: the forward under the saved-tensor hooks alone (``steady.py``)."""
-    forward = SteadyForward(block, entry, inputs, signature)
+    forward = SteadyForward(block, entry, inputs)
     # On CPU its wall time prices the steady-state path against recording (profile.py).
     timed = all(t.device.type == "cpu" for t in inputs)
     start = time.perf_counter() if timed else 0.0
@@ -527,6 +533,7 @@ def _run_steady(
             args,
             kwargs,
             forward.rng,
+            signature.autocast,
             forward.layouts(),
             _recording,
         )

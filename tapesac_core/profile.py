@@ -208,6 +208,9 @@ def merged(old: RegionProfile | None, new: RegionProfile) -> RegionProfile:
         forward_time=forward,
         shares_reference=new.shares_reference,
         recording_overhead=min(old.recording_overhead, new.recording_overhead),
+        # Measured on timed steps, not on profiling steps: kept until measured again.
+        steady_overhead=old.steady_overhead,
+        steady_share=old.steady_share,
         # The worst block over every profiling step, not the last step's alone.
         plain_worst=max(new.plain_worst, math.ceil(old.plain_worst * f)),
     )

@@ -86,6 +86,14 @@ class Recorder(TorchDispatchMode):
         self.infos: dict[int, OpInfo] = {}
         self.hot: dict[int, OpInfo] = {}  # the ops of ``infos`` the fast path records
 
+    def forget(self) -> None:
+        """The forward ended: drop the per-tensor bookkeeping. Autograd keeps the pack hook,
+        and with it this recorder, until the block's graph is freed."""
+        self.ids.by_id.clear()
+        self.ids.ptrs.clear()
+        self.infos.clear()
+        self.hot.clear()
+
     def vid_of(self, t: Tensor) -> int:
         """The value id of ``t`` as it is now (``ValueIds.vid_of``): the block's outputs."""
         return self.ids.vid_of(t)

@@ -16,10 +16,12 @@ compared with the recorded call's. On a mismatch the cached tape is dropped (the
 recorded), one warning names the block and what differed, and this call's backward runs the
 block's forward again as ``torch.utils.checkpoint`` does (from its inputs, with the generator
 states of its start), taking the k-th packed tensor for handle k: nothing comes from the stale
-tape. A change that alters neither the packs nor the autograd node types (a Python number in an
-op's arguments, read from a global) goes unseen until the block is recorded again under the same
-signature, which compares the op sequences and warns: the controller records its verification
-steps (a bucket's first planned step, and every ``meter_every``-th) for that.
+tape. A change that alters neither the packs nor the autograd node kinds goes unseen until the
+block is recorded again under the same signature, which compares the op sequences and warns (the
+controller records its verification steps for that: a bucket's first planned step, and every
+``meter_every``-th): a Python number in an op's arguments read from a global, which tensor an op
+reads or the order of the block's outputs switched by a branch, a branch on ``.tolist()`` (no
+dispatch mode sees it). Make such values arguments of the block or its modules' attributes.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import logging
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple
@@ -58,7 +60,7 @@ class Recorded(str, Enum):
     HOST_SYNC = "a host sync (.item(), a tensor's truth value) may steer its ops"
     UNSAVED_KEPT = "the plan or S0 keeps values autograd does not save"
     OUTSIDE_GRAPH = "its autograd graph reaches tensors that are not its inputs"
-    GRAPH_DIFFERS = "its first steady-state calls twice made other autograd nodes than its tape"
+    GRAPH_DIFFERS = "its first steady-state call ran other ops than its tape, twice"
 
     def __str__(self) -> str:
         return self.value
@@ -87,7 +89,7 @@ class SteadyTape:
     packs: tuple[Layout, ...]  # shape and dtype of each pack, checked as the packs come
     hold: Mapping[int, Holds]  # pack index -> the values held from the packed tensor's storage
     # Submodule exit -> (position of a returned tensor, its layout, what is held from it).
-    exit_hold: Mapping[int, tuple[int, Layout, Holds]]
+    exit_hold: Mapping[int, tuple[tuple[int, Layout, Holds], ...]]
     exits: int  # submodule exits in the forward
     empty: tuple[tuple[int, Meta], ...]  # external tensors of no bytes, made again by layout
     inputs: tuple[int | None, ...]  # per block input, the value it is kept as (None: not kept)
@@ -154,10 +156,10 @@ def steady_tape(
         return last_epoch[values[vid].sid] > values[vid].epoch
 
     hold = {k: Holds(written_later(handles[k]), tuple(held)) for k, held in held_at.items()}
-    exit_hold = {}
+    exit_hold: dict[int, tuple[tuple[int, Layout, Holds], ...]] = {}
     for (j, i), held in held_at_exit.items():
         vid, layout = block.exits[j][i]
-        exit_hold[j] = (i, layout, Holds(written_later(vid), tuple(held)))
+        exit_hold[j] = (*exit_hold.get(j, ()), (i, layout, Holds(written_later(vid), tuple(held))))
     autograd = autograd_nodes(outputs, inputs, limit=2 * len(tape.nodes) + 64)
     if autograd is None:
         return Recorded.OUTSIDE_GRAPH
@@ -340,7 +342,8 @@ class SteadyCache:
         self._entries[signature] = entry
         self._entries.move_to_end(signature)
         while len(self._entries) > CACHED_SIGNATURES:
-            self._entries.popitem(last=False)
+            evicted, _ = self._entries.popitem(last=False)
+            self._first_diverged.pop(evicted, None)
 
 
 def steady_cache(module: torch.nn.Module) -> SteadyCache:
@@ -354,10 +357,8 @@ def steady_cache(module: torch.nn.Module) -> SteadyCache:
 class SteadyForward:
     """The pack hook of one steady-state call, and its end-of-forward check."""
 
-    def __init__(
-        self, block: Any, entry: SteadyTape, inputs: Sequence[Tensor], signature: Hashable
-    ) -> None:
-        self.block, self.entry, self.signature = block, entry, signature
+    def __init__(self, block: Any, entry: SteadyTape, inputs: Sequence[Tensor]) -> None:
+        self.block, self.entry = block, entry
         self.count = 0
         self.diverged: str | None = None
         self.later: list[Layout] = []  # packs after a divergence, for the recomputation's check
@@ -396,15 +397,18 @@ class SteadyForward:
         """A submodule returned ``output``: hold what the recorded call held from it."""
         j = self.exits
         self.exits = j + 1
-        at = self.entry.exit_hold.get(j)
-        if at is None or self.diverged is not None:
+        held_here = self.entry.exit_hold.get(j)
+        if held_here is None or self.diverged is not None:
             return
-        i, (shape, dtype), holds = at
         returned = flat_tensors(output)
-        if i < len(returned) and returned[i].dtype is dtype and returned[i].shape == shape:
-            self._hold(returned[i], holds)
-        else:
-            self.diverged = f"submodule exit {j} did not return the {tuple(shape)} {dtype} tensor"
+        for i, (shape, dtype), holds in held_here:
+            if i < len(returned) and returned[i].dtype is dtype and returned[i].shape == shape:
+                self._hold(returned[i], holds)
+            else:
+                self.diverged = (
+                    f"submodule call {j} did not return a {tuple(shape)} {dtype} tensor {i}"
+                )
+                return
 
     def _hold(self, t: Tensor, holds: Holds) -> None:
         held = self.block.held
@@ -463,11 +467,12 @@ class Recompute:
         args: tuple,
         kwargs: dict,
         rng: list[tuple[torch.Generator, Tensor]],
+        autocast: Sequence[tuple[str, torch.dtype]],
         layouts: list[Layout],
         running: Callable[[Any], AbstractContextManager[Any]],
     ) -> None:
         self.name, self.fn, self.args, self.kwargs = name, fn, args, kwargs
-        self.rng, self.layouts, self.running = rng, layouts, running
+        self.rng, self.autocast, self.layouts, self.running = rng, autocast, layouts, running
         self.packed: list[Tensor] | None = None
         self._packing: list[Tensor] = []
 
@@ -485,11 +490,16 @@ class Recompute:
         for g, state in self.rng:
             g.set_state(state)
         try:
-            with (
-                torch.enable_grad(),
-                self.running(block),
-                torch.autograd.graph.saved_tensors_hooks(self._pack, _never_unpacked),
-            ):
+            with ExitStack() as stack:
+                # The forward's autocast: backward runs without it (on GPUs in autograd's own
+                # threads), and casts decide what is saved.
+                for device_type, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(self.running(block))
+                stack.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(self._pack, _never_unpacked)
+                )
                 self.fn(*args, **kwargs)
         finally:
             for g, state in current:
@@ -497,9 +507,14 @@ class Recompute:
         packed, self._packing = self._packing, []
         layouts = [(t.shape, t.dtype) for t in packed]
         if layouts != self.layouts:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(layouts, self.layouts)) if a != b),
+                min(len(layouts), len(self.layouts)),
+            )
             raise TapeSACError(
                 f"block {self.name!r}: its forward ran differently in backward than in forward "
-                f"({len(self.layouts)} tensors saved in forward, {len(layouts)} when run again). "
+                f"({len(self.layouts)} tensors saved in forward, {len(layouts)} when run again; "
+                f"they differ from saved tensor {first} on). "
                 "Fix: make what steers the block's forward an input or a module attribute that "
                 "does not change between a step's forward and its backward"
             )

@@ -19,8 +19,10 @@ the storages of leaves to ``leaf_sids`` (the recorder refuses writes into those;
 never holds their views). Whether a value's tensor is held is ``Holding``'s decision
 (``holding.py``); nodes of ops are the recorder's (``recorder.py``).
 
-Nothing here refers back to the recorder: the recorder is garbage once forward ends, and a
-cycle through it would keep the block, and what it holds, alive until the garbage collector ran.
+Nothing here refers back to the recorder: autograd keeps the recorder's pack hook, and so the
+recorder, as long as the block's graph, and a cycle through it would keep the block, and what it
+holds, alive until the garbage collector ran after that. The recorder forgets this bookkeeping
+once the forward ends (``Recorder.forget``).
 """
 
 from __future__ import annotations

@@ -551,3 +551,96 @@ def test_a_resumed_run_records_its_blocks_once_then_runs_steady_bitwise() -> Non
         assert_bitwise(ref, got)
         seen.append((str(report.mode), report.steady_blocks, report.blocks))
     assert seen == [("planned", 0, 4), ("planned", 4, 4), ("planned", 4, 4)]
+
+
+def test_numpy_numbers_are_arguments_by_value() -> None:
+    """A numpy scalar steering an op's arguments makes a new signature, as a float does: the
+    steady path could not tell 0.5 from 3.0 (same packs, same autograd nodes)."""
+    import numpy as np
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, scale: object) -> torch.Tensor:
+            return (self.lin(x) * scale).tanh()
+
+    torch.manual_seed(0)
+    block = Scaled()
+    reference = copy.deepcopy(block)
+    tapesac_core.checkpoint_module(block)
+    x = torch.randn(4, 8, requires_grad=True)
+    for scale in (np.float64(0.5), np.float64(0.5), np.float64(3.0), 3.0, np.int64(2)):
+        ref = step(reference, lambda: reference(x, scale).sum())
+        with tapesac_core.trace() as blocks:
+            got = step(block, lambda: block(x, scale).sum())
+        assert_bitwise(ref, got)
+        assert not blocks[0].diverged
+
+
+class TwoOut(torch.nn.Module):
+    """A submodule returning two tensors, both kept by a plan (neither is saved by autograd)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(8, 8))
+        self.w2 = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x @ self.w1, x @ self.w2
+
+
+class PairBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = TwoOut()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.pair(x)
+        return (a + b).sin()
+
+
+def test_values_held_from_one_submodule_call_are_all_held_in_steady_state() -> None:
+    torch.manual_seed(0)
+    block = PairBlock()
+    reference = copy.deepcopy(block)
+    tapesac_core.checkpoint_module(block)
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = step(reference, lambda: reference(x).sum())
+    both = {("aten.mm.default", 0, 0), ("aten.mm.default", 1, 0)}
+    with tapesac_core.use_plan({"PairBlock": both}):
+        for i in range(3):
+            with tapesac_core.trace() as blocks:
+                loss = block(x).sum()
+                saved = set(blocks[0].block().held)
+            loss.backward()
+            got = (loss.detach(), {n: p.grad.clone() for n, p in block.named_parameters()})
+            block.zero_grad(set_to_none=True)
+            x.grad = None
+            assert_bitwise(ref, got)
+            assert blocks[0].steady == (i > 0)
+            assert len(saved & blocks[0].saved) == 2, saved
+
+
+def test_a_divergence_under_autocast_recomputes_under_the_forwards_autocast() -> None:
+    torch.manual_seed(0)
+    block = Branchy()
+    reference = copy.deepcopy(block)
+    tapesac_core.checkpoint_module(block)
+    x = torch.randn(4, 8, requires_grad=True)
+    try:
+        for op in ("relu", "relu", "sigmoid"):
+            SWITCH["op"] = op
+            # Without autocast's weight cache, as TapeSAC blocks run (a cast recorded per use).
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                ref_loss = reference(x).float().sum()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                with tapesac_core.trace() as blocks:
+                    loss = block(x).float().sum()
+            ref = step(reference, lambda: ref_loss)
+            got = step(block, lambda: loss)
+            assert_bitwise(ref, got)
+        assert blocks[0].diverged
+    finally:
+        SWITCH["op"] = "relu"
