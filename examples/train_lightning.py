@@ -165,6 +165,8 @@ def step_record(r: StepReport) -> dict[str, Any]:
         measured_vs_full=r.measured_speedup_vs_full,
         torch_checkpointed=r.torch_checkpointed,
         blocks=r.blocks,
+        plain_blocks=r.plain_blocks,
+        steady_blocks=r.steady_blocks,
         plan=r.plan.to_json() if r.plan else None,
     )
 

@@ -142,7 +142,7 @@ class TapeSACConfig:
         default=1.1,
         metadata={
             "help": "Token buckets of primary regions are powers of this factor: one plan per "
-            "bucket, solved at its upper edge"
+            "bucket, solved for the most tokens seen in it"
         },
     )
     secondary_bucket_factor: float = field(

@@ -3,8 +3,10 @@
 Each training step runs inside ``with controller.step(tokens=n):``. The first ``warmup_steps`` run
 must-only; the next ``profile_steps`` time every op of every block (the reference block of each
 region type, the first with its most common op sequence, is kept; the first profiling step also
-samples the must-only step's peak memory); then each token bucket gets a plan, solved at the
-bucket's upper edge under the memory limit and cached. A new bucket first runs ``control_steps``
+samples the must-only step's peak memory); then each token bucket gets a plan, solved for the
+most tokens seen in the bucket so far under the memory limit and cached. A later step of more
+tokens keeps the plan where it is predicted to fit them, else the bucket is solved again for them
+before the step runs. A new bucket first runs ``control_steps``
 plain must-only steps, then one every ``control_every`` planned steps, so planned steps can be
 compared with them (measured speedup); measured and predicted speedups off by more than
 ``speedup_band`` at ``mismatch_windows`` control steps in a row send every region back to profiling.
@@ -147,7 +149,8 @@ class Controller:
         return self.budget.limit_bytes()
 
     def bucket_tokens(self, key: Bucket) -> dict[str, int]:
-        """Per region, the upper token edge of bucket ``key``: the counts its plan is solved for."""
+        """Per region, the counts bucket ``key``'s plan is solved for: the most seen in it so far
+        (its upper token edge before any step of it ran)."""
         return self.buckets.edges(key)
 
     def replan(self, memory_limit: float | int | str | None = None) -> None:
@@ -167,17 +170,24 @@ class Controller:
                 "plan_for needs profiled blocks: run steps until one is planned first"
             )
         per_region = self._agree_tokens(self.buckets.per_region(tokens))
-        return self._plan(self.buckets.key(per_region))
+        key = self.buckets.key(per_region)
+        self._see(key, per_region)
+        return self._plan(key)
 
     def predicted_peak(self, plan: Plan, tokens: Mapping[str, int]) -> int:
         """The step peak ``plan`` is predicted to reach on a batch of ``tokens`` per region: its
-        memory model's, solved at its bucket's upper edge, scaled to these tokens, with the
-        memory outside the blocks it was solved for."""
+        memory model's, solved for its bucket's tokens, scaled to these, with the memory outside
+        the blocks it was solved for."""
+        return self._peak_at(plan, tokens) + self.memory.static_growth
+
+    def _peak_at(self, plan: Plan, tokens: Mapping[str, int]) -> int:
+        """``plan``'s predicted peak at ``tokens``, with the memory outside the blocks as it was
+        when the memory model was sampled (what ``MemoryBudget.capacity`` is compared with)."""
         primary = self.buckets.primary(tokens)
         edges = {r: p.tokens for r, p in plan.regions.items()}
         # A plan of no region (one a resumed run can hold) adds nothing to scale.
         factor = primary / self.buckets.primary(edges) if edges else 1.0
-        return plan.peak_at_tokens(self.memory.base(primary), factor) + self.memory.static_growth
+        return plan.peak_at_tokens(self.memory.base(primary), factor)
 
     def step_frontier(self, key: Bucket) -> StepFrontier:
         """Bucket ``key``'s predicted frontier of whole steps, with its plan on it (for plots)."""
@@ -198,6 +208,7 @@ class Controller:
         local = self.buckets.per_region(tokens)
         per_region = self._agree_tokens(local)
         key = self.buckets.key(per_region)
+        self._see(key, per_region)
         if self.schedule.warms_up(self.steps):
             mode = WARMUP
         else:
@@ -309,7 +320,11 @@ class Controller:
         elif mode == FULL:
             self.times.add_full(key, report.time)
             if self._priced_from_too_few(key):
-                self._solve_again(key)
+                self._solve_again(
+                    key,
+                    f"it has {len(self.times.of(key).full)} full-checkpointing steps measured, its "
+                    f"plan priced torch's checkpoint from {self._priced_from[key]}",
+                )
         elif mode == PLANNED:
             self.schedule.planned(key, metered, recorded)
             self.times.add_planned(key, report.time if self.schedule.timed(metered) else None)
@@ -354,6 +369,28 @@ class Controller:
 
     # ------------------------------------------------------------------ plans
 
+    def _see(self, key: Bucket, tokens: Mapping[str, int]) -> None:
+        """Count a step's ``tokens`` (agreed by every rank) in bucket ``key``. More than the
+        bucket's plan was solved for: the plan is kept where it is predicted to fit them on every
+        rank, else the bucket is solved again for them (at most once per new most)."""
+        if not self.buckets.see(key, tokens) or key not in self.plans:
+            return
+        plan = self.plans[key]
+        if all(tokens[r] <= p.tokens for r, p in plan.regions.items()):
+            return
+        # The "sum" memory model predicts no step peak: its plans are solved again.
+        fits = bool(plan.predicted_peak) and (
+            self._peak_at(plan, tokens) <= self.budget.capacity(self.memory)
+        )
+        if not self.ranks.largest([int(not fits)])[0]:
+            return
+        solved_for = {r: p.tokens for r, p in plan.regions.items()}
+        self._solve_again(
+            key,
+            f"tokens {dict(tokens)} are more than its plan was solved for ({solved_for}) and the "
+            "plan is not predicted to fit them",
+        )
+
     def _plan(self, key: Bucket) -> Plan:
         if key not in self.plans:
             edges = self.buckets.edges(key)
@@ -381,14 +418,10 @@ class Controller:
         priced = self._priced_from.setdefault(key, measured)
         return measured > priced and measured >= max(2 * priced, self.config.torch_checkpoint_steps)
 
-    def _solve_again(self, key: Bucket) -> None:
-        logger.info(
-            "TapeSAC: bucket %s has %d full-checkpointing steps measured, its plan priced torch's "
-            "checkpoint from %d: solving it again",
-            key,
-            len(self.times.of(key).full),
-            self._priced_from[key],
-        )
+    def _solve_again(self, key: Bucket, why: str) -> None:
+        """Bucket ``key`` is solved again at its next planned step, for ``why``; its planned
+        steps' times, of the old plan, are dropped."""
+        logger.info("TapeSAC: bucket %s is solved again: %s", key, why)
         del self.plans[key]
         self.schedule.forget_plan(key)
         self.times.forget_planned(key)
@@ -494,6 +527,9 @@ class Controller:
             )
         self.steps = state["steps"]
         self.plans = plans_from_state(state, self.model_key, _STATE_VERSION)
+        for key, plan in self.plans.items():
+            if set(plan.regions) == set(self.regions):
+                self.buckets.restore(key, {r: p.tokens for r, p in plan.regions.items()})
         self._priced_from.clear()  # restored plans count from the steps measured at their check
         self.memory = MemoryModel.from_state(state)
         self.times.load_state_dict(state, self.buckets.edges)

@@ -129,7 +129,7 @@ def speedup_by_bucket_figure(rows: Sequence[tuple[int, float, float | None]]) ->
     return _finish(
         figure,
         axes,
-        "tokens per step (bucket upper edge)",
+        "tokens per step (most seen in the bucket)",
         "speedup vs must-only (x)",
         "TapeSAC speedup per token bucket",
         fontsize=8,

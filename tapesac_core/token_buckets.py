@@ -1,5 +1,5 @@
 """Token counts per region type and the buckets they fall in (paper §3.4.4): one plan per bucket,
-solved at the bucket's upper edge."""
+solved for the most tokens seen in the bucket so far (its upper edge before any was seen)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ class TokenBuckets:
         self.regions = list(regions)
         self.config = config
         self._secondary_max: dict[str, int] = {}
+        self._seen: dict[Bucket, dict[str, int]] = {}  # per bucket, the most tokens per region
 
     def per_region(self, tokens: int | Mapping[str, int]) -> dict[str, int]:
         """Every region's count from an int (all regions) or a mapping (``"*"``: the rest)."""
@@ -59,9 +60,33 @@ class TokenBuckets:
                 key.append(bucket(tokens[r], self._factor(r)))
         return tuple(key)
 
+    def see(self, key: Bucket, tokens: Mapping[str, int]) -> bool:
+        """Count ``tokens`` (a step's, agreed by every rank) in bucket ``key``; whether they are
+        more than the bucket has seen before in some region (False at the bucket's first count).
+        A secondary region counts its largest so far, as its bucket does."""
+        counts = {
+            r: self._secondary_max.get(r, tokens[r]) if self._secondary(r) else tokens[r]
+            for r in self.regions
+        }
+        seen = self._seen.get(key)
+        if seen is None:
+            self._seen[key] = counts
+            return False
+        grown = any(n > seen[r] for r, n in counts.items())
+        self._seen[key] = {r: max(n, seen[r]) for r, n in counts.items()}
+        return grown
+
     def edges(self, key: Bucket) -> dict[str, int]:
-        """Per region, the upper token edge of bucket ``key``: the counts its plan is solved for."""
+        """Per region, the token counts bucket ``key``'s plan is solved for: the most seen in it so
+        far, or its upper edge (no count in the bucket exceeds it) before any was seen."""
+        if key in self._seen:
+            return dict(self._seen[key])
         return {r: upper_edge(q, self._factor(r)) for r, q in zip(self.regions, key)}
+
+    def restore(self, key: Bucket, tokens: Mapping[str, int]) -> None:
+        """A resumed run's bucket ``key`` has seen ``tokens`` (those its restored plan was solved
+        for)."""
+        self._seen[key] = {r: int(tokens[r]) for r in self.regions}
 
     def _secondary(self, region: str) -> bool:
         return region in self.config.secondary_regions

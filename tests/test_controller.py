@@ -76,19 +76,59 @@ def test_state_machine_warmup_profile_control_then_one_plan_per_bucket() -> None
     (key,) = c.plans
     q = bucket(64, 1.1)
     assert key == (q,)
-    # Solved at the bucket's upper edge, so every step of the bucket fits.
-    assert c.plans[key].regions["DecoderLayer"].tokens == upper_edge(q, 1.1)
+    # Solved for the tokens the bucket has seen, not its upper edge (66).
+    assert c.plans[key].regions["DecoderLayer"].tokens == 64 < upper_edge(q, 1.1)
     assert not c.plans[key].empty
-    # Another count in the same bucket reuses the plan: no new solve, no new memory sample.
-    readings = meter.readings
-    report = run_step(
-        model, meter, c, 33
-    )  # 66 tokens: bucket of 64 when 1.1**q <= 64 < 66 < 1.1**(q+1)
-    assert bucket(66, 1.1) == q and report.mode == PLANNED and len(c.plans) == 1
+    # Fewer tokens in the same bucket reuse the plan: no new solve, no new memory sample.
+    readings, plan = meter.readings, c.plans[key]
+    report = run_step(model, meter, c, 31)  # 62 tokens: 1.1**q <= 62 < 64 < 1.1**(q+1)
+    assert bucket(62, 1.1) == q and report.mode == PLANNED and c.plans == {key: plan}
     assert meter.readings == readings
 
 
-def test_a_new_bucket_gets_its_own_plan_solved_at_its_upper_edge() -> None:
+def test_a_bucket_is_solved_for_the_most_tokens_it_has_seen(caplog) -> None:
+    # The must-only peak grows by 1 MiB per token: 128 MiB at 64 tokens, 130 MiB at 66 (the
+    # same bucket). The capacity, 130.1 MiB, lets the plan solved at 64 save more than it can
+    # keep at 66.
+    model, meter, c = setup_controller(int(130.1 * MiB / 0.98), FakeMeter(per_token=MiB))
+    for _ in range(4):
+        run_step(model, meter, c, 32)
+    (key,) = c.plans
+    at_64, capacity = c.plans[key], c.budget.capacity(c.memory)
+    assert at_64.regions["DecoderLayer"].tokens == 64 and not at_64.empty
+    assert at_64.predicted_peak <= capacity < c.predicted_peak(at_64, {"DecoderLayer": 66})
+    # 66 tokens: the plan would not fit them, so the bucket is solved for them before the step.
+    with caplog.at_level(logging.INFO, logger="tapesac_core"):
+        readings = meter.readings
+        report = run_step(model, meter, c, 33)
+    at_66 = c.plans[key]
+    assert report.plan is at_66 and at_66.regions["DecoderLayer"].tokens == 66
+    assert "bucket (43,) is solved again: tokens {'DecoderLayer': 66} are more than" in caplog.text
+    assert not at_66.empty and report.predicted_peak <= capacity < at_66.predicted_peak + 2**20
+    assert meter.readings > readings and report.peak  # the new plan's first step is metered
+    # No new most: the same plan, whatever the count in the bucket.
+    for seq in (33, 32, 31):
+        assert run_step(model, meter, c, seq).plan is at_66
+
+
+def test_more_tokens_keep_a_plan_predicted_to_fit_them(caplog) -> None:
+    model, meter, c = setup_controller(1024 * MiB)
+    for _ in range(4):
+        run_step(model, meter, c, 31)  # 62 tokens
+    (key,) = c.plans
+    plan = c.plans[key]
+    with caplog.at_level(logging.INFO, logger="tapesac_core"):
+        report = run_step(model, meter, c, 33)  # 66 tokens, the same bucket
+    assert report.plan is plan and plan.regions["DecoderLayer"].tokens == 62
+    assert report.predicted_peak == c.predicted_peak(plan, {"DecoderLayer": 66})
+    assert report.predicted_peak < plan.predicted_peak + 2 * 4096 * 4  # scaled to 66 tokens
+    assert "solved again" not in caplog.text
+    # The bucket remembers 66: solved again (here: a new limit), the plan is for 66.
+    c.replan()
+    assert c.plan_for(62).regions["DecoderLayer"].tokens == 66
+
+
+def test_a_new_bucket_gets_its_own_plan_solved_for_its_tokens() -> None:
     model, meter, c = setup_controller(64 * MiB + 2 * MiB)
     for _ in range(4):
         run_step(model, meter, c, 32)
@@ -96,7 +136,7 @@ def test_a_new_bucket_gets_its_own_plan_solved_at_its_upper_edge() -> None:
     assert report.mode == CONTROL
     report = run_step(model, meter, c, 36)
     assert report.mode == PLANNED and len(c.plans) == 2
-    assert report.plan.regions["DecoderLayer"].tokens == upper_edge(bucket(72, 1.1), 1.1)
+    assert report.plan.regions["DecoderLayer"].tokens == 72
 
 
 def test_memory_is_sampled_again_when_tokens_move_more_than_15_percent() -> None:
@@ -229,10 +269,10 @@ def test_the_must_only_peak_above_the_limit_warns_once_and_runs_must_only(caplog
             report = run_step(model, meter, c, 32)
     assert report.mode == PLANNED and report.plan.empty and report.saved_bytes == 0
     assert caplog.text.count("no plan fits") == 1
-    # At the bucket's edge, 66 tokens: 64 MiB + 66 x 4 KiB; the capacity is the limit less 2%.
-    assert "the must-only step alone needs 64.26 MiB" in caplog.text
-    assert "predicted at 64.26 MiB, 1.54 MiB above the 62.72 MiB the limit leaves" in caplog.text
-    assert "Fix: a memory_limit of at least 65.54 MiB" in caplog.text
+    # At the tokens seen, 64: 64 MiB + 64 x 4 KiB; the capacity is the limit less 2%.
+    assert "the must-only step alone needs 64.25 MiB" in caplog.text
+    assert "predicted at 64.25 MiB, 1.53 MiB above the 62.72 MiB the limit leaves" in caplog.text
+    assert "Fix: a memory_limit of at least 65.53 MiB" in caplog.text
     # The metered planned step near the limit raises nothing: there is no lower plan to solve.
     assert "raising the fragmentation estimate" not in caplog.text and c.plans
 
@@ -415,13 +455,13 @@ def test_secondary_regions_bucket_their_largest_count_so_far_with_their_own_fact
     assert [r.mode for r in reports] == [WARMUP, PROFILE, CONTROL, PLANNED, PLANNED]
     assert {r.bucket for r in reports} == {(bucket(64, 1.1), 3)}
     assert reports[-1].tokens["vision"] == 4  # the bucket, not the count, remembers the largest
-    assert reports[-1].plan.regions["vision"].tokens == upper_edge(3, 2.0) == 15
-    assert reports[-1].plan.regions["text"].tokens == upper_edge(bucket(64, 1.1), 1.1)
+    assert reports[-1].plan.regions["vision"].tokens == 15  # the most seen in its bucket
+    assert reports[-1].plan.regions["text"].tokens == 64
     # 16 is a new bucket (4); from then on 9 is in it too (with factor 1.1 it would be bucket 23).
     reports = [run(v) for v in (16, 16, 9)]
     assert [r.mode for r in reports] == [CONTROL, PLANNED, PLANNED]
     assert {r.bucket[1] for r in reports} == {4} and bucket(9, 1.1) == 23
-    assert reports[-1].plan.regions["vision"].tokens == upper_edge(4, 2.0) == 31
+    assert reports[-1].plan.regions["vision"].tokens == 16
     # Memory is sampled by primary tokens only: the vision count never asked for a new sample.
     assert [s.tokens for s in c.memory.samples] == [64]
 

@@ -109,6 +109,10 @@ def test_resume_from_a_checkpoint_elsewhere_needs_no_profiling(tmp_path) -> None
     assert [r["limit"] for r in resumed] == [28 * 2**20] * 2  # explicit beats the YAML
     assert losses(resumed) == [run[6:] for run in losses(whole)]
     assert [s["mode"] for s in resumed[0]["steps"]] == ["planned"] * 6  # no profiling again
+    # The default runs blocks plain with memory to spare; what they keep counts as saved.
+    planned = [s for s in whole[0]["steps"] + resumed[0]["steps"] if s["mode"] == "planned"]
+    assert any(s["plain_blocks"] for s in planned)
+    assert all(s["saved_bytes"] > 0 for s in planned)
     assert resumed[0]["steps"][0]["plan"] == whole[0]["steps"][5]["plan"]
 
 

@@ -102,11 +102,26 @@ def test_fsdp2_mixed_precision_is_bitwise_torch_checkpoint_under_the_same_policy
 @pytest.mark.slow
 @pytest.mark.launch
 def test_scalars_read_back_from_tensorboard(tmp_path, main_job) -> None:
-    run, _ = main_job
+    run, (steps, _) = main_job
     (events,) = glob.glob(str(run / "runs" / "tapesac" / "version_0" / "events*"))
     acc = EventAccumulator(events, size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     acc.Reload()
     assert {t for t in acc.Tags()["scalars"] if t.startswith("tapesac/")} == set(SCALARS)
+    # Block counts and saved bytes as the steps reported them; with memory to spare the plans run
+    # blocks plain, and what those keep beyond must-only counts as saved, as explain() says.
+    logged = {
+        key: [e.value for e in acc.Scalars(f"tapesac/{name}")]
+        for key, name in [
+            ("saved_bytes", "saved_bytes"),
+            ("plain_blocks", "plain_blocks"),
+            ("torch_checkpointed", "torch_checkpoint_blocks"),
+        ]
+    }
+    for key, values in logged.items():
+        assert values == pytest.approx([s[key] for s in steps], rel=1e-6)  # TensorBoard's float32
+    planned = [s for s in steps if s["mode"] == "planned"]
+    assert any(s["plain_blocks"] for s in planned) and all(s["saved_bytes"] > 0 for s in planned)
+    assert all(s["blocks"] + s["plain_blocks"] + s["torch_checkpointed"] == 4 for s in steps)
     assert acc.Scalars("tapesac/measured_speedup")  # once the plan ran beside must-only steps
     assert acc.Scalars("tapesac/memory_limit_bytes")[0].value == 30 * 2**20
     # On Lightning's own step index, beside the module's train_loss.

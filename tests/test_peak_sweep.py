@@ -1,8 +1,8 @@
 """The peak-aware memory model on the example models, measured on CPU (live tensor bytes).
 
-Each run trains under one absolute limit; steps have exactly the bucket's upper edge of tokens
-(4 x 69 = 276), so the plan is solved for the steps it runs and "capacity used" compares like
-with like. The correction of predicted peaks is switched off: the model alone is checked.
+Each run trains under one absolute limit; every step has 4 x 69 = 276 tokens, the count its
+bucket's plan is solved for (the most the bucket has seen), so "capacity used" compares like with
+like. The correction of predicted peaks is switched off: the model alone is checked.
 """
 
 import copy
@@ -15,13 +15,11 @@ import tapesac_core
 from examples.training import train_step
 from tapesac_core.controller import CONTROL, PLANNED, Controller
 from tapesac_core.memory import LiveTensorMeter
-from tapesac_core.plan import bucket, upper_edge
 from tapesac_core.plan.peak import menus_of, predict
 from tapesac_core.plan.plan import BlockKind
 from tapesac_core.solve import region_menus, scaled
 
 SEQ = 69
-assert upper_edge(bucket(4 * SEQ, 1.1), 1.1) == 4 * SEQ
 
 
 def _model(**overrides):

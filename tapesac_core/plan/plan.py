@@ -41,7 +41,7 @@ class RegionPlan:
 
     sequence: str  # fingerprint of the reference op sequence
     blocks: tuple[frozenset[Coord], ...]
-    tokens: int  # token count the sizes are for (the bucket's upper edge)
+    tokens: int  # token count the sizes are for (the most its bucket has seen)
     saved: tuple[Saved, ...] = ()  # the largest set, described for explain()
     note: str = ""  # e.g. why some blocks run must-only
     block_bytes: tuple[int, ...] = ()  # bytes each block's set may keep (the knapsack's weights)
@@ -86,7 +86,7 @@ class Plan:
 
     def peak_at_tokens(self, base: int, factor: float) -> int:
         """The predicted peak for a step of the bucket whose must-only peak is ``base`` and whose
-        tokens are ``factor`` times the plan's (it is solved at the bucket's upper edge, where its
+        tokens are ``factor`` times the plan's (it is solved for the bucket's tokens, where its
         must-only peak is ``self.base``): that must-only peak as measured, plus what the plan adds
         to it scaled with tokens (saved values and replay temporaries grow with them, §3.4.1).
         Scaling the addition with the must-only peak's growth instead under-predicts: that
