@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         checkpoint_module,
         checkpoint_modules,
         record,
+        restore_modules,
         trace,
         use_plan,
     )
@@ -43,6 +44,7 @@ _EXPORTS = {
         "checkpoint_module",
         "checkpoint_modules",
         "record",
+        "restore_modules",
         "trace",
         "use_plan",
     ),
@@ -81,6 +83,7 @@ __all__ = [
     "profile_memory",
     "record",
     "register_kernel",
+    "restore_modules",
     "trace",
     "use_plan",
 ]

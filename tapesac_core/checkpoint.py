@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
 from .block import Block, BlockPlan, BlockTrace
 from .errors import TapeSACError
@@ -50,10 +51,12 @@ from .steady import (
     SteadyCache,
     SteadyForward,
     SteadyTape,
+    forget_steady_cache,
     steady_cache,
     steady_tape,
 )
 from .tape import Tape
+from .values import forget_leaves
 from .verify import HiddenWrites
 
 logger = logging.getLogger(__name__)
@@ -666,8 +669,44 @@ def _wrap(
         deterministic_ops=deterministic_ops,
     )
     module.forward = types.MethodType(_checkpointed_forward, module)
-    _track_submodules(module, name)
+    # Held on the module, not beside it: a deep copy's handles then remove the copy's own hooks
+    # (a handle's copy names the copied hook dict; one held elsewhere names the original's).
+    vars(module)["_tapesac_hooks"] = _track_submodules(module, name)
     return module
+
+
+def _unwrap(module: torch.nn.Module) -> None:
+    """Undo ``_wrap``: the module's own forward back, and nothing of TapeSAC left on it or inside."""
+    state = vars(module)
+    forward = state.pop("_tapesac_forward")
+    # Wrapping bound the class's forward unless the instance had its own (e.g. a library's hook).
+    bound = getattr(forward, "__self__", None) is module
+    if bound and getattr(forward, "__func__", None) is getattr(type(module), "forward", None):
+        del state["forward"]
+    else:
+        state["forward"] = forward
+    for handle in state.pop("_tapesac_hooks"):
+        handle.remove()
+    for sub in module.modules():
+        vars(sub).pop("_tapesac_inside", None)
+    del state["_tapesac"]
+    forget_steady_cache(module)
+    forget_leaves(module)
+
+
+def restore_modules(model: torch.nn.Module) -> list[str]:
+    """Undo ``checkpoint_modules`` and ``checkpoint_module`` on every block of ``model``: each runs
+    its own forward again, as before checkpointing; the blocks' paths in ``model``."""
+    blocks = [(path, m) for path, m in model.named_modules() if block_config(m) is not None]
+    if not blocks:
+        raise TapeSACError(
+            f"restore_modules: no module of {type(model).__name__} is checkpointed by TapeSAC "
+            "(never checkpointed, or restored already). Fix: pass the model given to "
+            "checkpoint_modules (or a module around those given to checkpoint_module), once"
+        )
+    for _, module in blocks:
+        _unwrap(module)
+    return [path for path, _ in blocks]
 
 
 def _refuse_wrapping(module: torch.nn.Module, name: str) -> None:
@@ -724,14 +763,18 @@ def _refuse_sharded_inside(module: torch.nn.Module, name: str) -> None:
         )
 
 
-def _track_submodules(module: torch.nn.Module, name: str) -> None:
+def _track_submodules(module: torch.nn.Module, name: str) -> list[RemovableHandle]:
     """Name the submodule that issues each recorded op (module paths in plans and explain()),
-    and mark each as inside block ``name`` so wrapping it later is refused."""
+    and mark each as inside block ``name`` so wrapping it later is refused; the hooks' handles."""
+    handles = []
     for sub_name, sub in module.named_modules():
         if sub is not module:
             sub._tapesac_inside = name
-            sub.register_forward_pre_hook(functools.partial(_enter_submodule, sub_name))
-            sub.register_forward_hook(_exit_submodule)
+            handles.append(
+                sub.register_forward_pre_hook(functools.partial(_enter_submodule, sub_name))
+            )
+            handles.append(sub.register_forward_hook(_exit_submodule))
+    return handles
 
 
 def _enter_submodule(name: str, module: torch.nn.Module, args: Any) -> None:

@@ -346,12 +346,20 @@ class SteadyCache:
             self._first_diverged.pop(evicted, None)
 
 
+_CACHE = "_tapesac_steady"  # the module attribute that holds its cache
+
+
 def steady_cache(module: torch.nn.Module) -> SteadyCache:
     """The module's cache, made on first use."""
-    cache = module.__dict__.get("_tapesac_steady")
+    cache = module.__dict__.get(_CACHE)
     if cache is None:
-        cache = module.__dict__["_tapesac_steady"] = SteadyCache()
+        cache = module.__dict__[_CACHE] = SteadyCache()
     return cache
+
+
+def forget_steady_cache(module: torch.nn.Module) -> None:
+    """Drop the module's cache (restoring a block)."""
+    module.__dict__.pop(_CACHE, None)
 
 
 class SteadyForward:

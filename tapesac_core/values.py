@@ -42,6 +42,14 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
+# The attribute of a block's module that keeps its leaf map across calls (``_leaf_name``).
+_LEAVES = "_tapesac_leaves"
+
+
+def forget_leaves(module: torch.nn.Module) -> None:
+    """Drop the leaf map recording keeps on ``module`` (restoring a block)."""
+    vars(module).pop(_LEAVES, None)
+
 
 class ValueIds:
     """The value ids of one block's tensors while it records.
@@ -190,7 +198,7 @@ class ValueIds:
         module = self.block.module
         if module is None:
             return None
-        cached = getattr(module, "_tapesac_leaves", None)
+        cached = getattr(module, _LEAVES, None)
         entry = cached.get(id(t)) if cached is not None else None
         if entry is None and self._leaves is None:
             cached = self._leaves = {}
@@ -202,7 +210,7 @@ class ValueIds:
                     cached.setdefault(id(p), (weakref.ref(p), kind, name))
             # setattr: Module.__setattr__ as ever (a plain attribute), which mypy types for
             # tensors and modules only.
-            setattr(module, "_tapesac_leaves", cached)
+            setattr(module, _LEAVES, cached)
             entry = cached.get(id(t))
         return entry[1:] if entry is not None and entry[0]() is t else None
 
