@@ -1,6 +1,7 @@
 """The step state machine (paper Algorithm 1): warm up, profile, solve per token bucket, apply.
 
-Each training step runs inside ``with controller.step(tokens=n):``. The first ``warmup_steps`` run
+Each training step runs inside ``with controller.step(tokens=n):`` (a driver that sees the step
+only through hooks calls ``begin_step`` and ``end_step``). The first ``warmup_steps`` run
 must-only; the next ``profile_steps`` time every op of every block (the reference block of each
 region type, the first with its most common op sequence, is kept; the first profiling step also
 samples the must-only step's peak memory); then each token bucket gets a plan, solved for the
@@ -68,6 +69,23 @@ _STATE_VERSION = 4  # 2: plans carry the step time model; must-only steps keep t
 # samples at a reference static and the growth of memory outside the blocks (plans as in 3)
 
 
+@dataclasses.dataclass(frozen=True)
+class _OpenStep:
+    """What ``begin_step`` set up that ``end_step`` reads and closes."""
+
+    report: StepReport
+    stack: ExitStack  # the plan, the trace, the meter
+    meter: MemoryMeter | None
+    probe: StepProbe | None
+    static: int  # memory in use as the step began (metered steps)
+    records: bool
+    blocks: list[BlockTrace]
+    torch_checkpointed: list[str]  # blocks a full-checkpointing step ran under torch's checkpoint
+    plain: list[str]
+    planned_checkpoint: list[str]  # blocks the plan ran under torch's checkpoint
+    start: float
+
+
 class Controller:
     """Plans which tensors TapeSAC blocks save, from one memory limit, over training steps."""
 
@@ -123,6 +141,7 @@ class Controller:
         self._pending = Correction()  # asked by this rank's last metered step; agreed at the next
         # Per bucket, the full-checkpointing steps its plan priced torch's checkpoint from.
         self._priced_from: dict[Bucket, int] = {}
+        self._open: _OpenStep | None = None  # the step between begin_step and end_step
 
     # ------------------------------------------------------------------ public state
 
@@ -204,7 +223,23 @@ class Controller:
 
         One step is one micro-batch: with gradient accumulation, open one step per micro-batch
         (under ``memory_model="sum"`` a block's forward after another block's backward in the
-        same step is a TapeSACError)."""
+        same step is a TapeSACError). An exception inside ends the step unrecorded."""
+        report = self.begin_step(tokens)
+        try:
+            yield report
+        except BaseException as error:
+            self.end_step(error)
+            raise
+        self.end_step()
+
+    def begin_step(self, tokens: int | Mapping[str, int]) -> StepReport:
+        """Open the step ``step`` runs, for drivers that see a micro-batch only through hooks;
+        its report, completed by ``end_step``."""
+        if self._open is not None:
+            raise TapeSACError(
+                f"begin_step: step {self._open.report.step} is still open. Fix: end it with "
+                "end_step() (end_step(error) to discard it) before the next micro-batch's step"
+            )
         local = self.buckets.per_region(tokens)
         per_region = self._agree_tokens(local)
         key = self.buckets.key(per_region)
@@ -254,22 +289,56 @@ class Controller:
             if probe is not None:
                 probe.start()
             self._synchronize()
-            start = time.perf_counter()
-            yield report
+            self._open = _OpenStep(
+                report,
+                stack.pop_all(),  # left open until end_step; closed here if anything above fails
+                meter,
+                probe,
+                static,
+                records,
+                blocks,
+                torch_checkpointed,
+                plain,
+                planned_checkpoint,
+                time.perf_counter(),
+            )
+        return report
+
+    def end_step(self, error: BaseException | None = None) -> StepReport | None:
+        """Close the step ``begin_step`` opened; its report. With ``error`` (the micro-batch
+        failed, or the driver discards it), nothing it measured is kept: None."""
+        step, self._open = self._open, None
+        if step is None:
+            raise TapeSACError(
+                "end_step: no step is open. Fix: call begin_step(tokens) at the start of the "
+                "micro-batch (or use `with controller.step(tokens):`)"
+            )
+        if error is not None:
+            step.stack.__exit__(type(error), error, error.__traceback__)
+            return None
+        report, meter, probe = step.report, step.meter, step.probe
+        with step.stack:
             self._synchronize()
-            report.time = time.perf_counter() - start
+            report.time = time.perf_counter() - step.start
             end_peak = probe.close() if probe is not None else 0
             reading = meter.reading() if meter is not None else None
+        blocks = step.blocks
         report.count_blocks(blocks)
-        report.torch_checkpointed = len(torch_checkpointed) + len(planned_checkpoint)
-        report.plain_blocks = len(plain)
-        if plan is not None:
-            report.saved_bytes += plan.plain_bytes(local)
+        report.torch_checkpointed = len(step.torch_checkpointed) + len(step.planned_checkpoint)
+        report.plain_blocks = len(step.plain)
+        if report.plan is not None:
+            report.saved_bytes += report.plan.plain_bytes(report.local_tokens)
         if probe is not None and reading is not None and blocks:
             self.memory.add_timeline(
-                probe.timeline(blocks, end_peak, tokens=self.buckets.primary(local), static=static)
+                probe.timeline(
+                    blocks,
+                    end_peak,
+                    tokens=self.buckets.primary(report.local_tokens),
+                    static=step.static,
+                )
             )
-        self._finish(report, reading, static, records)
+        self._finish(report, reading, step.static, step.records)
+        return report
 
     def _finish(
         self, report: StepReport, reading: MemoryReading | None, static: int, recorded: bool

@@ -46,8 +46,9 @@ class StepDiscarded(Exception):
 
 
 class StepDriver:
-    """Opens and closes ``controller.step`` around micro-batches, for integrations that see a
-    training loop only through hooks (no ``with`` block spans the micro-batch).
+    """Opens and closes controller steps (``begin_step``, ``end_step``) around micro-batches,
+    for integrations that see a training loop only through hooks (no ``with`` block spans the
+    micro-batch).
 
     Integrations that open a step at the model's forward tell each forward (``forward_begins``):
     a forward with grad that reached no backward (a logging forward, a skipped batch) is then
@@ -60,7 +61,7 @@ class StepDriver:
         self.count_tokens = count_tokens
         # Set by integrations that see backward: the open step then needs only its optimizer step.
         self.backward_done = False
-        self._step: Any = None
+        self._open = False
         # The open step's block traces (its forwards append to them) and where each forward
         # told by ``forward_begins`` starts among them.
         self._blocks: list[BlockTrace] = []
@@ -69,13 +70,13 @@ class StepDriver:
 
     @property
     def is_open(self) -> bool:
-        return self._step is not None
+        return self._open
 
     def open(self, batch: Any) -> None:
         """Start the step of a micro-batch; a step still open is discarded first."""
         self.discard(StepDiscarded("a new micro-batch began before this one finished"))
-        self._step = self.controller.step(tokens=self.count_tokens(batch))
-        self._step.__enter__()
+        self.controller.begin_step(tokens=self.count_tokens(batch))
+        self._open = True
         blocks = traced_blocks()  # the trace the step just opened
         self._blocks = blocks if blocks is not None else []
 
@@ -103,10 +104,10 @@ class StepDriver:
         if len(self._forwards) > 1 and self._on_any_rank(any(self._unused())):
             self.leave_out_unused()
             return None
-        step = self._end()
-        if step is None:
+        if not self._end():
             return None
-        step.__exit__(None, None, None)
+        self.controller.end_step()
+        # The controller's copy, without the block traces: the step's tapes need not outlive it.
         return self.controller.report
 
     def leave_out_unused(self) -> None:
@@ -124,20 +125,19 @@ class StepDriver:
 
     def discard(self, exception: BaseException) -> None:
         """End the open step with ``exception``: nothing it measured is kept."""
-        step = self._end()
-        if step is not None:
-            step.__exit__(type(exception), exception, exception.__traceback__)
+        if self._end():
+            self.controller.end_step(exception)
 
     def _on_any_rank(self, flag: bool) -> bool:
         """``flag`` of any rank: the ranks' steps stay one sequence (their plans are agreed)."""
         return bool(self.controller.ranks.largest([int(flag)])[0])
 
-    def _end(self) -> Any:
-        """The open step, forgotten (None if none)."""
-        step, self._step = self._step, None
+    def _end(self) -> bool:
+        """Forget the open step; whether one was open."""
+        was_open, self._open = self._open, False
         self.backward_done = False
         self._blocks, self._forwards = [], []
-        return step
+        return was_open
 
 
 def _reached_no_backward(blocks: list[BlockTrace]) -> bool:
