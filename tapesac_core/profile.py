@@ -46,6 +46,9 @@ class RegionProfile:
     # profiled (``plain_bytes``): where sizes depend on data (tokens routed to an expert) a
     # block can keep more than the reference; 0 leaves the reference's bytes.
     plain_worst: int = 0
+    # Values of the reference block backward took alive when profiled (``BlockTrace.alive_taken``):
+    # alive at its backward whatever the plan, so running the block plain keeps them at no cost.
+    alive: frozenset[int] = frozenset()
 
     @property
     def forward_overhead(self) -> float:
@@ -66,7 +69,7 @@ class RegionProfile:
         """Running a block plain as a save set: everything autograd saves (``plain_demand``), no
         replay left, and the bytes of the region's worst block (``plain_worst``): what a block
         of data-dependent sizes may keep is bounded by the most any block kept when profiled."""
-        demand = plain_demand(self.graph, self.tape)
+        demand = plain_demand(self.graph, self.tape, self.alive)
         return Point(
             bytes=max(saved_bytes(self.graph, demand), self.plain_worst),
             time=0.0,
@@ -126,17 +129,21 @@ class RegionProfile:
         return sum(self.node_time.get(i, self.forward_time.get(i, 0.0)) for i in range(last + 1))
 
 
-def plain_demand(graph: TapeGraph, tape: Tape) -> set[int]:
+def plain_demand(graph: TapeGraph, tape: Tape, alive: Iterable[int] = ()) -> set[int]:
     """What a block run plain keeps: every value autograd saves (the demand set beyond S0 and
-    the leaves), less the block's outputs, alive anyway as the next block's input."""
-    outputs = {tape.values[v].sid for v in tape.outputs}
-    return {v for v in graph.demand - graph.available if tape.values[v].sid not in outputs}
+    the leaves), less those on the storages of ``alive``: values a must-only step found alive
+    at the block's backward (``BlockTrace.alive_taken``), as a block output that is the next
+    block's input is. Being an output is not enough: a caller may drop one before backward (the
+    attention weights an eager attention returns), and then only autograd keeps it."""
+    held = {tape.values[v].sid for v in alive}
+    return {v for v in graph.demand - graph.available if tape.values[v].sid not in held}
 
 
-def plain_bytes(tape: Tape) -> int:
-    """The bytes a block would keep run plain, from its own tape (its own sizes)."""
+def plain_bytes(tape: Tape, alive: Iterable[int] = ()) -> int:
+    """The bytes a block would keep run plain, from its own tape (its own sizes), ``alive``
+    as ``plain_demand`` takes it."""
     graph = graph_of(tape, {})
-    return saved_bytes(graph, plain_demand(graph, tape))
+    return saved_bytes(graph, plain_demand(graph, tape, alive))
 
 
 def _repeated(samples: list[Mapping[int, float]]) -> dict[int, float]:
@@ -176,7 +183,8 @@ def region_profiles(
             ),
             shares_reference=tuple(b.tape.fingerprint == common for b in traces),
             recording_overhead=_recording_overhead(same),
-            plain_worst=max(plain_bytes(b.tape) for b in traces),
+            plain_worst=max(plain_bytes(b.tape, b.alive_taken) for b in traces),
+            alive=frozenset(reference.alive_taken),
         )
     return profiles
 
@@ -213,6 +221,7 @@ def merged(old: RegionProfile | None, new: RegionProfile) -> RegionProfile:
         steady_share=old.steady_share,
         # The worst block over every profiling step, not the last step's alone.
         plain_worst=max(new.plain_worst, math.ceil(old.plain_worst * f)),
+        alive=new.alive,
     )
 
 
