@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import metric_names as names
 from .units import MiB
 
 if TYPE_CHECKING:
@@ -146,8 +147,8 @@ def timeline_figure(scalars: Mapping[str, Sequence[tuple[int, float]]]) -> Any:
     FigureCanvasAgg(figure)
     top, bottom = figure.subplots(2, 1, sharex=True)
     for tag, label, style in (
-        ("tapesac/predicted_speedup", "predicted", "-"),
-        ("tapesac/measured_speedup", "measured (medians over recent steps)", "."),
+        (names.PREDICTED_SPEEDUP, "predicted", "-"),
+        (names.MEASURED_SPEEDUP, "measured (medians over recent steps)", "."),
     ):
         if scalars.get(tag):
             steps, values = zip(*scalars[tag])
@@ -157,8 +158,8 @@ def timeline_figure(scalars: Mapping[str, Sequence[tuple[int, float]]]) -> Any:
     top.set_title("TapeSAC over the run")
     top.legend(fontsize=8)
     for tag, label, style in (
-        ("tapesac/peak_memory_bytes", "measured step peak", "o"),
-        ("tapesac/memory_limit_bytes", "memory limit", "--"),
+        (names.PEAK_MEMORY_BYTES, "measured step peak", "o"),
+        (names.MEMORY_LIMIT_BYTES, "memory limit", "--"),
     ):
         if scalars.get(tag):
             steps, values = zip(*scalars[tag])

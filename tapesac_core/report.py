@@ -12,12 +12,11 @@ from typing import Any
 
 import torch
 
+from . import metric_names as names
 from .errors import TapeSACError
 from .figures import MeasuredPoint
 from .plan.plan import Plan
 from .units import format_bytes
-
-_STATE_KEY = "TapeSAC"  # the Lightning callback's state key
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,11 +99,11 @@ class RunReport:
     def _speedups(self) -> str:
         parts = []
         for name, what in (
-            ("predicted_speedup", "predicted speedup vs must-only"),
-            ("measured_speedup", "measured speedup vs must-only"),
-            ("measured_speedup_vs_full", "measured speedup vs full checkpointing"),
+            (names.PREDICTED_SPEEDUP, "predicted speedup vs must-only"),
+            (names.MEASURED_SPEEDUP, "measured speedup vs must-only"),
+            (names.MEASURED_SPEEDUP_VS_FULL, "measured speedup vs full checkpointing"),
         ):
-            values = [v for _, v in self.scalars.get(f"tapesac/{name}", [])]
+            values = [v for _, v in self.scalars.get(name, [])]
             if values:
                 p = MeasuredPoint.of(name, values)
                 parts.append(
@@ -114,8 +113,8 @@ class RunReport:
         return "\n".join(parts)
 
     def _peaks(self) -> str:
-        peaks = [v for _, v in self.scalars.get("tapesac/peak_memory_bytes", [])]
-        limits = [v for _, v in self.scalars.get("tapesac/memory_limit_bytes", [])]
+        peaks = [v for _, v in self.scalars.get(names.PEAK_MEMORY_BYTES, [])]
+        limits = [v for _, v in self.scalars.get(names.MEMORY_LIMIT_BYTES, [])]
         if not peaks:
             return ""
         limit = f" against the limit {format_bytes(limits[-1])}" if limits else ""
@@ -153,7 +152,7 @@ def read_run(path: str | Path) -> RunReport:
 
 
 def _lightning_state(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
-    state = checkpoint.get("callbacks", {}).get(_STATE_KEY)
+    state = checkpoint.get("callbacks", {}).get(names.STATE_KEY)
     if not state:
         raise TapeSACError(
             "the Lightning checkpoint has no TapeSAC state: was it written by a run "
@@ -197,15 +196,15 @@ def _from_tensorboard(path: Path) -> RunReport:
         acc.Reload()
         tags = acc.Tags()
         for tag in tags["scalars"]:
-            if tag.startswith("tapesac/"):
+            if tag.startswith(names.PREFIX):
                 scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
-        if "tapesac/plan/text_summary" in tags["tensors"]:
+        if names.PLAN_TEXT_EVENTS in tags["tensors"]:
             texts += [
                 (e.step, make_ndarray(e.tensor_proto).item().decode().strip("`\n"))
-                for e in acc.Tensors("tapesac/plan/text_summary")
+                for e in acc.Tensors(names.PLAN_TEXT_EVENTS)
             ]
-        if "tapesac/frontier" in tags["images"]:
-            png = acc.Images("tapesac/frontier")[-1].encoded_image_string
+        if names.FRONTIER_IMAGE in tags["images"]:
+            png = acc.Images(names.FRONTIER_IMAGE)[-1].encoded_image_string
     if not scalars:
         raise TapeSACError(
             f"the TensorBoard events under {path} hold no tapesac/* scalars: was "

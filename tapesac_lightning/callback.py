@@ -8,6 +8,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from tapesac_core.metric_names import STATE_KEY
+
 from .driver import StepDiscarded, StepDriver
 from .logging import Publisher
 
@@ -31,7 +33,7 @@ class TapeSACCallback(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return "TapeSAC"
+        return STATE_KEY
 
     def _driver(self) -> StepDriver:
         driver = self.strategy.driver

@@ -1,5 +1,6 @@
 """TapeSAC metrics for any tracker (Lightning loggers, Accelerate trackers): scalars every step, the
-plan and its frontier when solved. One definition of names and meanings for both integrations."""
+plan and its frontier when solved, under the names in ``tapesac_core.metric_names``. One
+definition of their meanings for both integrations."""
 
 from __future__ import annotations
 
@@ -7,42 +8,28 @@ from collections.abc import Callable
 from typing import Any
 
 from tapesac_core import Controller, StepReport
+from tapesac_core import metric_names as names
 from tapesac_core.figures import MeasuredPoint, frontier_figure, image_array
 from tapesac_core.step_report import StepMode
-
-SCALARS = (
-    "tapesac/step_time_ms",
-    "tapesac/memory_limit_bytes",
-    "tapesac/saved_bytes",
-    "tapesac/replayed_nodes",
-    "tapesac/peak_memory_bytes",
-    "tapesac/predicted_speedup",
-    "tapesac/measured_speedup",
-    "tapesac/measured_speedup_vs_full",
-    "tapesac/predicted_peak_bytes",
-    "tapesac/plain_blocks",
-    "tapesac/torch_checkpoint_blocks",
-    "tapesac/steady_blocks",
-)
 
 
 def step_metrics(report: StepReport) -> dict[str, float]:
     """The step's ``tapesac/*`` scalars (speedups once known, peak when measured)."""
-    values = (
-        report.time * 1e3,
-        report.limit,
-        report.saved_bytes,
-        report.replayed_nodes,
-        report.peak,
-        report.predicted_speedup,
-        report.measured_speedup,
-        report.measured_speedup_vs_full,
-        report.predicted_peak,
-        report.plain_blocks,
-        report.torch_checkpointed,
-        report.steady_blocks,
-    )
-    return {name: float(v) for name, v in zip(SCALARS, values) if v is not None}
+    values = {
+        names.STEP_TIME_MS: report.time * 1e3,
+        names.MEMORY_LIMIT_BYTES: report.limit,
+        names.SAVED_BYTES: report.saved_bytes,
+        names.REPLAYED_NODES: report.replayed_nodes,
+        names.PEAK_MEMORY_BYTES: report.peak,
+        names.PREDICTED_SPEEDUP: report.predicted_speedup,
+        names.MEASURED_SPEEDUP: report.measured_speedup,
+        names.MEASURED_SPEEDUP_VS_FULL: report.measured_speedup_vs_full,
+        names.PREDICTED_PEAK_BYTES: report.predicted_peak,
+        names.PLAIN_BLOCKS: report.plain_blocks,
+        names.TORCH_CHECKPOINT_BLOCKS: report.torch_checkpointed,
+        names.STEADY_BLOCKS: report.steady_blocks,
+    }
+    return {name: float(v) for name, v in values.items() if v is not None}
 
 
 def _label(mode: StepMode) -> str | None:
@@ -85,9 +72,9 @@ class Publisher:
         self._logged_plans.add(plan.to_json())
         if writer is None or not hasattr(writer, "add_text"):
             return
-        writer.add_text("tapesac/plan", f"```\n{plan.explain(report.measured_speedup)}\n```", step)
+        writer.add_text(names.PLAN_TEXT, f"```\n{plan.explain(report.measured_speedup)}\n```", step)
         writer.add_image(
-            "tapesac/frontier",
+            names.FRONTIER_IMAGE,
             image_array(self.figure(controller, report.bucket)),
             step,
             dataformats="HWC",
@@ -104,7 +91,7 @@ class Publisher:
         ):
             return
         writer.add_image(
-            "tapesac/frontier",
+            names.FRONTIER_IMAGE,
             image_array(self.figure(controller, last.bucket)),
             step,
             dataformats="HWC",

@@ -27,16 +27,13 @@ from tapesac_core.checkpoint import (
     module_selector,
     repeated_blocks,
 )
+from tapesac_core.metric_names import STATE_KEY
 
 from .accelerate import TapeSACPlugin, named_blocks
 from .driver import StepDiscarded, StepDriver, TokenCounter, open_at_forward, tokens_in
 from .logging import Publisher, step_metrics
 
 logger = logging.getLogger(__name__)
-
-# The controller's state in TrainerState.stateful_callbacks, so in each checkpoint's
-# trainer_state.json. Not a callback's class name: Trainer never tries to rebuild it.
-STATE_KEY = "TapeSAC"
 
 
 class TapeSACTrainerCallback(TrainerCallback):

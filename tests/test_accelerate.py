@@ -13,8 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from examples.data import batches
 from tapesac_core import TapeSACError
+from tapesac_core.metric_names import SCALARS
 from tapesac_lightning.accelerate import SETTINGS_ENV, TapeSACAccelerator, TapeSACPlugin
-from tapesac_lightning.logging import SCALARS
 
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "accelerate_tapesac.yaml").read_text())
 SHORT = ("--steps", "10", "--min-len", "96", "--max-len", "96")

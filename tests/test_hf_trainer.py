@@ -13,7 +13,7 @@ import yaml
 from launch import ROOT, tapesac_launch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tapesac_lightning.logging import SCALARS
+from tapesac_core.metric_names import SCALARS
 
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "hf_trainer_tapesac.yaml").read_text())
 SHORT = ("--steps", "6", "--min-len", "96", "--max-len", "96", "--accumulate", "2")

@@ -13,8 +13,8 @@ from support import SHORT_SCHEDULE, SMALL
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tapesac_core import TapeSACError
+from tapesac_core.metric_names import SCALARS
 from tapesac_core.plan.plan import Plan
-from tapesac_lightning.logging import SCALARS
 
 
 def fit(out: Path, *args: str, launcher: str = "external") -> list[list[dict]]:
