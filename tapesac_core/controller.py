@@ -64,9 +64,10 @@ from .verify import HiddenWrites
 
 logger = logging.getLogger(__name__)
 
-_STATE_VERSION = 4  # 2: plans carry the step time model; must-only steps keep their tokens
+_STATE_VERSION = 5  # 2: plans carry the step time model; must-only steps keep their tokens
 # 3: plans carry their predicted peak (the peak-aware memory model); 4: the memory model keeps
-# samples at a reference static and the growth of memory outside the blocks (plans as in 3)
+# samples at a reference static and the growth of memory outside the blocks (plans as in 3);
+# 5: plans and times per bucket as (bucket indices, value) entries, not keyed "43,12"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 from .plan.plan import Plan
 from .profile import RegionProfile
 from .solve import modelled_replay
-from .step_report import Bucket, bucket_name, bucket_of
+from .step_report import Bucket, bucket_entries, from_bucket_entries
 from .step_time import StepTime, outside_per_token
 
 logger = logging.getLogger(__name__)
@@ -125,9 +125,9 @@ class StepTimes:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "must_only_times": _by_name(self.must_only),
-            "planned_times": _by_name(self.planned),
-            "full_times": _by_name(self.full),
+            "must_only_times": bucket_entries(self.must_only),
+            "planned_times": bucket_entries(self.planned),
+            "full_times": bucket_entries(self.full),
             "must_only_steps": [[list(k), t, s] for k, t, s in self.must_only_steps],
         }
 
@@ -135,9 +135,9 @@ class StepTimes:
         self, state: Mapping[str, Any], edges: Callable[[Bucket], dict[str, int]]
     ) -> None:
         """``edges`` stands in for the tokens of must-only steps of version 1 states (kept none)."""
-        self.must_only = _by_key(state["must_only_times"])
-        self.planned = _by_key(state["planned_times"])
-        self.full = _by_key(state.get("full_times", {}))  # absent in states before it existed
+        self.must_only = from_bucket_entries(state["must_only_times"])
+        self.planned = from_bucket_entries(state["planned_times"])
+        self.full = from_bucket_entries(state.get("full_times", []))  # absent in early states
         self.must_only_steps = [
             (tuple(k), t, s) for k, t, s in state.get("must_only_steps", [])
         ] or [(k, edges(k), s) for k, v in self.must_only.items() for s in v]
@@ -191,11 +191,3 @@ def _append(times: dict[Bucket, list[float]], key: Bucket, seconds: float) -> No
     recent = times.setdefault(key, [])
     recent.append(seconds)
     del recent[:-_WINDOW]
-
-
-def _by_name(times: Mapping[Bucket, list[float]]) -> dict[str, list[float]]:
-    return {bucket_name(k): v for k, v in times.items()}
-
-
-def _by_key(times: Mapping[str, Any]) -> dict[Bucket, Any]:
-    return {bucket_of(k): v for k, v in times.items()}

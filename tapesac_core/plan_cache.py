@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .plan.plan import Plan
-from .step_report import Bucket, bucket_name, bucket_of
+from .step_report import Bucket, bucket_entries, from_bucket_entries
 
 logger = logging.getLogger(__name__)
 
@@ -16,8 +16,9 @@ logger = logging.getLogger(__name__)
 _OLDEST_USABLE = 3
 
 
-def plans_state(plans: Mapping[Bucket, Plan]) -> dict[str, str]:
-    return {bucket_name(k): p.to_json() for k, p in plans.items()}
+def plans_state(plans: Mapping[Bucket, Plan]) -> list[tuple[list[int], str]]:
+    """Each bucket's plan as JSON."""
+    return bucket_entries({k: p.to_json() for k, p in plans.items()})
 
 
 def plans_from_state(state: Mapping[str, Any], model: str, version: int) -> dict[Bucket, Plan]:
@@ -33,4 +34,6 @@ def plans_from_state(state: Mapping[str, Any], model: str, version: int) -> dict
             len(state["plans"]),
         )
         return {}
-    return {bucket_of(k): Plan.from_json(v, model=model) for k, v in state["plans"].items()}
+    return {
+        k: Plan.from_json(v, model=model) for k, v in from_bucket_entries(state["plans"]).items()
+    }

@@ -16,6 +16,7 @@ from . import metric_names as names
 from .errors import TapeSACError
 from .figures import MeasuredPoint
 from .plan.plan import Plan
+from .step_report import from_bucket_entries
 from .units import format_bytes
 
 
@@ -164,11 +165,12 @@ def _lightning_state(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
 def _from_state(path: Path, kind: str, state: Mapping[str, Any]) -> RunReport:
     """Buckets of a controller's ``state_dict``: plans and the step times it kept."""
     buckets = []
-    for key, text in sorted(
-        state["plans"].items(), key=lambda kv: [int(q) for q in kv[0].split(",")]
-    ):
-        plan = Plan.from_json(text)
-        planned, must = state["planned_times"].get(key), state["must_only_times"].get(key)
+    plans = from_bucket_entries(state["plans"])
+    planned_times = from_bucket_entries(state["planned_times"])
+    must_only_times = from_bucket_entries(state["must_only_times"])
+    for key in sorted(plans):
+        plan = Plan.from_json(plans[key])
+        planned, must = planned_times.get(key), must_only_times.get(key)
         buckets.append(
             BucketReport(
                 tokens={r: p.tokens for r, p in plan.regions.items()},

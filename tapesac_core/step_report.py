@@ -3,22 +3,34 @@ whatever logs, reports or plots its steps."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, TypeVar
 
 from .block import BlockTrace
 from .plan.plan import Plan
 
 Bucket = tuple[int, ...]  # one bucket index per region type, in the controller's region order
+V = TypeVar("V")
 
 
-def bucket_name(key: Bucket) -> str:
-    """A bucket as a state dict's key: ``"43,12"``."""
-    return ",".join(map(str, key))
+def bucket_entries(by_bucket: Mapping[Bucket, V]) -> list[tuple[list[int], V]]:
+    """``by_bucket`` as a state dict holds it: one ``([43, 12], value)`` per bucket (a state may
+    be written as JSON, whose keys are only strings)."""
+    return [(list(key), value) for key, value in by_bucket.items()]
 
 
-def bucket_of(name: str) -> Bucket:
-    """The bucket ``bucket_name`` wrote."""
+def from_bucket_entries(entries: Any) -> dict[Bucket, Any]:
+    """The mapping ``bucket_entries`` wrote, or a state's from before version 5."""
+    if isinstance(entries, Mapping):
+        return {_legacy_bucket(name): value for name, value in entries.items()}
+    return {tuple(key): value for key, value in entries}
+
+
+def _legacy_bucket(name: str) -> Bucket:
+    """States before version 5 keyed buckets by name, ``"43,12"``: read so that a run resumed
+    from one keeps its plans and times."""
     return tuple(int(x) for x in name.split(","))
 
 

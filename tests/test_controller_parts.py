@@ -23,8 +23,8 @@ from tapesac_core.step_report import (
     SAMPLE,
     WARMUP,
     StepMode,
-    bucket_name,
-    bucket_of,
+    bucket_entries,
+    from_bucket_entries,
 )
 from tapesac_core.token_buckets import TokenBuckets
 from tapesac_core.units import GiB, MiB
@@ -48,7 +48,15 @@ def test_step_modes_read_and_write_as_their_values() -> None:
         StepMode.SAMPLE,
         StepMode.CONTROL,
     ]
-    assert bucket_of(bucket_name((43, 7))) == (43, 7) and bucket_name((5,)) == "5"
+
+
+def test_bucket_entries_keep_their_indices_through_json_and_read_states_before_version_5() -> None:
+    times = {(43, 7): [0.1, 0.2], (5, 0): [0.3]}
+    entries = bucket_entries(times)
+    assert entries == [([43, 7], [0.1, 0.2]), ([5, 0], [0.3])]
+    assert from_bucket_entries(entries) == times
+    assert from_bucket_entries(json.loads(json.dumps(entries))) == times
+    assert from_bucket_entries({"43,7": [0.1, 0.2], "5,0": [0.3]}) == times  # version 4
 
 
 # ---------------------------------------------------------------------- TokenBuckets

@@ -273,7 +273,7 @@ def test_a_version_1_state_is_solved_again_with_an_info_log(caplog):
     for _ in range(4):
         run_step(model, meter, c, 32)
     state = c.state_dict()
-    assert state["version"] == 4 and state["must_only_steps"]
+    assert state["version"] == 5 and state["must_only_steps"]
     state["version"] = 1
     del state["must_only_steps"]
     model2, meter2, fresh = setup_controller(64 * MiB + 2 * MiB)
