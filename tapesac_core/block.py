@@ -21,6 +21,7 @@ from .timing import NodeTimer
 from .verify import HiddenWrites
 
 if TYPE_CHECKING:
+    from .draws import Draws
     from .steady import Recompute, SteadyTape
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class Block:
         self.on_exit: Callable[[Any], None] | None = None
         # A steady-state call whose forward diverged from its tape: backward recomputes it.
         self.recompute: Recompute | None = None
+        self.draws: Draws | None = None  # a steady-state call's random ops' generator states
         self.current_module: str | None = None
         self._module_stack: list[str] = []
         self.timer: Any = None

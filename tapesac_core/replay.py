@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -37,6 +37,33 @@ def _fill(a: Any, tensors: list[Any]) -> Any:
     if type(a) is dict:
         return {k: _fill(v, tensors) for k, v in a.items()}
     return a
+
+
+def _call(node: Node, tensors: list[torch.Tensor]) -> Any:
+    """``node``'s op on ``tensors`` in its ``Slot``s."""
+    if len(tensors) < len(SLOT_ARGS) and node.args is SLOT_ARGS[len(tensors)]:
+        args = tensors  # the arguments are the inputs, in order
+    else:
+        args = [
+            tensors[a.i]
+            if type(a) is Slot
+            else _fill(a, tensors)
+            if type(a) is list or type(a) is tuple
+            else a
+            for a in node.args
+        ]
+    kwargs = _fill(node.kwargs, tensors) if node.kwargs else node.kwargs
+    op = node.op
+    call = op._op if type(op) is OpOverload else op  # OpOverload.__call__ only forwards
+    return call(*args, **kwargs)
+
+
+def _zeros(meta: Meta) -> torch.Tensor:
+    """Zeros in layout ``meta`` (its storage offset aside): a stand-in whose values are valid
+    arguments to any op of ``draws.LAYOUT_DRAWS`` (probabilities, bounds)."""
+    size = 1 + sum((n - 1) * s for n, s in zip(meta.shape, meta.stride)) if all(meta.shape) else 0
+    base = torch.zeros(size, dtype=meta.dtype, device=meta.device)
+    return base.as_strided(meta.shape, meta.stride)
 
 
 @contextmanager
@@ -123,6 +150,7 @@ class Replay:
         self.nodes, self.values, self.trace = block.nodes, block.values, block.trace
         self.timer, self.verify, self.device_types = block.timer, block.verify, block.device_types
         self.kept = block.kept
+        self.draws = block.draws
         self.env: dict[int, torch.Tensor] = {}
         # Storages replay must not write into; only a tape with in-place nodes writes at all.
         self.not_ours = LiveStorages()
@@ -233,13 +261,7 @@ class Replay:
         if node.name == ALIAS_OP:
             return [view_of_storage(self._input(node.deps[0]), values[node.outs[0]].meta)]
         if node.rebuild:
-            in_meta = values[node.inputs[0]].meta if node.inputs else None
-            with restored_rng(node.rng):
-                return [
-                    rebuild_output(
-                        node.op, node.args, node.kwargs, values[node.outs[0]].meta, in_meta
-                    )
-                ]
+            return [self._drawn(node, lambda: self._rebuild(node))]
         env = self.env
         tensors = []
         for v in node.inputs:  # a loop, not a comprehension: cheaper for an op's few inputs
@@ -247,28 +269,36 @@ class Replay:
             tensors.append(t if t is not None else self._input(v))
         for slot in node.writes:
             self._prepare_write(node, slot, tensors)
-        if len(tensors) < len(SLOT_ARGS) and node.args is SLOT_ARGS[len(tensors)]:
-            args = tensors  # the arguments are the inputs, in order
-        else:
-            args = [
-                tensors[a.i]
-                if type(a) is Slot
-                else _fill(a, tensors)
-                if type(a) is list or type(a) is tuple
-                else a
-                for a in node.args
-            ]
-        kwargs = _fill(node.kwargs, tensors) if node.kwargs else node.kwargs
-        op = node.op
-        call = op._op if type(op) is OpOverload else op  # OpOverload.__call__ only forwards
         if node.rng is None:
-            out = call(*args, **kwargs)
+            out = _call(node, tensors)
         else:
-            with restored_rng(node.rng):
-                out = call(*args, **kwargs)
+            out = self._drawn(node, lambda: _call(node, tensors))
         if type(out) is torch.Tensor and not node.extra:
             return [out]
         return flat_tensors(out) + [tensors[slot] for slot in node.extra]
+
+    def _rebuild(self, node: Node) -> torch.Tensor:
+        values = self.values
+        in_meta = values[node.inputs[0]].meta if node.inputs else None
+        return rebuild_output(node.op, node.args, node.kwargs, values[node.outs[0]].meta, in_meta)
+
+    def _drawn(self, node: Node, call: Callable[[], Any]) -> Any:
+        """``call()`` for ``node`` from the generator state its op drew from in forward: recorded
+        with the node, or derived for a steady-state call (``draws.py``)."""
+        if node.rng is None:
+            return call()
+        if self.draws is None:
+            with restored_rng(node.rng):
+                return call()
+        return self.draws.run(node, call, self._stand_in)
+
+    def _stand_in(self, node: Node) -> None:
+        """Run random ``node`` on zero-filled tensors of its inputs' recorded layouts, only for
+        the draws it makes (``draws.py``)."""
+        if node.rebuild:
+            self._rebuild(node)
+            return
+        _call(node, [_zeros(self.values[v].meta) for v in node.inputs])
 
     def _prepare_write(self, node: Node, slot: int, tensors: list[torch.Tensor]) -> None:
         """Before an in-place op: never write into a tensor replay does not own; keep old content still read."""

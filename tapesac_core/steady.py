@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_map_only
 
+from .draws import Draws, draws_by_layout
 from .errors import TapeSACError
 from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, OP, Meta, Node, Slot, Tape, Value
 from .tensors import default_generator, detached, flat_tensors, layout_of, on_storage, view_on
@@ -55,7 +56,10 @@ class Recorded(str, Enum):
     FIRST_CALL = "first call with this signature"
     MEASURED = "a profiling, sampling or verification step"
     NOT_A_MODULE = "a function block (steady state needs a module)"
-    RANDOM = "random ops: their generator positions are replayed from the recorded states"
+    RANDOM = (
+        "random ops whose draws depend on values or on a generator passed in: replayed from "
+        "the generator states recorded at each call"
+    )
     DATA_DEPENDENT = "data-dependent shapes, collectives or an op sequence that differs by call"
     HOST_SYNC = "a host sync (.item(), a tensor's truth value) may steer its ops"
     UNSAVED_KEPT = "the plan or S0 keeps values autograd does not save"
@@ -185,7 +189,7 @@ def steady_tape(
 
 def tape_blocker(tape: Tape) -> Recorded | None:
     """Why no call of ``tape``'s kind can run in steady state (None: it may, per call)."""
-    if any(n.rng is not None for n in tape.nodes):
+    if any(n.rng is not None and not draws_by_layout(n) for n in tape.nodes):
         return Recorded.RANDOM
     if tape.host_sync:
         return Recorded.HOST_SYNC
@@ -447,6 +451,8 @@ class SteadyForward:
                 self.diverged = "autograd recorded other operations than the tape's"
         if self.diverged is not None:
             return self.diverged
+        if any(n.rng is not None for n in entry.tape.nodes):
+            block.draws = Draws(entry.tape.nodes, self.rng)
         self.rng = []  # only a recomputation needs it: the pack hook lives as long as the graph
         block.refs = {
             vid: (weakref.ref(t), t._version)
