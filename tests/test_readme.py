@@ -107,6 +107,11 @@ def test_the_anchor_of_a_heading_is_githubs() -> None:
     assert _anchor("`max_set_size` on the small MoE") == "max_set_size-on-the-small-moe"
 
 
+def test_the_readme_stays_short() -> None:
+    # Depth belongs in docs/: the README is what a user reads first (issue 30).
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
 def test_the_readme_links_every_docs_page() -> None:
     linked = {(ROOT / t).resolve() for t in _links(ROOT / "README.md")}
     assert set(PAGES[1:]) <= linked
