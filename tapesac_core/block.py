@@ -48,6 +48,7 @@ class BlockTrace:
     steady: bool = False  # run from a cached tape, without the dispatch mode
     recorded_because: str | None = None  # why a module block was recorded (``steady.Recorded``)
     diverged: str | None = None  # a steady-state call that ran other ops than its tape: what
+    draws_bytes: int = 0  # generator states a steady-state call keeps for its random ops
     # Its block, weakly: autograd's saved tensors hold the block until it frees the graph.
     block: weakref.ReferenceType[Block] | None = field(default=None, repr=False)
 
@@ -61,6 +62,12 @@ class BlockTrace:
     def saved_bytes(self) -> int:
         """Bytes this block keeps for backward beyond its leaves (storages counted once)."""
         return self.tape.bytes_of(self.saved)
+
+    @property
+    def rng_bytes(self) -> int:
+        """Bytes of the generator states this call keeps to replay its random ops: one per random
+        op recorded, one per generator in steady state."""
+        return self.tape.rng_bytes + self.draws_bytes
 
 
 # Plan entries for a block that is not recorded: run as without checkpointing (autograd keeps

@@ -83,12 +83,16 @@ class Draws:
         # Per random op: its generator, and the random op before it on that generator (or None).
         self._previous: list[int | None] = []
         self._start: list[Tensor | None] = []
+        self._followed: set[int] = set()  # random ops with a later one on their generator
         for p, n in enumerate(self.order):
             key = id(n.rng[0])
             self._previous.append(last.get(key))
             self._start.append(start_of[key] if key not in last else None)
+            if key in last:
+                self._followed.add(last[key])
             last[key] = p
         self._after: dict[int, Tensor] = {}
+        self.nbytes = sum(state.nbytes for state in start_of.values())
 
     def run(self, node: Node, call: Callable[[], Any], stand_in: Callable[[Node], Any]) -> Any:
         """``call()`` (``node``, run for real) from the state its op drew from in forward;
@@ -99,7 +103,8 @@ class Draws:
         generator.set_state(self._before(p, stand_in))
         try:
             out = call()
-            self._after.setdefault(p, generator.get_state())
+            if p in self._followed and p not in self._after:  # the next one draws from here
+                self._after[p] = generator.get_state()
         finally:
             generator.set_state(current)
         return out

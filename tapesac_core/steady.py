@@ -32,7 +32,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -169,7 +169,7 @@ def steady_tape(
         return Recorded.OUTSIDE_GRAPH
     alive = block.refs
     return SteadyTape(
-        tape=tape,
+        tape=_stateless(tape),
         handles=handles,
         packs=tuple(block.pack_layouts),
         hold=hold,
@@ -197,6 +197,15 @@ def tape_blocker(tape: Tape) -> Recorded | None:
     if COLLECTIVE in reasons or DYNAMIC_SHAPE in reasons:
         return Recorded.DATA_DEPENDENT
     return None
+
+
+def _stateless(tape: Tape) -> Tape:
+    """``tape`` without its random ops' generator states (5 KB each on CPU): a steady-state call
+    derives its own (``draws.py``), and the cache must not keep the recorded call's alive."""
+    if all(n.rng is None for n in tape.nodes):
+        return tape
+    nodes = [n if n.rng is None else n._replace(rng=(n.rng[0], None)) for n in tape.nodes]
+    return replace(tape, nodes=nodes)
 
 
 def savable_values(tape: Tape) -> frozenset[int] | None:
@@ -453,6 +462,7 @@ class SteadyForward:
             return self.diverged
         if any(n.rng is not None for n in entry.tape.nodes):
             block.draws = Draws(entry.tape.nodes, self.rng)
+            block.trace.draws_bytes = block.draws.nbytes
         self.rng = []  # only a recomputation needs it: the pack hook lives as long as the graph
         block.refs = {
             vid: (weakref.ref(t), t._version)

@@ -199,8 +199,11 @@ class Tape:
 
     @property
     def rng_bytes(self) -> int:
-        """Bytes of the generator states kept to replay random ops."""
-        return sum(n.rng[1].nbytes for n in self.nodes if n.rng is not None)
+        """Bytes of the generator states kept to replay random ops (none in a steady-state
+        call's cached tape: ``draws.py``)."""
+        return sum(
+            n.rng[1].nbytes for n in self.nodes if n.rng is not None and n.rng[1] is not None
+        )
 
     @property
     def mandatory_bytes(self) -> int:

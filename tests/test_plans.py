@@ -53,10 +53,13 @@ def test_random_plan_is_exact_and_takes_effect(kind, data) -> None:
     # Measured: what forward leaves allocated is the block's output, its saved values and RNG states.
     end, traced = _forward_end_bytes(c, plan)
     assert traced.saved == b.saved
-    assert end == tape.bytes_of(b.saved | tape.outputs) + tape.rng_bytes
+    assert end == tape.bytes_of(b.saved | tape.outputs) + traced.rng_bytes
     must_end, must = _forward_end_bytes(c, {})
     assert end - must_end == (
-        tape.bytes_of(b.saved | tape.outputs) - tape.bytes_of(must.saved | tape.outputs)
+        tape.bytes_of(b.saved | tape.outputs)
+        + traced.rng_bytes
+        - tape.bytes_of(must.saved | tape.outputs)
+        - must.rng_bytes
     )
 
 
