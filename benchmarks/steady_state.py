@@ -43,8 +43,11 @@ from benchmarks.workload import HFCausalLM, build_model
 METHODS = ("none", "full", "tapesac_recorded", "tapesac_steady")
 
 
-def hf_stack(hidden: int, layers: int = 4) -> tuple[torch.nn.Module, type, int, int]:
-    """A Hugging Face Qwen3 stack: ``layers`` decoder layers at ``hidden``, 4 x 256 tokens."""
+def hf_stack(
+    hidden: int, layers: int = 4, dropout: float = 0.0
+) -> tuple[torch.nn.Module, type, int, int]:
+    """A Hugging Face Qwen3 stack: ``layers`` decoder layers at ``hidden``, 4 x 256 tokens,
+    ``dropout`` on the attention weights."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
@@ -59,6 +62,7 @@ def hf_stack(hidden: int, layers: int = 4) -> tuple[torch.nn.Module, type, int, 
         head_dim=32,
         max_position_embeddings=256,
         attn_implementation="sdpa",
+        attention_dropout=dropout,
     )
     torch.manual_seed(0)
     return HFCausalLM(Qwen3ForCausalLM(config)), Qwen3DecoderLayer, 256, 4
@@ -153,16 +157,20 @@ def main() -> None:
     )
     parser.add_argument("--size", default="small", help="the harness's size (not for hf_stack)")
     parser.add_argument("--hidden", type=int, default=128, help="hf_stack's hidden size")
+    parser.add_argument(
+        "--dropout", type=float, default=0.0, help="dropout (blocks with random ops)"
+    )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.model == "hf_stack":
-        base, block, seq, batch = hf_stack(args.hidden)
+        base, block, seq, batch = hf_stack(args.hidden, dropout=args.dropout)
         title = f"HF Qwen3ForCausalLM, 4 layers, hidden {args.hidden}, {batch}x{seq} tokens"
     else:
-        base, block, seq, batch = build_model(args.model, args.size, 0.0)
+        base, block, seq, batch = build_model(args.model, args.size, args.dropout)
         title = f"{args.model} {args.size}, {batch}x{seq} tokens"
+    title += f", dropout {args.dropout}" if args.dropout else ""
     vocab = getattr(base, "vocab_size", None) or base.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     runs = methods(base, block)
