@@ -166,9 +166,10 @@ def use_fsdp_on_cpu(
     accelerator: Accelerator, fsdp_plugin: FullyShardedDataParallelPlugin | None = None
 ) -> None:
     """Works around AcceleratorState leaving a multi-process CPU run as ``MULTI_CPU`` when the
-    config asks for FSDP (it only turns accelerator device types into FSDP): installs the FSDP
-    plugin as it would, so Accelerate's own FSDP2 path (prepare, save_state, load_state) runs.
-    Call right after constructing the ``Accelerator``."""
+    config asks for FSDP (it only turns accelerator device types into FSDP, and takes no setting
+    to do otherwise): installs the FSDP plugin as it would, so Accelerate's own FSDP2 path
+    (prepare, save_state, load_state) runs. Call right after constructing the ``Accelerator``.
+    Checked on Accelerate 1.16."""
     state = accelerator.state
     wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or fsdp_plugin
     if state.distributed_type != DistributedType.MULTI_CPU or not wants_fsdp:
@@ -179,8 +180,8 @@ def use_fsdp_on_cpu(
     state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
     # As AcceleratorState does at the end of its __init__: later AcceleratorState() calls copy
-    # PartialState's shared state over their own.
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    # PartialState's shared state over their own. PartialState() is that shared state.
+    PartialState().distributed_type = DistributedType.FSDP
 
 
 def named_blocks(

@@ -33,8 +33,11 @@ STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 @contextmanager
 def _configure_model_not_required() -> Iterator[None]:
-    """ModelParallelStrategy.setup insists on a ``configure_model`` override; this strategy
-    parallelises the model itself, so that one check is skipped."""
+    """Works around ``ModelParallelStrategy.setup`` raising unless the LightningModule overrides
+    ``configure_model``: this strategy parallelises the model itself, so that one check is
+    skipped. Lightning has no hook or argument for it (the check calls the module-level
+    ``is_overridden`` inside ``setup``, which also does the rest of the model's setup), so that
+    name is replaced while ``setup`` runs. Checked on Lightning 2.6.6."""
     original = _model_parallel.is_overridden
     _model_parallel.is_overridden = lambda name, *args, **kwargs: (
         True if name == "configure_model" else original(name, *args, **kwargs)
@@ -116,9 +119,18 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.world_size if self.cluster_environment else 1
+        self._data_parallel_over_every_process()
         super().setup_environment()
+
+    def _data_parallel_over_every_process(self) -> None:
+        """Works around ``ModelParallelStrategy`` reading ``data_parallel_size="auto"`` as the
+        number of nodes (it fills each node with tensor parallelism): here the tensor parallel
+        size is 1, so every process shards data. Its constructor is the only public way to set
+        the size, and the world size is known only once the Trainer has set the cluster
+        environment, so the size is resolved into the attribute its ``setup_environment`` reads.
+        Checked on Lightning 2.6.6."""
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.world_size  # 1 without a cluster environment
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -343,8 +343,6 @@ def test_gpu_check_script_passes_on_cpu_at_tiny_size(tmp_path: Path) -> None:
 OWN = {"self", "cls"}  # an object's own privates
 # Other libraries' privates read on purpose, (file, name): each a workaround with no public way.
 FOREIGN_PRIVATES = {
-    ("tapesac_lightning/accelerate.py", "_shared_state"): "Accelerate's PartialState state, which "
-    "later AcceleratorState() calls copy over theirs: FSDP on CPU must be set there too",
     ("tapesac_lightning/callback.py", "_batches_that_stepped"): "Lightning's count of optimizer "
     "steps that self.log uses (global_step is one ahead after an optimizer step)",
     ("tapesac_lightning/trainer.py", "_no_split_modules"): "the decoder layer classes a "

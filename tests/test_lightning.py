@@ -260,6 +260,22 @@ def test_bad_arguments_fail_at_construction_naming_the_fix(kwargs, error, match)
         TapeSACFSDPStrategy(**kwargs)
 
 
+def test_lightnings_configure_model_check_is_skipped_only_inside_the_workaround() -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import model_parallel
+
+    from tapesac_lightning.strategy import _configure_model_not_required
+
+    lightnings = model_parallel.is_overridden
+    module = pl.LightningModule()
+    with pytest.raises(RuntimeError, match="setup failed"), _configure_model_not_required():
+        assert model_parallel.is_overridden("configure_model", module)
+        assert not model_parallel.is_overridden("training_step", module)
+        raise RuntimeError("setup failed")
+    assert model_parallel.is_overridden is lightnings
+    assert not lightnings("configure_model", module)
+
+
 def test_a_policy_matching_no_module_fails_at_setup(tmp_path) -> None:
     import lightning.pytorch as pl
 
