@@ -35,8 +35,9 @@ SCALARS = (
 )
 
 # Logged when a plan is solved, where the tracker takes text and images (TensorBoard).
-PLAN_TEXT = "tapesac/plan"  # its explain() table
-PLAN_TEXT_EVENTS = PLAN_TEXT + "/text_summary"  # the tag TensorBoard's add_text stores it under
+PLAN_TEXT = "tapesac/plan"  # its explain() table, for people
+PLAN_JSON = "tapesac/plan_json"  # the plan as data (report.LoggedPlan), for the run report
+PLAN_JSON_EVENTS = PLAN_JSON + "/text_summary"  # the tag TensorBoard's add_text stores it under
 FRONTIER_IMAGE = "tapesac/frontier"
 
 # The controller's state_dict in the integrations' checkpoints: the Lightning callback's state

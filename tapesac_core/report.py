@@ -4,6 +4,7 @@ folder. ``read_run`` gives a ``RunReport``: text for people, JSON for machines, 
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,13 +39,35 @@ class BucketReport:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoggedPlan:
+    """A plan as the integrations log it when solved, with the measured speedup its table shows."""
+
+    plan: Plan
+    measured_speedup: float | None = None
+
+    def text(self) -> str:
+        """The plan's ``explain()`` table."""
+        return self.plan.explain(self.measured_speedup)
+
+    def to_json(self) -> str:
+        """As logged under ``metric_names.PLAN_JSON``: the plan's own JSON and the speedup."""
+        return json.dumps({"plan": self.plan.to_json(), "measured_speedup": self.measured_speedup})
+
+    @classmethod
+    def from_json(cls, text: str) -> LoggedPlan:
+        """Read what ``to_json`` wrote."""
+        data = json.loads(text)
+        return cls(plan=Plan.from_json(data["plan"]), measured_speedup=data["measured_speedup"])
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunReport:
     """A run's plans, per-bucket or per-step figures, and how it was read."""
 
     source: str
     kind: str  # tensorboard | lightning | accelerate
     buckets: list[BucketReport] = field(default_factory=list)
-    plan_texts: list[tuple[int, str]] = field(default_factory=list)  # (step, explain()) logged
+    plans_logged: list[tuple[int, LoggedPlan]] = field(default_factory=list)  # (step, plan)
     scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     frontier_png: bytes | None = None  # the last frontier image a run logged
 
@@ -55,8 +78,8 @@ class RunReport:
             lines.append("")
             lines.append(b.plan.explain())
             lines.append(_measured_line(b))
-        for step, text in self.plan_texts:
-            lines += ["", f"plan logged at step {step}:", text]
+        for step, logged in self.plans_logged:
+            lines += ["", f"plan logged at step {step}:", logged.text()]
         lines += [line for line in (self._speedups(), self._peaks()) if line]
         return "\n".join(lines)
 
@@ -76,7 +99,10 @@ class RunReport:
                 }
                 for b in self.buckets
             ],
-            "plans_logged": [{"step": s, "text": t} for s, t in self.plan_texts],
+            "plans_logged": [
+                {"step": s, "text": p.text(), "plan": p.plan.to_json()}
+                for s, p in self.plans_logged
+            ],
             "scalars": {k: [list(p) for p in v] for k, v in self.scalars.items()},
         }
 
@@ -192,7 +218,7 @@ def _from_tensorboard(path: Path) -> RunReport:
         runs.setdefault(events.parent, []).append(events)
     newest = max(runs, key=lambda d: max(e.stat().st_mtime for e in runs[d]))
     scalars: dict[str, list[tuple[int, float]]] = {}
-    texts, png = [], None
+    plans, png = [], None
     for events in sorted(runs[newest]):
         acc = EventAccumulator(str(events), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
         acc.Reload()
@@ -200,10 +226,10 @@ def _from_tensorboard(path: Path) -> RunReport:
         for tag in tags["scalars"]:
             if tag.startswith(names.PREFIX):
                 scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
-        if names.PLAN_TEXT_EVENTS in tags["tensors"]:
-            texts += [
-                (e.step, make_ndarray(e.tensor_proto).item().decode().strip("`\n"))
-                for e in acc.Tensors(names.PLAN_TEXT_EVENTS)
+        if names.PLAN_JSON_EVENTS in tags["tensors"]:
+            plans += [
+                (e.step, LoggedPlan.from_json(make_ndarray(e.tensor_proto).item().decode()))
+                for e in acc.Tensors(names.PLAN_JSON_EVENTS)
             ]
         if names.FRONTIER_IMAGE in tags["images"]:
             png = acc.Images(names.FRONTIER_IMAGE)[-1].encoded_image_string
@@ -218,7 +244,7 @@ def _from_tensorboard(path: Path) -> RunReport:
     return RunReport(
         source=source,
         kind="tensorboard",
-        plan_texts=texts,
+        plans_logged=plans,
         scalars={k: sorted(v) for k, v in scalars.items()},
         frontier_png=png,
     )

@@ -10,6 +10,7 @@ from typing import Any
 from tapesac_core import Controller, StepReport
 from tapesac_core import metric_names as names
 from tapesac_core.figures import MeasuredPoint, frontier_figure, image_array
+from tapesac_core.report import LoggedPlan
 from tapesac_core.step_report import StepMode
 
 
@@ -41,9 +42,9 @@ def _label(mode: StepMode) -> str | None:
 
 
 class Publisher:
-    """Sends finished steps to a tracker: scalars every step; a new plan's ``explain()`` table as
-    text and its frontier figure as an image where the tracker takes them (a TensorBoard writer),
-    and the frontier again with the measured steps on top when training ends."""
+    """Sends finished steps to a tracker: scalars every step; a new plan's ``explain()`` table and
+    its JSON as text and its frontier figure as an image where the tracker takes them (a
+    TensorBoard writer), and the frontier again with the measured steps on top when training ends."""
 
     def __init__(self) -> None:
         self._logged_plans: set[str] = set()
@@ -72,7 +73,11 @@ class Publisher:
         self._logged_plans.add(plan.to_json())
         if writer is None or not hasattr(writer, "add_text"):
             return
-        writer.add_text(names.PLAN_TEXT, f"```\n{plan.explain(report.measured_speedup)}\n```", step)
+        logged = LoggedPlan(plan=plan, measured_speedup=report.measured_speedup)
+        # The table in a Markdown fence, as TensorBoard shows it; the plan as data beside it, what
+        # the run report reads back.
+        writer.add_text(names.PLAN_TEXT, f"```\n{logged.text()}\n```", step)
+        writer.add_text(names.PLAN_JSON, logged.to_json(), step)
         writer.add_image(
             names.FRONTIER_IMAGE,
             image_array(self.figure(controller, report.bucket)),

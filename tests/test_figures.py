@@ -1,11 +1,15 @@
 """Figures are matplotlib figures with titled axes and units, carrying predicted and measured points."""
 
+import dataclasses
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
+from support import sample_plan
 
 from tapesac_core.figures import MeasuredPoint, frontier_figure, image_array
 from tapesac_core.measured_times import BucketTimes
+from tapesac_core.report import LoggedPlan, read_run
 from tapesac_core.step_frontier import StepFrontier
 from tapesac_core.step_report import StepMode, StepReport
 from tapesac_core.units import MiB
@@ -78,9 +82,9 @@ class Writer:
         self.images.append((tag, step, image.shape, dataformats))
 
 
-def test_publisher_logs_scalars_every_step_and_each_new_plan_once() -> None:
-    plan = SimpleNamespace(to_json=lambda: "plan-1", explain=lambda measured=None: "table")
-    controller = SimpleNamespace(
+def _controller(plan: Any) -> SimpleNamespace:
+    """What the publisher reads of a controller whose bucket (5,) has ``plan``."""
+    return SimpleNamespace(
         plans={(5,): plan},
         times=SimpleNamespace(
             of=lambda key: BucketTimes(must_only=(0.1, 0.11), full=(), planned=(0.09,))
@@ -88,6 +92,11 @@ def test_publisher_logs_scalars_every_step_and_each_new_plan_once() -> None:
         bucket_tokens=lambda key: {"DecoderLayer": 512},
         step_frontier=lambda key: FRONTIER,
     )
+
+
+def test_publisher_logs_scalars_every_step_and_each_new_plan_once() -> None:
+    plan = SimpleNamespace(to_json=lambda: "plan-1", explain=lambda measured=None: "table")
+    controller = _controller(plan)
     scalars, writer, publisher = [], Writer(), Publisher()
     for step, mode in enumerate(["control", "planned", "planned"]):
         report = StepReport(
@@ -110,8 +119,46 @@ def test_publisher_logs_scalars_every_step_and_each_new_plan_once() -> None:
         "tapesac/peak_memory_bytes" in scalars[0][1]
         and "tapesac/peak_memory_bytes" not in scalars[2][1]
     )
-    assert writer.texts == [("tapesac/plan", 1)]
+    assert writer.texts == [("tapesac/plan", 1), ("tapesac/plan_json", 1)]
     assert writer.images == [
         ("tapesac/frontier", 1, (570, 700, 3), "HWC"),
         ("tapesac/frontier", 3, (570, 700, 3), "HWC"),
+    ]
+
+
+def test_the_run_report_reads_the_logged_plans_back_equal(tmp_path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    first = sample_plan()
+    second = dataclasses.replace(first, predicted_speedup=1.0123456789, notes=("a ```fence```",))
+    writer, publisher = SummaryWriter(str(tmp_path)), Publisher()
+    for step, (plan, measured) in enumerate([(None, None), (first, None), (second, 1.07)]):
+        report = StepReport(
+            step=step,
+            mode=StepMode.PLANNED if plan else StepMode.CONTROL,
+            tokens={"DecoderLayer": 4096},
+            bucket=(5,),
+            plan=plan,
+            time=0.1,
+            limit=MiB,
+            measured_speedup=measured,
+        )
+        publisher.publish(
+            _controller(plan),
+            report,
+            step,
+            lambda metrics, at: [writer.add_scalar(k, v, at) for k, v in metrics.items()],
+            writer,
+        )
+    writer.close()
+    run = read_run(tmp_path)
+    assert run.plans_logged == [
+        (1, LoggedPlan(plan=first)),
+        (2, LoggedPlan(plan=second, measured_speedup=1.07)),
+    ]
+    assert run.plans_logged[1][1].plan == second  # every field, floats to the bit
+    assert f"plan logged at step 2:\n{second.explain(1.07)}" in run.text()
+    assert [p["plan"] for p in run.to_json()["plans_logged"]] == [
+        first.to_json(),
+        second.to_json(),
     ]

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_name_is_distinct_and_under_the_prefix() -> None:
-    logged = (*names.SCALARS, names.PLAN_TEXT, names.FRONTIER_IMAGE)
+    logged = (*names.SCALARS, names.PLAN_TEXT, names.PLAN_JSON, names.FRONTIER_IMAGE)
     assert len(set(logged)) == len(logged)
     assert all(name.startswith(names.PREFIX) for name in logged)
 

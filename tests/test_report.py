@@ -1,8 +1,10 @@
-"""The closing summary is computed from the run's own steps: medians, spreads, counts."""
+"""The closing summary is computed from the run's own steps: medians, spreads, counts; a logged
+plan is read back as data."""
 
 import pytest
+from support import sample_plan
 
-from tapesac_core.report import measured_speedup, run_summary
+from tapesac_core.report import LoggedPlan, measured_speedup, run_summary
 from tapesac_core.units import MiB
 
 
@@ -69,3 +71,11 @@ def test_run_summary_states_counts_speedups_peak_and_headroom() -> None:
     assert below.splitlines()[5].startswith(
         "the limit is at or below the must-only step: it sits under both the must-only peak"
     )
+
+
+@pytest.mark.parametrize("measured", [None, 1.0625, 1 / 3])
+def test_a_logged_plan_round_trips_equal_with_its_table(measured) -> None:
+    logged = LoggedPlan(plan=sample_plan(), measured_speedup=measured)
+    read = LoggedPlan.from_json(logged.to_json())
+    assert read == logged and read.plan == sample_plan()
+    assert read.text() == sample_plan().explain(measured)
