@@ -36,7 +36,8 @@ section of the markdown file.
 
 This file is the command line and the run's order; the parts are beside it: workload.py (model,
 block class, batch), method.py, baselines.py, tapesac_plans.py, measure.py, rows.py (Figure 9
-shares), report.py (JSON, figures, RESULTS.md) and growth.py (``--grow``).
+shares), report.py (JSON, figures, RESULTS.md), figures.py (the comparison figures) and
+growth.py (``--grow``).
 """
 
 from __future__ import annotations

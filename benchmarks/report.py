@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import mib, pct, quartiles
-from tapesac_core.figures import method_frontier_figure, normalised_frontier_figure
+from benchmarks.figures import method_frontier_figure, normalised_frontier_figure
 
 TITLE = (
     "# TapeSAC against every baseline: the memory-time frontier\n\n"

@@ -1,8 +1,9 @@
 """Figures drawn with matplotlib: the memory-time frontier of a plan, and image arrays for trackers.
 
-One figure code for TensorBoard, ``tapesac report`` and the benchmarks. Figures are drawn on
-matplotlib's Agg canvas without pyplot (no display, no global figure state); matplotlib is
-imported inside the functions, so importing ``tapesac_core`` stays cheap.
+One figure code for TensorBoard and ``tapesac report``; the benchmarks draw their comparisons
+(``benchmarks/figures.py``) on the same axes. Figures are drawn on matplotlib's Agg canvas
+without pyplot (no display, no global figure state); matplotlib is imported inside the
+functions, so importing ``tapesac_core`` stays cheap.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def frontier_figure(
     """Predicted step time against predicted step peak: one curve per region type, the chosen
     plan, must-only, full recomputation and the capacity; measured steps drawn on top (a
     measured point without a metered peak sits at its mode's predicted peak)."""
-    figure, axes = _axes()
+    figure, axes = new_axes()
     for region, curve in frontier.curves.items():
         xs, ys = zip(*curve)
         axes.plot(
@@ -108,13 +109,13 @@ def frontier_figure(
         )
     # The legend goes below the axes: inside, "best" still covered a measured point when every
     # corner held one.
-    return _finish(figure, axes, "step peak memory (MiB)", "step time (ms)", title, below=True)
+    return finish_axes(figure, axes, "step peak memory (MiB)", "step time (ms)", title, below=True)
 
 
 def speedup_by_bucket_figure(rows: Sequence[tuple[int, float, float | None]]) -> Any:
     """Predicted and measured speedup vs must-only per token bucket: ``(tokens, predicted,
     measured or None)`` rows."""
-    figure, axes = _axes()
+    figure, axes = new_axes()
     tokens = [r[0] for r in rows]
     axes.plot(tokens, [r[1] for r in rows], "o", color="tab:red", label="predicted")
     measured = [(t, m) for t, _, m in rows if m is not None]
@@ -127,7 +128,7 @@ def speedup_by_bucket_figure(rows: Sequence[tuple[int, float, float | None]]) ->
             label="measured (median must-only / median planned step)",
         )
     axes.axhline(1.0, color="0.5", linewidth=1)
-    return _finish(
+    return finish_axes(
         figure,
         axes,
         "tokens per step (most seen in the bucket)",
@@ -173,146 +174,13 @@ def timeline_figure(scalars: Mapping[str, Sequence[tuple[int, float]]]) -> Any:
     return figure
 
 
-# Colour and marker per method family in the benchmark comparisons.
-_FAMILY_STYLE = {
-    "none": ("black", "X"),
-    "full": ("0.35", "s"),
-    "torch_sac": ("tab:green", "^"),
-    "tapesac_policy": ("tab:olive", "v"),
-    "compile": ("tab:purple", "P"),
-    "tapesac": ("tab:red", "o"),
-}
-
-
-def method_frontier_figure(
-    points: Sequence[Mapping[str, Any]], title: str = "Step time against peak memory, every method"
-) -> Any:
-    """Measured step time (median, IQR bars) against measured step peak, one point per method.
-
-    ``points``: mappings with ``label``, ``family`` (none, full, torch_sac, tapesac_policy,
-    compile, tapesac), ``peak`` (bytes), ``seconds``, ``q1``, ``q3``. TapeSAC's points (family
-    ``tapesac``) are joined by a line in memory order: its frontier."""
-    figure, axes = _axes()
-    seen: set[str] = set()
-    for p in points:
-        color, marker = _FAMILY_STYLE.get(p["family"], ("tab:gray", "D"))
-        spread = np.array([[p["seconds"] - p["q1"]], [p["q3"] - p["seconds"]]]) * 1e3
-        axes.errorbar(
-            p["peak"] / MiB,
-            p["seconds"] * 1e3,
-            yerr=spread,
-            fmt=marker,
-            color=color,
-            capsize=3,
-            markersize=6,
-            label=None if p["family"] in seen else _FAMILY_LABEL.get(p["family"], p["family"]),
-        )
-        seen.add(p["family"])
-        axes.annotate(
-            p["label"],
-            (p["peak"] / MiB, p["seconds"] * 1e3),
-            fontsize=5,
-            xytext=(3, 3),
-            textcoords="offset points",
-            color=color,
-        )
-    ours, best = [], float("inf")
-    for peak, seconds in sorted(
-        (p["peak"], p["seconds"]) for p in points if p["family"] == "tapesac"
-    ):
-        if seconds < best:  # TapeSAC's measured Pareto frontier: faster than every smaller point
-            ours.append((peak, seconds))
-            best = seconds
-    if len(ours) > 1:
-        xs, ys = zip(*ours)
-        axes.plot(
-            np.array(xs) / MiB,
-            np.array(ys) * 1e3,
-            "-",
-            color="tab:red",
-            alpha=0.5,
-            label="TapeSAC measured frontier",
-        )
-    return _finish(figure, axes, "measured step peak memory (MiB)", "median step time (ms)", title)
-
-
-_FAMILY_LABEL = {
-    "none": "no checkpointing",
-    "full": "torch full checkpointing",
-    "torch_sac": "hand policy, torch SAC",
-    "tapesac_policy": "hand policy, TapeSAC replay",
-    "compile": "torch.compile memory budget",
-    "tapesac": "TapeSAC (must-only, planned)",
-}
-
-
-def normalised_frontier_figure(
-    points: Sequence[Mapping[str, Any]], title: str = "Normalised frontier (Figure 9)"
-) -> Any:
-    """The paper's Figure 9: extra memory over full checkpointing (share of what disabling
-    checkpointing adds) against recomputation eliminated (share of what disabling it removes),
-    from FLOPs (filled) and from time (hollow, IQR bars over per-round values).
-
-    ``points``: mappings with ``label``, ``family``, ``memory_share``, ``flop_share`` (or None)
-    and ``time_share``, ``time_q1``, ``time_q3`` (or None)."""
-    figure, axes = _axes()
-    seen: set[str] = set()
-    for p in points:
-        color, marker = _FAMILY_STYLE.get(p["family"], ("tab:gray", "D"))
-        label = None if p["family"] in seen else _FAMILY_LABEL.get(p["family"], p["family"])
-        seen.add(p["family"])
-        x = 100 * p["memory_share"]
-        if p.get("flop_share") is not None:
-            axes.plot(
-                x,
-                100 * p["flop_share"],
-                marker,
-                color=color,
-                markersize=6,
-                label=label and f"{label} (filled: FLOPs, hollow: time)",
-            )
-            label = None
-            axes.annotate(
-                p["label"],
-                (x, 100 * p["flop_share"]),
-                fontsize=5,
-                xytext=(3, 3),
-                textcoords="offset points",
-                color=color,
-            )
-        if p.get("time_share") is not None:
-            spread = 100 * np.array(
-                [[p["time_share"] - p["time_q1"]], [p["time_q3"] - p["time_share"]]]
-            )
-            axes.errorbar(
-                x,
-                100 * p["time_share"],
-                yerr=spread,
-                fmt=marker,
-                color=color,
-                markerfacecolor="none",
-                capsize=2,
-                markersize=5,
-                alpha=0.6,
-                label=label,
-            )
-    axes.plot([0, 100], [0, 100], ":", color="0.5", linewidth=1, label="proportional (diagonal)")
-    return _finish(
-        figure,
-        axes,
-        "extra memory over full checkpointing (% of no-checkpointing's extra)",
-        "recompute eliminated (% of full's)",
-        title,
-    )
-
-
 def image_array(figure: Any) -> np.ndarray:
     """The figure as an RGB ``uint8`` array (height, width, 3), for ``add_image(..., "HWC")``."""
     figure.canvas.draw()
     return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
 
 
-def _finish(
+def finish_axes(
     figure: Any,
     axes: Any,
     xlabel: str,
@@ -322,7 +190,7 @@ def _finish(
     below: bool = False,
 ) -> Any:
     """Titled axes, the legend (inside, or ``below`` the axes in two columns), the layout: how
-    every single-axes figure here ends."""
+    every figure begun with ``new_axes`` ends."""
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.set_title(title)
@@ -335,7 +203,8 @@ def _finish(
     return figure
 
 
-def _axes() -> tuple[Any, Any]:
+def new_axes() -> tuple[Any, Any]:
+    """A figure with one gridded axes on its own Agg canvas."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

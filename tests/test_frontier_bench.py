@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import frontier
-from tapesac_core.figures import method_frontier_figure, normalised_frontier_figure
+from benchmarks.figures import method_frontier_figure, normalised_frontier_figure
 from tapesac_core.units import MiB
 
 ROOT = Path(__file__).resolve().parents[1]
