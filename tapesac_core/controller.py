@@ -50,7 +50,7 @@ from .errors import TapeSACError
 from .measured_times import SpeedupWatch, StepTimes
 from .memory import MemoryMeter, MemoryReading, device_memory, marker, memory_meter
 from .plan.plan import Plan
-from .plan_cache import plans_from_state, plans_state
+from .plan_cache import ModelKey, plans_from_state, plans_state
 from .profile import MemoryModel, MemorySample, RegionProfile
 from .profiling import Profiling
 from .ranks import RankAgreement
@@ -64,10 +64,11 @@ from .verify import HiddenWrites
 
 logger = logging.getLogger(__name__)
 
-_STATE_VERSION = 5  # 2: plans carry the step time model; must-only steps keep their tokens
+_STATE_VERSION = 6  # 2: plans carry the step time model; must-only steps keep their tokens
 # 3: plans carry their predicted peak (the peak-aware memory model); 4: the memory model keeps
 # samples at a reference static and the growth of memory outside the blocks (plans as in 3);
-# 5: plans and times per bucket as (bucket indices, value) entries, not keyed "43,12"
+# 5: plans and times per bucket as (bucket indices, value) entries, not keyed "43,12"; 6: the
+# model as its list of region types, not their comma-joined text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +127,7 @@ class Controller:
         self.config = config
         self.device = torch.device(device) if device is not None else compute_device(roots)
         self._meter = meter or (lambda: memory_meter(self.device))
-        self.model_key = ",".join(self.regions)
+        self.model_key = ModelKey(tuple(self.regions))
         self.steps = 0
         self.profiling = Profiling(config.profile_steps, config.replay_tolerance)
         self.memory = MemoryModel()
@@ -541,7 +542,7 @@ class Controller:
         plan = solve_plan(
             profiles,
             edges,
-            model=self.model_key,
+            model=self.model_key.fingerprint,
             capacity=capacity,
             base=base,
             must_only_step_time=must_only_seconds,
@@ -580,7 +581,7 @@ class Controller:
         """Plan cache, memory samples and step times: resuming needs no new profiling for known buckets."""
         return {
             "version": _STATE_VERSION,
-            "model": self.model_key,
+            "model": self.model_key.to_state(),
             "steps": self.steps,
             "plans": plans_state(self.plans),
             **self.memory.state_dict(),
@@ -590,10 +591,10 @@ class Controller:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` saved; plans from another model are refused."""
-        if state.get("model") != self.model_key:
+        if not self.model_key.matches_state(state.get("model")):
             raise TapeSACError(
                 f"TapeSAC state is for region types {state.get('model')!r}, this "
-                f"model has {self.model_key!r}: it comes from another model"
+                f"model has {self.model_key.to_state()!r}: it comes from another model"
             )
         self.steps = state["steps"]
         self.plans = plans_from_state(state, self.model_key, _STATE_VERSION)

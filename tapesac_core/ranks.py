@@ -10,6 +10,7 @@ import torch
 
 from .errors import TapeSACError
 from .plan.plan import Plan
+from .plan_cache import ModelKey
 
 
 class RankAgreement:
@@ -38,7 +39,7 @@ class RankAgreement:
         """The smallest value of ``number`` over the ranks."""
         return -self.largest([-number])[0]
 
-    def plan_of_rank_0(self, solve: Callable[[], Plan], model: str) -> Plan:
+    def plan_of_rank_0(self, solve: Callable[[], Plan], model: ModelKey) -> Plan:
         """Rank 0 solves; every rank gets the plan it broadcasts. A failure on rank 0 is raised on
         every rank (the others would otherwise wait in the broadcast)."""
         if not self.distributed:
@@ -58,7 +59,7 @@ class RankAgreement:
         )
         if isinstance(payload[0], dict):
             raise TapeSACError(f"TapeSAC: solving the plan failed on rank 0: {payload[0]['error']}")
-        return Plan.from_json(payload[0], model=model)
+        return Plan.from_json(payload[0], model=model.fingerprint)
 
     def _collective_device(self) -> torch.device:
         """Where this group's collectives take their tensors: the CPU for gloo, else the

@@ -304,12 +304,28 @@ def test_a_version_4_state_with_buckets_named_as_text_resumes_its_plans_and_time
     old = {
         **state,
         "version": 4,
+        "model": ",".join(state["model"]),
         **{f: {",".join(map(str, k)): v for k, v in state[f]} for f in by_bucket},
     }
     model2, meter2, fresh = setup_controller(64 * MiB + 2 * MiB)
     fresh.load_state_dict(old)
     assert fresh.plans == c.plans and fresh.times.state_dict() == c.times.state_dict()
     assert run_step(model2, meter2, fresh, 32).mode == PLANNED
+
+
+def test_a_version_5_state_naming_the_model_as_text_resumes_its_plans_and_times() -> None:
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB)
+    for _ in range(4):
+        run_step(model, meter, c, 32)
+    state = json.loads(json.dumps(c.state_dict()))  # as the HF Trainer's checkpoints keep it
+    assert state["model"] == ["DecoderLayer"] == list(c.model_key.regions)
+    old = {**state, "version": 5, "model": "DecoderLayer"}  # as version 5 wrote it
+    model2, meter2, fresh = setup_controller(64 * MiB + 2 * MiB)
+    fresh.load_state_dict(old)
+    assert fresh.plans == c.plans and fresh.times.state_dict() == c.times.state_dict()
+    assert run_step(model2, meter2, fresh, 32).mode == PLANNED
+    with pytest.raises(tapesac_core.TapeSACError, match=r"\['Other'\].*another model"):
+        fresh.load_state_dict({**state, "model": ["Other"]})
 
 
 def test_full_checkpointing_control_steps_run_torch_checkpoint_on_every_block_and_record_none() -> (
@@ -532,7 +548,7 @@ def test_a_state_of_an_older_version_is_solved_again_with_an_info_log(caplog) ->
     for _ in range(4):
         run_step(model, meter, c, 32)
     state = c.state_dict()
-    assert state["version"] == 5
+    assert state["version"] == 6
     old = {
         **state,
         "version": 2,

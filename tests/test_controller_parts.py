@@ -12,6 +12,7 @@ from tapesac_core.budget import Correction, MemoryBudget
 from tapesac_core.measured_times import SpeedupWatch, StepTimes
 from tapesac_core.memory import MemoryReading
 from tapesac_core.plan import bucket, upper_edge
+from tapesac_core.plan_cache import ModelKey
 from tapesac_core.profile import MemoryModel, MemorySample
 from tapesac_core.ranks import RankAgreement
 from tapesac_core.schedule import StepSchedule
@@ -57,6 +58,17 @@ def test_bucket_entries_keep_their_indices_through_json_and_read_states_before_v
     assert from_bucket_entries(entries) == times
     assert from_bucket_entries(json.loads(json.dumps(entries))) == times
     assert from_bucket_entries({"43,7": [0.1, 0.2], "5,0": [0.3]}) == times  # version 4
+
+
+def test_a_model_key_is_its_region_types_and_reads_the_text_states_before_version_6() -> None:
+    key = ModelKey(("attention", "moe"))
+    assert key.matches_state(json.loads(json.dumps(key.to_state())))
+    assert key.matches_state("attention,moe")  # version 5 and before
+    assert not key.matches_state(["attention"]) and not key.matches_state("attention")
+    # A region type named with a comma is another model, though its text would read the same.
+    joined = ModelKey(("attention,moe",))
+    assert joined != key and not key.matches_state(joined.to_state())
+    assert key.fingerprint == "attention,moe"  # what its plans carry (Plan.model)
 
 
 # ---------------------------------------------------------------------- TokenBuckets
