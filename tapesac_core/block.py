@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .errors import TapeSACError
+from .lifetimes import StorageLifetimes
 from .plan.coords import Anchor, Coord
 from .plan.plan import BlockKind
 from .replay import Replay
@@ -117,6 +118,7 @@ class Block:
         self.nodes: list[Node] = []
         self.values: list[Value] = []
         self.storage_bytes: list[int] = []
+        self.lifetimes = StorageLifetimes(self.nodes)  # when the forward frees its storages
         self.demand: frozenset[int] = frozenset()  # P: the values autograd packed (set in finish)
         self.mandatory: dict[int, str] = {}
         self.planned: set[int] = set()
@@ -236,6 +238,7 @@ class Block:
             outputs,
             frozenset(v for returned in self.exits for v, _ in returned if v is not None),
             self.host_sync,
+            self.lifetimes.stop(),
         )
         self.demand = tape.demand
         if self.plan_sequence is not None and tape.fingerprint != self.plan_sequence:
@@ -261,6 +264,24 @@ class Block:
             )
         self.trace.tape = tape
         self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
+
+    def outliving(
+        self, alive: Callable[[Collection[int]], dict[int, Any]]
+    ) -> list[tuple[int, Any]]:
+        """At the end of forward, the values whose tensors are still alive that the block does
+        not hold, on storages of its own (not of its leaves): one per storage, its latest
+        value, with the storage. A caller may keep them a while (a returned tuple, a cache);
+        the memory timeline notes when each is freed. ``alive`` as ``finish`` takes it."""
+        values = self.values
+        held = {values[v].sid for v in self.held}
+        held |= {v.sid for v in values if v.kind != OP}
+        candidates = {v.vid for v in values if v.kind == OP and v.sid not in held}
+        latest: dict[int, tuple[int, Any]] = {}
+        for vid, (ref, _) in sorted(alive(candidates).items()):
+            t = ref()
+            if t is not None:
+                latest[values[vid].sid] = (vid, t.untyped_storage())
+        return list(latest.values())
 
     def adopt(self, entry: SteadyTape) -> None:
         """Run from a cached tape (steady state): what a recorded call's ``finish`` set, but the

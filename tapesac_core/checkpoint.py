@@ -485,7 +485,7 @@ def _run_block(
     if timed:
         block.trace.forward_seconds = time.perf_counter() - start
     if block.probe is not None:
-        block.probe.forward_end()
+        block.probe.forward_end(block.outliving(recorder.alive))
     if cache is not None and signature is not None:
         cache.put(signature, steady_tape(block, inputs, outputs, output_vids), name)
     recorder.forget()

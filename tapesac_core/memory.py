@@ -150,6 +150,7 @@ class LiveTensorMeter:
         self.segment_peak = 0  # peak since the last mark
         self._refs: dict[int, weakref.ref] = {}
         self._mode: _StorageTracker | None = None
+        self._on_free: dict[int, list[Callable[[], Any]]] = {}  # see ``when_freed``
 
     def track(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage from now until it is freed (once per storage)."""
@@ -157,6 +158,8 @@ class LiveTensorMeter:
             return
         storage = t.untyped_storage()
         key = id(storage)
+        if _NOT_COUNTED.get(key) is storage:
+            return
         ref = self._refs.get(key)
         if ref is not None and ref() is storage:
             return
@@ -171,6 +174,19 @@ class LiveTensorMeter:
         ref = self._refs.get(key)
         if ref is not None and ref() is None:
             del self._refs[key]
+            for callback in self._on_free.pop(key, ()):
+                callback()
+
+    def when_freed(self, storage: Any, callback: Callable[[], Any]) -> bool:
+        """Call ``callback`` once ``storage`` is freed and the free is counted: a mark it takes
+        reads the bytes in use without the storage. (A weak reference of the caller's own would
+        run before this meter's, which was made earlier.) False, and no call, for a storage the
+        meter does not count."""
+        ref = self._refs.get(id(storage))
+        if ref is None or ref() is not storage:
+            return False
+        self._on_free.setdefault(id(storage), []).append(callback)
+        return True
 
     def __enter__(self) -> LiveTensorMeter:
         gc.collect()
@@ -202,6 +218,21 @@ class LiveTensorMeter:
         return MemoryReading(
             peak=self.peak, current=self.current, reserved=self.current, total=total, free=free
         )
+
+
+# Storages of tensors that are bookkeeping, not memory a step uses (``not_counted``).
+_NOT_COUNTED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def not_counted(t: torch.Tensor) -> None:
+    """Leave ``t``'s storage out of every CPU meter: a random generator's state that recording
+    keeps per random op (``generator.get_state()``, made without passing the dispatcher). On an
+    accelerator it is host memory, which the allocator's statistics never see; on CPU a meter
+    would miss it in the step that makes it (no op to see) but count it in any later step that
+    still holds it (a cached tape keeps it), and so read a must-only sample step low against
+    the steps planned from it."""
+    storage = t.untyped_storage()
+    _NOT_COUNTED[id(storage)] = storage
 
 
 def memory_meter(device: torch.device | str) -> MemoryMeter:

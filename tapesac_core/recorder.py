@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import TapeSACError
 from .holding import Holding
+from .memory import not_counted
 from .ops import OpInfo, arg, is_random_call, op_info
 from .tape import BUFFER, INPUT, OP, PARAM, Node, Value
 from .tensors import (
@@ -324,7 +325,9 @@ class Recorder(TorchDispatchMode):
             if info.unannounced and not has_default_generator(torch.device(device)):
                 return None
             generator = default_generator(torch.device(device))
-        return (generator, generator.get_state())
+        state = generator.get_state()
+        not_counted(state)  # bookkeeping, not the step's memory (and no op a meter sees)
+        return (generator, state)
 
     def _add_node(
         self,
@@ -442,6 +445,7 @@ class Recorder(TorchDispatchMode):
             storage_bytes = self.block.storage_bytes
             sid = len(storage_bytes)
             storage_bytes.append(storage.nbytes())
+            self.block.lifetimes.watch(storage, sid)
             if info.allocation:
                 self.uninitialised.add(sid)
         elif ids.epochs:

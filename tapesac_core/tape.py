@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -116,6 +116,9 @@ class Tape:
     outputs: frozenset[int] = frozenset()  # values the block returned
     returned: frozenset[int] = frozenset()  # values its submodules returned
     host_sync: bool = False  # an op returned a number to Python (.item()): data may steer ops
+    # Per storage an op made, the nodes recorded when Python freed it in the forward (absent:
+    # alive at its end); see ``lifetimes.StorageLifetimes``.
+    freed: Mapping[int, int] = field(default_factory=dict)
 
     @functools.cached_property
     def leaves(self) -> frozenset[int]:

@@ -47,6 +47,10 @@ class PlanGraph(Generic[N]):
     # The values a plan may keep (None: any): a block run in steady state holds only values on
     # storages autograd saves or a submodule returns.
     savable: frozenset[int] | None = None
+    # Per storage, the number of nodes run when the recorded forward freed it (the node count:
+    # alive at its end; -1: at its last read). Python frees a value when its last reference
+    # goes, not at its last read. Empty: every storage at its last read.
+    storage_freed: tuple[int, ...] = ()
     # Derived, so that closures are bit operations: the producer node of each value (-1:
     # none); each node's deps and outputs as value bitsets; each value's readers and each
     # node's deps' producers as node bitsets; the values and storages kept anyway.
@@ -103,6 +107,8 @@ def _check(g: PlanGraph) -> tuple[int, ...]:
         raise ValueError("value_storage holds a storage id outside storage_bytes")
     if any(not isinstance(b, int) or b < 0 for b in g.storage_bytes):
         raise ValueError("storage_bytes must be non-negative ints")
+    if g.storage_freed and len(g.storage_freed) != len(g.storage_bytes):
+        raise ValueError("storage_freed must be empty or have one entry per storage")
     if any(not (math.isfinite(t) and t >= 0) for t in g.node_time):
         raise ValueError("node_time must be finite and non-negative")
     for name in ("demand", "available"):

@@ -41,6 +41,10 @@ FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE = (
     "unpack_end",
     "release",
 )
+# A storage of a block that outlived its forward (``TimelineBlock.lingering``) was freed: the
+# segment it splits keeps its phase on both sides.
+FREED = "freed"
+KINDS = (FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE, FREED)
 FORWARD, REPLAY, COMPUTE, OUTSIDE = "forward", "replay", "compute", "outside"
 RELEASING = "releasing"  # the instant a block is released: it still holds its saved values
 
@@ -54,11 +58,11 @@ class Event:
     block: int  # index of the block in forward order within the step
     peak: int
     current: int
-    vid: int | None = None  # the value unpacked (UNPACK_START / UNPACK_END)
+    vid: int | None = None  # the value unpacked (UNPACK_START / UNPACK_END) or freed (FREED)
     node: int | None = None  # the autograd node that unpacked it (its id, while it runs)
 
     def __post_init__(self) -> None:
-        if self.kind not in (FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE):
+        if self.kind not in KINDS:
             raise ValueError(f"unknown event kind {self.kind!r}")
         if self.block < 0 or self.peak < 0 or self.current < 0:
             raise ValueError(f"an event needs block >= 0 and bytes >= 0, got {self}")
@@ -75,6 +79,11 @@ class TimelineBlock:
     unpacks: tuple[int, ...] = ()
     taken: frozenset[int] = frozenset()  # demanded values taken alive, not replayed
     groups: tuple[int, ...] = ()  # per unpack, the autograd node call it belongs to (numbered)
+    # Values (one per storage) whose tensors outlived the block's forward, not held by it: a
+    # tuple the caller keeps for a while (attention weights), a cache. The sample step measured
+    # them alive until freed (a FREED event, else to the step's end); a plan that keeps one too
+    # does not add its bytes again there (``Segment.lingering``, ``Option.linger``).
+    lingering: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +99,9 @@ class Segment:
     own: int | None = None
     unpack: int | None = None
     label: str = ""
+    # (block, position in its ``lingering``) of each value that outlived its block's forward
+    # and was alive throughout this segment: measured in ``peak`` already.
+    lingering: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +151,7 @@ class Timeline:
                 own=s.own,
                 unpack=s.unpack,
                 label=s.label,
+                lingering=s.lingering,
             )
             for s in self.segments
         )
@@ -159,7 +172,9 @@ def timeline_of(
     """The timeline of a sample step from its events in order; ``end_peak`` is the peak between
     the last event and the end of the step. A block's saved values count from its forward start
     until its release (to the end of the step if it was never released); alive sets are widened
-    to a contiguous range, which only adds bytes."""
+    to a contiguous range, which only adds bytes. A value that outlived its block's forward
+    (``TimelineBlock.lingering``) is alive from the block's forward end until its FREED event
+    (to the end of the step without one); the segments it was alive throughout name it."""
     n = len(blocks)
     started = [math.inf] * n
     released = [math.inf] * n
@@ -182,7 +197,9 @@ def timeline_of(
     first_unpack = min(
         (k for k, e in enumerate(events) if e.kind == UNPACK_START), default=len(events)
     )
+    lingering = _lingering_spans(events, blocks, released)
     segments = []
+    regular: Segment | None = None  # the last segment between two events
     for k in range(len(events) + 1):
         # Segment k lies between event k-1 and event k.
         opener = events[k - 1] if k > 0 else None
@@ -201,13 +218,17 @@ def timeline_of(
                     own=opener.block,
                     unpack=0,
                     label=f"backward, as {names[opener.block]} frees its values",
+                    lingering=_alive_at(lingering, k - 1, instant=True),
                 )
             )
         alive = [i for i in range(n) if started[i] <= k - 1 and released[i] > k - 1]
         first, last = (min(alive), max(alive)) if alive else (0, -1)
         peak = events[k].peak if k < len(events) else end_peak
         phase, own, unpack = OUTSIDE, None, None
-        if opener is None:
+        if opener is not None and opener.kind == FREED and regular is not None:
+            # A free splits a segment: both parts are the same phase of the same block.
+            phase, own, unpack, label = regular.phase, regular.own, regular.unpack, regular.label
+        elif opener is None:
             label = "before the first block (embedding)"
         elif opener.kind == FORWARD_START:
             phase, own, unpack = FORWARD, opener.block, 0
@@ -224,12 +245,53 @@ def timeline_of(
             label = f"backward, after {names[opener.block]} freed its values"
         else:
             label = f"forward, after {names[opener.block]}"
-        segments.append(
-            Segment(
-                peak=peak, first=first, last=last, phase=phase, own=own, unpack=unpack, label=label
-            )
+        regular = Segment(
+            peak=peak,
+            first=first,
+            last=last,
+            phase=phase,
+            own=own,
+            unpack=unpack,
+            label=label,
+            lingering=_alive_at(lingering, k),
         )
+        segments.append(regular)
     return Timeline(tokens=tokens, static=static, segments=tuple(segments), blocks=tuple(blocks))
+
+
+def _lingering_spans(
+    events: Sequence[Event], blocks: Sequence[TimelineBlock], released: Sequence[float]
+) -> list[tuple[int, int, int, float, float]]:
+    """Per value that outlived its block's forward: (block, position in its ``lingering``,
+    the event of the block's forward end, of its free and of the block's release: inf for
+    none). After the release a plan keeps nothing of the block: nothing is counted twice."""
+    ends: dict[int, int] = {}
+    freed: dict[tuple[int, int], int] = {}
+    for k, e in enumerate(events):
+        if e.kind == FORWARD_END:
+            ends.setdefault(e.block, k)
+        elif e.kind == FREED and e.vid is not None:
+            freed.setdefault((e.block, e.vid), k)
+    return [
+        (i, j, ends[i], freed.get((i, v), math.inf), released[i])
+        for i, b in enumerate(blocks)
+        if i in ends
+        for j, v in enumerate(b.lingering)
+    ]
+
+
+def _alive_at(
+    spans: list[tuple[int, int, int, float, float]], k: int, instant: bool = False
+) -> tuple[tuple[int, int], ...]:
+    """The values of ``spans`` alive throughout segment ``k`` (between events k-1 and k: from
+    their forward end at or before event k-1 to a free at or after event k) while their block
+    holds its values (released after event k-1); ``instant``: at event ``k`` itself (freed
+    after it, the block released at it or later)."""
+    if instant:
+        return tuple((i, j) for i, j, end, free, gone in spans if end <= k < free and k <= gone)
+    return tuple(
+        (i, j) for i, j, end, free, gone in spans if end <= k - 1 and k <= free and k - 1 < gone
+    )
 
 
 # ---------------------------------------------------------------------- replay memory
@@ -365,8 +427,10 @@ def replay_memory(
 def forward_memory(graph: PlanGraph, saved: Iterable[int]) -> int:
     """The most bytes a block's forward holds (beyond the graph's available values), simulated
     in tape order: each node's outputs exist while it runs and live until their last read in
-    the forward, or to its end when they are in ``saved`` (kept for backward). Comparing two
-    save sets says how much of the later one's bytes exist at the forward's peak."""
+    the forward, or until the recorded forward freed their storage if later (Python keeps a
+    value while a reference to it remains: ``graph.storage_freed``), or to its end when they
+    are in ``saved`` (kept for backward). Comparing two save sets says how much of the later
+    one's bytes exist at the forward's peak."""
     keep = frozenset(saved)
     storage, cost = graph.value_storage, list(graph.storage_bytes)
     for v in graph.available:
@@ -375,6 +439,11 @@ def forward_memory(graph: PlanGraph, saved: Iterable[int]) -> int:
     for n, deps in enumerate(graph.node_deps):
         for d in deps:
             last_read[d] = n
+    if graph.storage_freed:
+        # Freed before node k ran: alive through node k - 1 (the last node at most).
+        end = len(graph.node_deps) - 1
+        for v, s in enumerate(storage):
+            last_read[v] = max(last_read[v], min(graph.storage_freed[s], end + 1) - 1)
     refs = [0] * len(cost)  # storage -> values on it alive
     dies: list[list[int]] = [[] for _ in graph.node_deps]
     live = top = 0
@@ -403,8 +472,10 @@ class Option:
     """One choice for a block: the bytes it keeps beyond S0, the replay time it removes, and
     how it moves the block's replay bytes at each unpack of its window (``replay``, ``compute``
     deltas against must-only; empty: not simulated, no change), its own forward's peak
-    (``forward``: saved values made late in the forward are not yet alive at its peak) and the
-    instant of its release (``release``: a plain block's values autograd freed by then)."""
+    (``forward``: saved values made late in the forward are not yet alive at its peak), the
+    instant of its release (``release``: a plain block's values autograd freed by then), and,
+    per value of its block's ``TimelineBlock.lingering``, the bytes of it the option keeps
+    (``linger``: already measured wherever the segment names it, ``Segment.lingering``)."""
 
     bytes: int
     gain: float
@@ -413,6 +484,11 @@ class Option:
     compute: tuple[int, ...] = ()
     forward: int = 0
     release: int = 0
+    linger: tuple[int, ...] = ()
+
+    def lingered(self, position: int) -> int:
+        """The bytes of the ``position``-th lingering value this option keeps."""
+        return self.linger[position] if position < len(self.linger) else 0
 
     def delta(self, segment: Segment) -> int:
         if segment.phase == FORWARD:
@@ -450,6 +526,8 @@ def predict(timeline: Timeline, options: Sequence[Option]) -> Prediction:
         value = s.peak + (prefix[s.last + 1] - prefix[s.first] if s.first <= s.last else 0)
         if s.own is not None:
             value += options[s.own].delta(s)
+        for i, j in s.lingering:
+            value -= options[i].lingered(j)
         if value > best:
             best, where = value, k
     return Prediction(peak=best, segment=where, label=timeline.segments[where].label)
@@ -476,6 +554,7 @@ def solve_peak(
         raise ValueError(f"resolution must be >= 1, got {resolution}")
     seg = _columns(timeline)
     deltas = _Deltas(menus)
+    lingering = _own_lingering(timeline)
     # A segment replaying a block other than its last alive one is charged that block's worst
     # option (the DP only knows the last block's option when it checks the segment).
     checked = seg.peak.copy()
@@ -506,7 +585,7 @@ def solve_peak(
             reset = int(np.argmax(layer))
             layer = _start(units, layer[reset])
         mine = order[bounds[i] : bounds[i + 1]]
-        tops = _tops(seg, checked, mine, i, deltas)
+        tops = _tops(seg, checked, mine, i, deltas, lingering.get(i))
         choices = []
         for option, top in zip(menus[i], tops):
             if top is None:  # no segment ends at this block
@@ -540,6 +619,19 @@ def solve_peak(
         if reset is not None:
             state = reset
     return tuple(picks)
+
+
+def _own_lingering(timeline: Timeline) -> dict[int, dict[int, list[int]]]:
+    """Per block, the segments checked at it (its last alive block) where values that outlived
+    its own forward were alive: segment -> their positions in its ``lingering``. Those of other
+    blocks in a segment are not known to the DP (it knows only the last block's option) and
+    are not counted off: the DP then takes the segment for higher than ``predict`` does."""
+    out: dict[int, dict[int, list[int]]] = {}
+    for k, s in enumerate(timeline.segments):
+        for i, j in s.lingering:
+            if i == s.last:
+                out.setdefault(i, {}).setdefault(k, []).append(j)
+    return out
 
 
 def _start(units: int, first: float = 0.0) -> np.ndarray:
@@ -620,10 +712,21 @@ class _Deltas:
 
 
 def _tops(
-    seg: _Columns, checked: np.ndarray, mine: np.ndarray, block: int, deltas: _Deltas
+    seg: _Columns,
+    checked: np.ndarray,
+    mine: np.ndarray,
+    block: int,
+    deltas: _Deltas,
+    lingering: Mapping[int, list[int]] | None = None,
 ) -> list[int | None]:
     """Per option of ``block``'s menu, the highest segment checked at it (None: none is): its own
-    replay segments moved by the option's deltas, every other one as it is (``checked``)."""
+    replay segments moved by the option's deltas, every other one as it is (``checked``). A
+    segment of ``lingering`` (segment -> positions in the block's ``lingering``) is lowered by
+    the bytes of those values each option keeps (measured there already)."""
+    menu = deltas.menus[block]
+    special = [int(k) for k in mine if lingering and int(k) in lingering]
+    if special:
+        mine = mine[~np.isin(mine, special)]
     own = seg.own[mine] == block
     rest = checked[mine[~own]]
     fixed = int(rest.max()) if len(rest) else None
@@ -636,6 +739,15 @@ def _tops(
             if not np.array_equal(positions, np.arange(m.shape[1])):  # else every column, in order
                 m = m[:, positions]
             tops = np.maximum(tops, (m + seg.peak[at]).max(axis=1))
+    for k in special:
+        phase, unpack = int(seg.phase[k]), int(seg.unpack[k])
+        if seg.own[k] == block and phase >= 0:
+            values = deltas.matrix(block, phase, unpack + 1)[:, unpack] + seg.peak[k]
+        else:
+            values = np.full(len(menu), checked[k])
+        assert lingering is not None  # special is empty without it
+        values = values - np.array([sum(o.lingered(j) for j in lingering[k]) for o in menu])
+        tops = np.maximum(tops, values)
     return [None if t == -math.inf else int(t) for t in tops.tolist()]
 
 
@@ -650,12 +762,14 @@ def menus_of(timeline: Timeline, regions: Mapping[str, RegionMenu]) -> list[list
             menus.append([Option(bytes=0, gain=0.0, point=0)])
             continue
         key = (
-            (b.region, b.unpacks, b.taken, b.groups)
+            (b.region, b.unpacks, b.taken, b.groups, b.lingering)
             if b.sequence == region.sequence
             else (b.region,)
         )
         if key not in cache:
-            cache[key] = region.options(b.unpacks, b.taken, b.groups, simulate=len(key) > 1)
+            cache[key] = region.options(
+                b.unpacks, b.taken, b.groups, simulate=len(key) > 1, lingering=b.lingering
+            )
         menus.append(cache[key])
     return menus
 
@@ -712,10 +826,12 @@ class RegionMenu:
         groups: Sequence[int] = (),
         *,
         simulate: bool = True,
+        lingering: Sequence[int] = (),
     ) -> list[Option]:
         """Every point as an option, with its forward-peak and replay-byte deltas simulated on
         the region's tape for the block's ``unpacks`` (``simulate=False``: none, for a block
-        that ran another op sequence)."""
+        that ran another op sequence), and the bytes it keeps of the block's ``lingering``
+        values (``Option.linger``)."""
         if not simulate:
             # Without its unpacks a torch-checkpoint block's backward is not simulated: it is
             # charged its plain bytes throughout, the bound a plain block has.
@@ -734,6 +850,8 @@ class RegionMenu:
             zip(self.bytes, self.gains, self.saved, self.forward_deltas)
         ):
             option = Option(bytes=b, gain=g, point=i, forward=forward)
+            if lingering and self.kind(i) is not BlockKind.TORCH_CHECKPOINT:
+                option = dataclasses.replace(option, linger=self._kept_of(s, lingering))
             if base is not None:
                 mem = base if not s else replay_memory(graph, s, unpacks, taken, groups)
                 option = dataclasses.replace(
@@ -753,6 +871,26 @@ class RegionMenu:
                 option = dataclasses.replace(option, forward=0)
             out.append(option)
         return out
+
+    def _kept_of(self, saved: frozenset[int], lingering: Sequence[int]) -> tuple[int, ...]:
+        """Per value of ``lingering``, the bytes of its storage that keeping ``saved`` keeps
+        (each storage once, none of those kept anyway), scaled down to the plan's tokens where
+        fewer, never up: what is counted off must have been measured."""
+        graph = self.graph
+        storage, sizes = graph.value_storage, graph.storage_bytes
+        kept = {storage[v] for v in saved} - graph.held_storages
+        fixed: frozenset[int] = getattr(graph, "token_independent", frozenset())
+        out: list[int] = []
+        seen: set[int] = set()
+        for v in lingering:
+            s = storage[v] if 0 <= v < len(storage) else -1
+            if s in kept and s not in seen:
+                seen.add(s)
+                scale = 1.0 if v in fixed else min(1.0, self.scale)
+                out.append(math.floor(sizes[s] * scale))
+            else:
+                out.append(0)
+        return tuple(out)
 
     def _recomputed_at_first_unpack(
         self, plain: Option, saved: frozenset[int], base: ReplayMemory

@@ -51,6 +51,15 @@ def graph_of(
             storage_bytes.append(tape.storage_bytes[v.sid])
         value_storage.append(storage_of[key])
     names = tuple(_name(tape, v) for v in tape.values)
+    # A storage's last content (epoch) is what Python frees; earlier ones end at their last read.
+    last_epoch: dict[int, int] = {}
+    for sid, epoch in storage_of:
+        last_epoch[sid] = max(epoch, last_epoch.get(sid, epoch))
+    freed = getattr(tape, "freed", {})
+    storage_freed = tuple(
+        freed.get(sid, len(tape.nodes)) if last_epoch[sid] == epoch else -1
+        for sid, epoch in storage_of
+    )
     return TapeGraph(
         node_time=tuple(float(node_time.get(n.index, 0.0)) for n in tape.nodes),
         node_deps=tuple(tuple(dict.fromkeys(n.deps)) for n in tape.nodes),
@@ -61,6 +70,7 @@ def graph_of(
         demand=frozenset(tape.demand),
         available=frozenset(tape.always_available),
         savable=savable,
+        storage_freed=storage_freed,
         anchors=tuple(tape.anchor(v.vid) for v in tape.values),
         module_digests=dict(tape.module_fingerprints),
         token_independent=tape.token_independent,
