@@ -15,7 +15,11 @@ from tapesac_core.solve import torch_checkpoint_gains, torch_checkpoint_peak
 from tapesac_core.units import KiB
 
 # Every planned step metered, the limit used as given.
-SETTINGS = SHORT_SCHEDULE | dict(meter_every=1, margin=0.0, torch_checkpoint_blocks=True)
+# Margin 0 lets a plan, solved for exactly the step's tokens, peak at the limit itself: the
+# near-limit watch (a fragmentation guard at 99% of the limit) would shrink it, so it is off too.
+SETTINGS = SHORT_SCHEDULE | dict(
+    meter_every=1, margin=0.0, near_limit=1.0, torch_checkpoint_blocks=True
+)
 
 
 def _models(moe: bool) -> tuple[DecoderLM, DecoderLM, torch.Tensor]:
