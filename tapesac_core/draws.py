@@ -75,8 +75,8 @@ class Draws:
     """The generator states of one steady-state call's random ops, derived from the states at
     its start as replay asks for them."""
 
-    def __init__(self, nodes: Sequence[Node], start: Sequence[State]) -> None:
-        self.order = [n for n in nodes if n.rng is not None]
+    def __init__(self, random: Sequence[Node], start: Sequence[State]) -> None:
+        self.order = random
         self._position = {n.index: p for p, n in enumerate(self.order)}
         start_of = {id(g): state for g, state in start}
         last: dict[int, int] = {}
@@ -97,13 +97,17 @@ class Draws:
     def run(self, node: Node, call: Callable[[], Any], stand_in: Callable[[Node], Any]) -> Any:
         """``call()`` (``node``, run for real) from the state its op drew from in forward;
         ``stand_in(n)`` runs an earlier random op ``n`` on stand-ins when its draws are needed."""
-        p = self._position[node.index]
-        generator = node.rng[0]
+        return self._drawn(self._position[node.index], call, stand_in)
+
+    def _drawn(self, p: int, call: Callable[[], Any], stand_in: Callable[[Node], Any]) -> Any:
+        """``call()`` with random op ``p``'s generator at the state ``p`` drew from, put back
+        after; the state after it kept when a later op on that generator draws from there."""
+        generator = self.order[p].rng[0]
         current = generator.get_state()
         generator.set_state(self._before(p, stand_in))
         try:
             out = call()
-            if p in self._followed and p not in self._after:  # the next one draws from here
+            if p in self._followed and p not in self._after:
                 self._after[p] = generator.get_state()
         finally:
             generator.set_state(current)
@@ -115,13 +119,6 @@ class Draws:
             return start
         previous = self._previous[p]
         assert previous is not None  # not the first on its generator: it has a previous op
-        if previous not in self._after:
-            generator = self.order[previous].rng[0]
-            current = generator.get_state()
-            generator.set_state(self._before(previous, stand_in))
-            try:
-                stand_in(self.order[previous])
-                self._after[previous] = generator.get_state()
-            finally:
-                generator.set_state(current)
+        if previous not in self._after:  # its draws are not replayed yet: on stand-ins
+            self._drawn(previous, lambda: stand_in(self.order[previous]), stand_in)
         return self._after[previous]

@@ -104,6 +104,7 @@ class SteadyTape:
     writes_in_place: bool
     device_types: frozenset[str]
     autograd: tuple[str, ...]  # the autograd nodes the forward created (``autograd_nodes``)
+    random: tuple[Node, ...]  # the random ops, in order: their states are derived (``draws.py``)
     confirmed: bool = False  # a steady-state call of it made the same autograd nodes
 
 
@@ -168,8 +169,9 @@ def steady_tape(
     if autograd is None:
         return Recorded.OUTSIDE_GRAPH
     alive = block.refs
+    stateless = _stateless(tape)  # the cache keeps no state of this recorded call
     return SteadyTape(
-        tape=_stateless(tape),
+        tape=stateless,
         handles=handles,
         packs=tuple(block.pack_layouts),
         hold=hold,
@@ -184,6 +186,7 @@ def steady_tape(
         writes_in_place=block.writes_in_place,
         device_types=frozenset(block.device_types),
         autograd=autograd,
+        random=tuple(n for n in stateless.nodes if n.rng is not None),
     )
 
 
@@ -460,8 +463,8 @@ class SteadyForward:
                 self.diverged = "autograd recorded other operations than the tape's"
         if self.diverged is not None:
             return self.diverged
-        if any(n.rng is not None for n in entry.tape.nodes):
-            block.draws = Draws(entry.tape.nodes, self.rng)
+        if entry.random:
+            block.draws = Draws(entry.random, self.rng)
             block.trace.draws_bytes = block.draws.nbytes
         self.rng = []  # only a recomputation needs it: the pack hook lives as long as the graph
         block.refs = {
