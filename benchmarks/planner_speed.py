@@ -25,15 +25,10 @@ from tapesac_core.plan import (
     solve_frontier,
     solve_knapsack,
 )
-from tapesac_core.plan.peak import (
-    RegionMenu,
-    Segment,
-    Timeline,
-    TimelineBlock,
-    menus_of,
-    predict,
-    solve_peak,
-)
+from tapesac_core.plan.menus import RegionMenu, menus_of
+from tapesac_core.plan.peak import predict
+from tapesac_core.plan.peak_dp import solve_peak
+from tapesac_core.plan.peak_timeline import Segment, Timeline, TimelineBlock
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,7 @@
 Python frees an op's output when its last reference goes (a local of the forward, a tuple the
 caller holds), which is often well after the last op that reads it. The peak model simulates a
 block's forward to say how much of a save set exists at the forward's peak
-(``plan.peak.forward_memory``); with lifetimes cut at each value's last read it takes the
+(``plan.simulate.forward_memory``); with lifetimes cut at each value's last read it takes the
 must-only forward for leaner than it is, and prices saving a value the forward holds anyway as
 if it added its bytes there.
 """

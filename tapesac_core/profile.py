@@ -16,7 +16,7 @@ from typing import Any
 from .block import BlockTrace
 from .memory import MemoryReading
 from .plan import Point, replay_time, saved_bytes, solve_frontier
-from .plan.peak import Timeline
+from .plan.peak_timeline import Timeline
 from .plan.tape_graph import TapeGraph, graph_of
 from .steady import savable_values
 from .tape import DYNAMIC_SHAPE, Tape

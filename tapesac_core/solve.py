@@ -9,7 +9,10 @@ from typing import NamedTuple
 
 from .config import TapeSACConfig
 from .plan import Point, RegionFrontier, replay_time, saved_bytes, solve_knapsack
-from .plan.peak import Option, RegionMenu, Timeline, menus_of, predict, solve_peak
+from .plan.menus import RegionMenu, menus_of
+from .plan.peak import Option, predict
+from .plan.peak_dp import solve_peak
+from .plan.peak_timeline import Timeline
 from .plan.plan import BlockKind, Plan, RegionPlan, Saved
 from .profile import RegionProfile
 from .steady import tape_blocker

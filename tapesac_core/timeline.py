@@ -1,4 +1,5 @@
-"""Measuring a sample step's memory timeline (the peak-aware model's input, ``plan.peak``).
+"""Measuring a sample step's memory timeline (the peak-aware model's input,
+``plan.peak_timeline``).
 
 A ``StepProbe`` reads a meter's ``mark()`` (peak since the previous mark, bytes in use now) at
 each block event: forward start and end, before and after each unpack (its replay), when the
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .plan.peak import (
+from .plan.peak_timeline import (
     FORWARD_END,
     FORWARD_START,
     FREED,

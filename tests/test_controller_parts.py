@@ -342,7 +342,7 @@ def test_without_a_process_group_every_rank_agrees_with_itself() -> None:
 
 
 def test_memory_that_does_not_grow_with_tokens_stays_unscaled() -> None:
-    from tapesac_core.plan.peak import Segment, Timeline
+    from tapesac_core.plan.peak_timeline import Segment, Timeline
     from tapesac_core.plan.plan import Plan
 
     memory = MemoryModel()

@@ -26,16 +26,15 @@ from support import SHORT_SCHEDULE, token_ids
 
 import tapesac_core
 from tapesac_core.controller import PLANNED, PROFILE, Controller
-from tapesac_core.plan.peak import (
+from tapesac_core.plan.peak import Option, predict
+from tapesac_core.plan.peak_dp import solve_peak
+from tapesac_core.plan.peak_timeline import (
     FORWARD_END,
     FORWARD_START,
     FREED,
     RELEASE,
     Event,
-    Option,
     TimelineBlock,
-    predict,
-    solve_peak,
     timeline_of,
 )
 

@@ -1,4 +1,5 @@
-"""The peak-aware memory model (plan/peak.py): pure functions, exact numbers."""
+"""The peak-aware memory model (plan's peak_timeline, simulate, peak, peak_dp and menus): pure
+functions, exact numbers."""
 
 import dataclasses
 import itertools
@@ -7,25 +8,23 @@ import random
 import pytest
 
 from tapesac_core.plan import Graph
-from tapesac_core.plan.peak import (
+from tapesac_core.plan.menus import RegionMenu
+from tapesac_core.plan.peak import Option, predict
+from tapesac_core.plan.peak_dp import solve_peak
+from tapesac_core.plan.peak_timeline import (
     FORWARD_END,
     FORWARD_START,
     RELEASE,
     UNPACK_END,
     UNPACK_START,
     Event,
-    Option,
-    RegionMenu,
     Segment,
     Timeline,
     TimelineBlock,
-    forward_memory,
-    predict,
-    replay_memory,
-    solve_peak,
     timeline_of,
 )
 from tapesac_core.plan.plan import BlockKind
+from tapesac_core.plan.simulate import forward_memory, replay_memory
 
 
 def _chain():

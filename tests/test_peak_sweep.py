@@ -15,7 +15,8 @@ import tapesac_core
 from examples.training import train_step
 from tapesac_core.controller import CONTROL, PLANNED, Controller
 from tapesac_core.memory import LiveTensorMeter
-from tapesac_core.plan.peak import menus_of, predict
+from tapesac_core.plan.menus import menus_of
+from tapesac_core.plan.peak import predict
 from tapesac_core.plan.plan import BlockKind
 from tapesac_core.solve import region_menus, scaled
 
