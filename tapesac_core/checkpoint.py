@@ -45,16 +45,8 @@ from .plan.coords import Anchor, Coord
 from .plan.plan import BlockKind, Plan
 from .recorder import Recorder
 from .signature import Signature, block_signature
-from .steady import (
-    Recompute,
-    Recorded,
-    SteadyCache,
-    SteadyForward,
-    SteadyTape,
-    forget_steady_cache,
-    steady_cache,
-    steady_tape,
-)
+from .steady import Recompute, Recorded, SteadyForward, SteadyTape, steady_tape
+from .steady_cache import SteadyCache, forget_steady_cache, steady_cache
 from .tape import Tape
 from .values import forget_leaves
 from .verify import HiddenWrites

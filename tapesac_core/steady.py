@@ -27,27 +27,25 @@ dispatch mode sees it). Make such values arguments of the block or its modules' 
 from __future__ import annotations
 
 import functools
-import logging
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map_only
 
 from .draws import Draws, draws_by_layout
 from .errors import TapeSACError
-from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, OP, Meta, Node, Slot, Tape, Value
+from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, OP, Meta, Node, Tape, Value
 from .tensors import default_generator, detached, flat_tensors, layout_of, on_storage, view_on
 
-logger = logging.getLogger(__name__)
-Tensor = torch.Tensor
+if TYPE_CHECKING:
+    from .size_templates import SizeTemplate
 
-CACHED_SIGNATURES = 8  # per module: the signatures of a run with a few sequence lengths
+Tensor = torch.Tensor
 
 
 class Recorded(str, Enum):
@@ -65,6 +63,7 @@ class Recorded(str, Enum):
     UNSAVED_KEPT = "the plan or S0 keeps values autograd does not save"
     OUTSIDE_GRAPH = "its autograd graph reaches tensors that are not its inputs"
     GRAPH_DIFFERS = "its first steady-state call ran other ops than its tape, twice"
+    SIZES = "the integers in its ops follow no curve of its input sizes (each new size records)"
 
     def __str__(self) -> str:
         return self.value
@@ -106,6 +105,7 @@ class SteadyTape:
     autograd: tuple[str, ...]  # the autograd nodes the forward created (``autograd_nodes``)
     random: tuple[Node, ...]  # the random ops, in order: their states are derived (``draws.py``)
     confirmed: bool = False  # a steady-state call of it made the same autograd nodes
+    template: SizeTemplate | None = None  # what made it at a size not recorded
 
 
 def steady_tape(
@@ -262,120 +262,6 @@ _UNDER_A_MODE = {"ReshapeAliasBackward0": "ViewBackward0"}
 def node_kind(node_type: type) -> str:
     """An autograd node's type name, the same with and without a dispatch mode."""
     return _UNDER_A_MODE.get(node_type.__name__, node_type.__name__)
-
-
-def differences(old: Tape, new: Tape) -> str | None:
-    """Where a tape recorded again under one signature differs from the cached one, if it does."""
-    for a, b in zip(old.nodes, new.nodes):
-        if _node_key(a) != _node_key(b):
-            return f"op {a.index}: {a.name}{_args(a)} recorded before, {b.name}{_args(b)} now"
-    if len(old.nodes) != len(new.nodes):
-        return f"{len(old.nodes)} ops recorded before, {len(new.nodes)} now"
-    return None
-
-
-def _node_key(node: Node) -> tuple:
-    return (node.name, tuple(node.inputs), tuple(node.outs), _plain(node.args), _plain(node.kwargs))
-
-
-def _plain(a: Any) -> Any:
-    """Recorded arguments comparable with ``==`` (slots by position)."""
-    if type(a) is Slot:
-        return ("slot", a.i)
-    if type(a) in (list, tuple):
-        return tuple(_plain(x) for x in a)
-    if type(a) is dict:
-        return tuple((k, _plain(v)) for k, v in a.items())
-    return a
-
-
-def _args(node: Node) -> str:
-    shown = [f"t{a.i}" if type(a) is Slot else repr(a) for a in node.args]
-    return f"({', '.join(shown)})"
-
-
-class SteadyCache:
-    """One module's steady-state tapes by signature, the most recent ``CACHED_SIGNATURES``; and
-    for signatures that cannot run in steady state, why. Never copied or pickled with the module
-    (a copy records afresh)."""
-
-    def __init__(self) -> None:
-        self._entries: OrderedDict[Hashable, SteadyTape | Recorded] = OrderedDict()
-        self._told = False
-        # Per signature, first steady-state calls that diverged: twice means the forward runs
-        # other composite decompositions without the dispatch mode than under it, not a branch.
-        self._first_diverged: dict[Hashable, int] = {}
-
-    def diverged(self, signature: Hashable, entry: SteadyTape, name: str, what: str) -> None:
-        """A steady-state call ran other ops than its tape: its next call records. Said once
-        per module at warning level (then at debug level): a branch that flips once often
-        flips again."""
-        self._entries.pop(signature, None)
-        if not entry.confirmed:
-            self._first_diverged[signature] = self._first_diverged.get(signature, 0) + 1
-        logger.log(
-            logging.DEBUG if self._told else logging.WARNING,
-            "TapeSAC block %r ran other ops than its cached tape under the same signature "
-            "(%s): its backward recomputes its forward, as torch.utils.checkpoint does, and its "
-            "next call is recorded",
-            name,
-            what,
-        )
-        self._told = True
-
-    def __reduce__(self) -> tuple:
-        return (SteadyCache, ())
-
-    def tapes(self) -> list[Tape]:
-        """The tapes cached now."""
-        return [e.tape for e in self._entries.values() if isinstance(e, SteadyTape)]
-
-    def get(self, signature: Hashable) -> SteadyTape | Recorded:
-        """The entry for ``signature``, or why its call must record."""
-        entry = self._entries.get(signature)
-        if entry is None:
-            return Recorded.FIRST_CALL
-        self._entries.move_to_end(signature)
-        return entry
-
-    def put(self, signature: Hashable, entry: SteadyTape | Recorded, name: str) -> None:
-        """What a recorded call of ``signature`` gave; a tape that differs from the cached one
-        (the forward changed under one signature) is said once, at warning level."""
-        old = self._entries.get(signature)
-        if isinstance(old, SteadyTape) and isinstance(entry, SteadyTape):
-            changed = differences(old.tape, entry.tape)
-            if changed is not None:
-                logger.warning(
-                    "TapeSAC block %r ran other ops than its cached tape under the same "
-                    "signature (%s); recorded again. Calls between may have replayed the old "
-                    "ops: make what changes the forward an argument or a module attribute "
-                    "read by its ops' shapes",
-                    name,
-                    changed,
-                )
-        if isinstance(entry, SteadyTape) and self._first_diverged.get(signature, 0) >= 2:
-            entry = Recorded.GRAPH_DIFFERS
-        self._entries[signature] = entry
-        self._entries.move_to_end(signature)
-        while len(self._entries) > CACHED_SIGNATURES:
-            evicted, _ = self._entries.popitem(last=False)
-            self._first_diverged.pop(evicted, None)
-
-
-_CACHE = "_tapesac_steady"  # the module attribute that holds its cache
-
-
-def steady_cache(module: torch.nn.Module) -> SteadyCache:
-    """The module's cache, made on first use."""
-    cache = module.__dict__.get(_CACHE)
-    if cache is None:
-        cache = module.__dict__[_CACHE] = SteadyCache()
-    return cache
-
-
-def forget_steady_cache(module: torch.nn.Module) -> None:
-    """Drop the module's cache (restoring a block)."""
-    module.__dict__.pop(_CACHE, None)
 
 
 class SteadyForward:

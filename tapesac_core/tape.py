@@ -51,6 +51,17 @@ class Slot:
         return f"Slot({self.i})"
 
 
+def comparable(a: Any) -> Any:
+    """Recorded arguments comparable with ``==`` (a ``Slot`` by position)."""
+    if type(a) is Slot:
+        return ("slot", a.i)
+    if type(a) in (list, tuple):
+        return tuple(comparable(x) for x in a)
+    if type(a) is dict:
+        return tuple((k, comparable(v)) for k, v in a.items())
+    return a
+
+
 class Meta(NamedTuple):
     """Shape, strides, storage offset, dtype and device of a recorded tensor."""
 

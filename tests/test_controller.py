@@ -24,7 +24,7 @@ from tapesac_core.controller import CONTROL, FULL, PLANNED, PROFILE, SAMPLE, WAR
 from tapesac_core.memory import MemoryReading
 from tapesac_core.plan import bucket, upper_edge
 from tapesac_core.plan.plan import PLAN_VERSION
-from tapesac_core.steady import steady_cache
+from tapesac_core.steady_cache import steady_cache
 from tapesac_core.units import GiB, KiB, MiB
 
 
