@@ -4,23 +4,27 @@ Why. Steady state (``steady.py``) runs a call from the tape an earlier call with
 signature recorded. Batches whose length changes from step to step (text packed without padding,
 or padded to each batch's longest sequence) seldom repeat a signature, so nearly every call
 would record. But a decoder layer runs the same ops at every length: only the integers in its
-ops' arguments (view sizes, slice ends), its values' layouts and its storages' bytes change, each
-by an integer affine function of the length.
+ops' size arguments (view sizes, slice ends), its values' layouts and its storages' bytes change,
+each as a polynomial of the length (attention's scores grow with its square).
 
-Contract. Two recorded tapes of one module whose signatures differ only in integers (their
-inputs' shapes, strides and offsets, integer arguments; ``split_signature``), with the same ops,
-values, packs and holds, differing only in integers (``_skeleton``), make a template: every
-integer of the first as ``intercept + slope * s``, integer slope and intercept, ``s`` the first
-signature integer that differs. An integer no such line gives (a length squared, half a length)
-makes no template. A template is trusted once it predicts a third recorded tape exactly, at a
-size it was not made from; from then on a call whose signature lies on its line runs in steady
-state from the tape the template gives at its size (``SizeTemplate.at``), without recording.
+Contract. ``FIT_POINTS`` recorded calls of one module whose signatures differ only in integers
+(their inputs' shapes, strides and offsets, integer arguments; ``split_signature``), with the
+same ops, values, packs and holds, differing only in size integers (``_skeleton``), make a
+template: every size integer as ``c0 + c1 * s + c2 * s * s`` with integer coefficients, ``s``
+the first signature integer that differs. Only integer-typed op arguments may vary (sizes, dims,
+ends; ``_size_arguments``): a number an op computes with must be the same at every size. An
+integer on no such curve (half a length) makes no template. A template is trusted once it
+predicts a recorded tape exactly at a size it was not fitted at; from then on a call whose
+signature lies on its curves runs in steady state from the tape the template gives at its size
+(``SizeTemplate.at``), without recording. Four exact points make any relation of degree three
+or less in ``s`` exact everywhere.
 
-What a line cannot promise: an integer affine in ``s`` over the sizes seen but not beyond them (a
-sliding window, a length clamped to a maximum). Its ops' outputs then change shape, which the
-steady path's check of every pack's shape and of the autograd nodes sees (the call's backward
-recomputes its forward, as after any divergence); and verification steps record and compare
-with the template's tape, dropping the template on any difference (``steady_cache``).
+What a template cannot promise: an integer that follows a curve over the sizes seen but not
+beyond them (a length clamped to a window). Where that changes the shape of a saved tensor, the
+steady path's check of every pack sees it (the call's backward recomputes its forward, as after
+any divergence) and the template is dropped; verification steps record and compare with the
+template's tape too (``steady_cache``). A clamp that changes an op's integers without changing
+any saved tensor's shape (a slice's start moving while its length stays) is seen only there.
 """
 
 from __future__ import annotations
@@ -197,7 +201,7 @@ def map_sizes(entry: SteadyTape, f: Callable[[int], int]) -> SteadyTape:
 
 
 class _Cursor:
-    """Maps the size integers of one object from ``start`` on: each by its curve at ``s``."""
+    """Maps size integers from ``position`` on, each by its curve at ``s`` (None: as it is)."""
 
     __slots__ = ("curves", "position", "s")
 
