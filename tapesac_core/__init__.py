@@ -7,55 +7,41 @@ The public names load on first use (PEP 562), so that ``tapesac_core.plan`` impo
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     # What __getattr__ loads, spelled out for type checkers: keep in step with _EXPORTS.
     from .block import PLAIN, TORCH_CHECKPOINT, BlockTrace
-    from .checkpoint import (
-        BlockConfig,
-        block_config,
-        checkpoint,
-        checkpoint_module,
-        checkpoint_modules,
-        record,
-        restore_modules,
-        trace,
-        use_plan,
-    )
+    from .block_settings import BlockConfig, block_config
     from .config import MemoryLimit, TapeSACConfig, parse_memory_limit
     from .controller import Controller
     from .errors import TapeSACError
     from .kernels import register_kernel
     from .memory import MemoryReading, memory_meter, profile_memory
     from .plan.plan import Plan
+    from .plan_scope import use_plan
+    from .running import checkpoint, record
     from .step_report import StepMode, StepReport
     from .tape import Coord, Tape
+    from .trace_scope import trace
+    from .wrapping import checkpoint_module, checkpoint_modules, restore_modules
 
 # The module each public name comes from.
 _EXPORTS = {
     ".block": ("BlockTrace", "PLAIN", "TORCH_CHECKPOINT"),
-    ".checkpoint": (
-        "BlockConfig",
-        "block_config",
-        "checkpoint",
-        "checkpoint_module",
-        "checkpoint_modules",
-        "record",
-        "restore_modules",
-        "trace",
-        "use_plan",
-    ),
+    ".block_settings": ("BlockConfig", "block_config"),
     ".config": ("MemoryLimit", "TapeSACConfig", "parse_memory_limit"),
     ".controller": ("Controller",),
     ".errors": ("TapeSACError",),
     ".kernels": ("register_kernel",),
     ".memory": ("MemoryReading", "memory_meter", "profile_memory"),
     ".plan.plan": ("Plan",),
+    ".plan_scope": ("use_plan",),
+    ".running": ("checkpoint", "record"),
     ".step_report": ("StepMode", "StepReport"),
     ".tape": ("Coord", "Tape"),
+    ".trace_scope": ("trace",),
+    ".wrapping": ("checkpoint_module", "checkpoint_modules", "restore_modules"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -106,17 +92,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-class _Package(types.ModuleType):
-    """Keeps ``tapesac_core.checkpoint`` the function. Importing the submodule of that name (the
-    controller and the integrations do) binds the submodule here; the eager
-    ``from .checkpoint import checkpoint`` used to rebind the function after it."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "checkpoint" and isinstance(value, types.ModuleType):
-            value = value.checkpoint
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

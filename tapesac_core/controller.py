@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from .block import BlockTrace
+from .block_settings import block_config
 from .budget import Correction, MemoryBudget
-from .checkpoint import block_config, torch_checkpointing, trace, use_plan
 from .compute_device import compute_device
 from .config import TapeSACConfig
 from .errors import TapeSACError
@@ -51,6 +51,7 @@ from .measured_times import SpeedupWatch, StepTimes
 from .memory import MemoryMeter, MemoryReading, device_memory, marker, memory_meter
 from .plan.plan import Plan
 from .plan_cache import ModelKey, plans_from_state, plans_state
+from .plan_scope import use_plan
 from .profile import MemoryModel, MemorySample, RegionProfile
 from .profiling import Profiling
 from .ranks import RankAgreement
@@ -60,6 +61,7 @@ from .step_frontier import StepFrontier, step_frontier
 from .step_report import CONTROL, FULL, PLANNED, PROFILE, SAMPLE, WARMUP, Bucket, StepReport
 from .timeline import StepProbe
 from .token_buckets import TokenBuckets
+from .trace_scope import torch_checkpointing, trace
 from .verify import HiddenWrites
 
 logger = logging.getLogger(__name__)

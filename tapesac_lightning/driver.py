@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tapesac_core import Controller, StepReport, TapeSACError
 from tapesac_core.block import BlockTrace
-from tapesac_core.checkpoint import traced_blocks
+from tapesac_core.trace_scope import traced_blocks
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,6 @@
 eagerly, recorded and replayed), the code around them compiles, without recompiling per block."""
 
 import copy
-import importlib
 import logging
 
 import pytest
@@ -12,8 +11,7 @@ from support import assert_bitwise, step
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import tapesac_core
-
-checkpoint_module_file = importlib.import_module("tapesac_core.checkpoint")  # the name is shadowed
+from tapesac_core import running, wrapping
 
 
 class Mlp(torch.nn.Module):
@@ -70,7 +68,7 @@ def test_compile_excludes_blocks_compiles_the_rest_and_matches_uncompiled_blocks
 
     model = copy.deepcopy(plain)
     tapesac_core.checkpoint_modules(model, {Mlp})
-    monkeypatch.setattr(checkpoint_module_file, "_told_compiled", False)
+    monkeypatch.setattr(running, "_told_compiled", False)
     with (
         caplog.at_level(logging.INFO, logger="tapesac_core"),
         torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True),
@@ -79,7 +77,7 @@ def test_compile_excludes_blocks_compiles_the_rest_and_matches_uncompiled_blocks
         counter, got = _compiled_run(model, x)
     try:
         entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(
-            checkpoint_module_file._checkpointed_forward.__code__
+            wrapping._checkpointed_forward.__code__
         )
     finally:
         torch._dynamo.reset()

@@ -72,12 +72,15 @@ def test_core_runs_without_the_integrations_libraries() -> None:
     run_without(
         INTEGRATIONS,
         """
+        import importlib.util
+
         import torch
 
         import tapesac_core
-        import tapesac_core.controller  # imports the submodule checkpoint first
+        import tapesac_core.running  # the function's module, imported before the name is used
 
-        assert tapesac_core.checkpoint.__module__ == "tapesac_core.checkpoint"  # the function
+        assert tapesac_core.checkpoint is tapesac_core.running.checkpoint  # the function
+        assert importlib.util.find_spec("tapesac_core.checkpoint") is None  # no module of its name
         assert set(tapesac_core.__all__) <= set(dir(tapesac_core))
         for name in tapesac_core.__all__:
             getattr(tapesac_core, name)

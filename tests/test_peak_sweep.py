@@ -339,8 +339,8 @@ def test_two_micro_batches_in_one_step_the_second_starts_from_freed_memory(dense
 def test_measuring_the_timeline_leaves_the_step_bitwise_and_sees_every_block():
     from support import assert_bitwise, step
 
-    from tapesac_core.checkpoint import trace
     from tapesac_core.timeline import StepProbe
+    from tapesac_core.trace_scope import trace
 
     model = _model()
     ids = _ids(0)
