@@ -24,8 +24,8 @@ from torch._ops import OpOverload
 
 from .errors import TapeSACError
 from .ops import rebuild_output
-from .tape import ALIAS_OP, Meta, Node, Slot, producer_closure, read_counts
-from .tensors import SLOT_ARGS, flat_tensors, on_storage, view_on
+from .tape import ALIAS_OP, Node, producer_closure, read_counts
+from .tensors import SLOT_ARGS, Meta, Slot, flat_tensors, on_storage, view_on
 from .verify import check_replayed, reproducible
 
 

@@ -40,7 +40,8 @@ from torch._ops import OpOverload
 
 from .signature import Signature
 from .steady import Holds, Layout, SteadyTape
-from .tape import Meta, Node, Value, comparable
+from .tape import Node, Value, comparable
+from .tensors import Meta
 
 
 class Curve(NamedTuple):

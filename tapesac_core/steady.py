@@ -39,8 +39,8 @@ from torch.utils._pytree import tree_map_only
 
 from .draws import Draws, draws_by_layout
 from .errors import TapeSACError
-from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, OP, Meta, Node, Tape, Value
-from .tensors import default_generator, detached, flat_tensors, layout_of, on_storage, view_on
+from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, OP, Node, Tape, Value
+from .tensors import Meta, default_generator, detached, flat_tensors, layout_of, on_storage, view_on
 
 if TYPE_CHECKING:
     from .size_templates import SizeTemplate

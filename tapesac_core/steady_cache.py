@@ -18,7 +18,8 @@ import torch
 from .signature import Signature
 from .size_templates import FIT_POINTS, SizeTemplate, fit, split_signature
 from .steady import Recorded, SteadyTape
-from .tape import Node, Slot, Tape, comparable
+from .tape import Node, Tape, comparable
+from .tensors import Slot
 
 logger = logging.getLogger(__name__)
 

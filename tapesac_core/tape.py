@@ -18,11 +18,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import torch
-
 from .plan import model
 from .plan.coords import Anchor, Coord
 from .plan.tape_graph import TapeGraph, graph_of
+from .tensors import Meta, Slot
 
 # Value kinds. Leaves are kept (inputs) or fetched again by name (parameters, buffers).
 OP, INPUT, PARAM, BUFFER, EXTERNAL = "op", "input", "param", "buffer", "external"
@@ -39,18 +38,6 @@ ALIAS_OP = "tapesac.alias"
 """Synthetic node: a view read again after its storage was mutated through another alias."""
 
 
-class Slot:
-    """Placeholder for the ``i``-th tensor input of a node inside its recorded arguments."""
-
-    __slots__ = ("i",)
-
-    def __init__(self, i: int) -> None:
-        self.i = i
-
-    def __repr__(self) -> str:
-        return f"Slot({self.i})"
-
-
 def comparable(a: Any) -> Any:
     """Recorded arguments comparable with ``==`` (a ``Slot`` by position)."""
     if type(a) is Slot:
@@ -60,16 +47,6 @@ def comparable(a: Any) -> Any:
     if type(a) is dict:
         return tuple((k, comparable(v)) for k, v in a.items())
     return a
-
-
-class Meta(NamedTuple):
-    """Shape, strides, storage offset, dtype and device of a recorded tensor."""
-
-    shape: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-    dtype: torch.dtype
-    device: torch.device
 
 
 class Value(NamedTuple):

@@ -18,12 +18,34 @@ they never become nodes of a tape.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .errors import TapeSACError
-from .tape import Meta, Slot
+
+
+class Slot:
+    """Placeholder for the ``i``-th tensor input of a node inside its recorded arguments."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __repr__(self) -> str:
+        return f"Slot({self.i})"
+
+
+class Meta(NamedTuple):
+    """Shape, strides, storage offset, dtype and device of a recorded tensor."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+
 
 Tensor = torch.Tensor
 

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import TapeSACError
-from .tape import ALIAS_OP, BUFFER, EXTERNAL, OP, PARAM, Meta, Node, Value
-from .tensors import is_subclass_with_dispatch, layout_of, slot
+from .tape import ALIAS_OP, BUFFER, EXTERNAL, OP, PARAM, Node, Value
+from .tensors import Meta, is_subclass_with_dispatch, layout_of, slot
 
 if TYPE_CHECKING:
     from .block import Block

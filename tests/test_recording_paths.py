@@ -22,8 +22,8 @@ from support import assert_bitwise
 import tapesac_core
 from tapesac_core.plan.plan import Plan, RegionPlan
 from tapesac_core.recorder import Recorder
-from tapesac_core.tape import Node, Slot, Tape
-from tapesac_core.tensors import layout_of
+from tapesac_core.tape import Node, Tape
+from tapesac_core.tensors import Slot, layout_of
 
 Tensor = torch.Tensor
 
