@@ -28,7 +28,7 @@ from benchmarks.common import iqr
 from benchmarks.workload import EXAMPLE_SHAPE
 from examples.models import DecoderLM, ModelConfig, MoEDecoderLayer
 from examples.training import train_step
-from tapesac_core.controller import PLANNED, Controller
+from tapesac_core.control.controller import PLANNED, Controller
 from tapesac_core.plan.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]

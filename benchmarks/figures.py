@@ -1,5 +1,5 @@
 """The benchmarks' comparison figures: every method's measured step time against its peak, and
-the paper's normalised frontier (Figure 9), on the axes ``tapesac_core.figures`` draws on."""
+the paper's normalised frontier (Figure 9), on the axes ``tapesac_core.report.figures`` draws on."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tapesac_core.figures import finish_axes, new_axes
+from tapesac_core.report.figures import finish_axes, new_axes
 from tapesac_core.units import MiB
 
 # Colour and marker per method family in the benchmark comparisons.

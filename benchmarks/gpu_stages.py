@@ -160,7 +160,7 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
 
     import tapesac_core
     from examples.models import DecoderLayer
-    from tapesac_core.timing import seconds
+    from tapesac_core.measure.timing import seconds
 
     model, ids = _model(args, dropout=0.0)
     tapesac_core.checkpoint_modules(model, {DecoderLayer})
@@ -210,7 +210,7 @@ def limit(args: argparse.Namespace) -> dict[str, Any]:
 
     import tapesac_core
     from examples.models import DecoderLayer
-    from tapesac_core.controller import PLANNED
+    from tapesac_core.control.controller import PLANNED
 
     model, ids = _model(args, dropout=0.0)
     device = torch.device(args.device)
@@ -265,7 +265,7 @@ def readiness(args: argparse.Namespace) -> dict[str, Any]:
     import tapesac_core
     from examples.kernels import FusedDropout
     from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
-    from tapesac_core.controller import PLANNED
+    from tapesac_core.control.controller import PLANNED
 
     device = torch.device(args.device)
     out: dict[str, Any] = {}

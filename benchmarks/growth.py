@@ -23,7 +23,7 @@ from benchmarks.tapesac_plans import (
     tapesac_copy,
 )
 from benchmarks.workload import load_workload
-from tapesac_core.controller import PLANNED
+from tapesac_core.control.controller import PLANNED
 from tapesac_core.units import MiB
 
 

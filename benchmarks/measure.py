@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from benchmarks.common import rotated
 from benchmarks.method import Method
-from tapesac_core.memory import LiveTensorMeter, profile_memory
+from tapesac_core.measure.memory import LiveTensorMeter, profile_memory
 
 
 def synchronize(device: torch.device) -> None:

@@ -24,8 +24,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import tapesac_core
 from benchmarks.steady_state import hf_stack
-from tapesac_core.controller import PLANNED
-from tapesac_core.memory import LiveTensorMeter
+from tapesac_core.control.controller import PLANNED
+from tapesac_core.measure.memory import LiveTensorMeter
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ import torch
 
 import tapesac_core
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
-from tapesac_core.controller import PLANNED
+from tapesac_core.control.controller import PLANNED
 
 
 def main() -> None:

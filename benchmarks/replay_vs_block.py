@@ -53,7 +53,7 @@ from benchmarks.common import (
 )
 from examples.data import batches
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
-from tapesac_core.memory import profile_memory
+from tapesac_core.measure.memory import profile_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,7 +1,7 @@
 """What restricting plans to values a steady-state call can hold costs on the planner's frontier.
 
 A block run in steady state holds only values on storages autograd saves or a submodule returns
-(``tapesac_core.steady.savable_values``), so the planner offers only those. For each model, the
+(``tapesac_core.tape.steady.savable_values``), so the planner offers only those. For each model, the
 region's frontier (beam search, the Controller's defaults) is solved with and without that
 restriction from the same profile, and the replay time each removes within 10%, 25%, 50%, 75%
 and 100% of the larger frontier's biggest save set is printed.
@@ -18,8 +18,8 @@ import torch
 
 import tapesac_core
 from benchmarks.workload import build_model
+from tapesac_core.control.profile import RegionProfile
 from tapesac_core.plan import Point, solve_frontier
-from tapesac_core.profile import RegionProfile
 
 
 def profiles(kind: str, size: str) -> dict[str, RegionProfile]:

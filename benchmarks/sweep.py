@@ -27,8 +27,8 @@ from benchmarks.workload import EXAMPLE_SHAPE
 from examples.data import batches
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
 from examples.training import train_step
-from tapesac_core.controller import PLANNED, Controller
-from tapesac_core.memory import LiveTensorMeter
+from tapesac_core.control.controller import PLANNED, Controller
+from tapesac_core.measure.memory import LiveTensorMeter
 from tapesac_core.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

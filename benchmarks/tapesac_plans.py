@@ -16,7 +16,7 @@ import tapesac_core
 from benchmarks.measure import measure_peak
 from benchmarks.method import Method, loss_backward
 from tapesac_core import StepReport
-from tapesac_core.controller import PLANNED, Controller
+from tapesac_core.control.controller import PLANNED, Controller
 from tapesac_core.units import MiB
 
 

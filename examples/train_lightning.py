@@ -36,7 +36,7 @@ from examples.models import (
     tiny_qwen3,
 )
 from tapesac_core import Controller, StepReport
-from tapesac_core.report import run_summary
+from tapesac_core.report.report import run_summary
 from tapesac_lightning import TapeSACFSDPStrategy
 
 

@@ -6,7 +6,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from examples.models import DecoderLM
-from tapesac_core.controller import Controller, StepReport
+from tapesac_core.control.controller import Controller, StepReport
 
 
 def train_step(

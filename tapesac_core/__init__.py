@@ -11,37 +11,37 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     # What __getattr__ loads, spelled out for type checkers: keep in step with _EXPORTS.
-    from .block import PLAIN, TORCH_CHECKPOINT, BlockTrace
-    from .block_settings import BlockConfig, block_config
+    from .blocks.block_settings import BlockConfig, block_config
+    from .blocks.plan_scope import use_plan
+    from .blocks.running import checkpoint, record
+    from .blocks.trace_scope import trace
+    from .blocks.wrapping import checkpoint_module, checkpoint_modules, restore_modules
     from .config import MemoryLimit, TapeSACConfig, parse_memory_limit
-    from .controller import Controller
+    from .control.controller import Controller
+    from .control.step_report import StepMode, StepReport
     from .errors import TapeSACError
-    from .kernels import register_kernel
-    from .memory import MemoryReading, memory_meter, profile_memory
+    from .measure.memory import MemoryReading, memory_meter, profile_memory
     from .plan.plan import Plan
-    from .plan_scope import use_plan
-    from .running import checkpoint, record
-    from .step_report import StepMode, StepReport
-    from .tape import Coord, Tape
-    from .trace_scope import trace
-    from .wrapping import checkpoint_module, checkpoint_modules, restore_modules
+    from .tape.block import PLAIN, TORCH_CHECKPOINT, BlockTrace
+    from .tape.kernels import register_kernel
+    from .tape.tape import Coord, Tape
 
 # The module each public name comes from.
 _EXPORTS = {
-    ".block": ("BlockTrace", "PLAIN", "TORCH_CHECKPOINT"),
-    ".block_settings": ("BlockConfig", "block_config"),
+    ".tape.block": ("BlockTrace", "PLAIN", "TORCH_CHECKPOINT"),
+    ".blocks.block_settings": ("BlockConfig", "block_config"),
     ".config": ("MemoryLimit", "TapeSACConfig", "parse_memory_limit"),
-    ".controller": ("Controller",),
+    ".control.controller": ("Controller",),
     ".errors": ("TapeSACError",),
-    ".kernels": ("register_kernel",),
-    ".memory": ("MemoryReading", "memory_meter", "profile_memory"),
+    ".tape.kernels": ("register_kernel",),
+    ".measure.memory": ("MemoryReading", "memory_meter", "profile_memory"),
     ".plan.plan": ("Plan",),
-    ".plan_scope": ("use_plan",),
-    ".running": ("checkpoint", "record"),
-    ".step_report": ("StepMode", "StepReport"),
-    ".tape": ("Coord", "Tape"),
-    ".trace_scope": ("trace",),
-    ".wrapping": ("checkpoint_module", "checkpoint_modules", "restore_modules"),
+    ".blocks.plan_scope": ("use_plan",),
+    ".blocks.running": ("checkpoint", "record"),
+    ".control.step_report": ("StepMode", "StepReport"),
+    ".tape.tape": ("Coord", "Tape"),
+    ".blocks.trace_scope": ("trace",),
+    ".blocks.wrapping": ("checkpoint_module", "checkpoint_modules", "restore_modules"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -76,7 +76,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """A public name from its module, else a submodule (``tapesac_core.replay``), as the eager
+    """A public name from its module, else a submodule (``tapesac_core.tape.replay``), as the eager
     imports made every submodule an attribute."""
     if name in _MODULE_OF:
         value = getattr(importlib.import_module(_MODULE_OF[name], __name__), name)

@@ -27,7 +27,7 @@ from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataPar
 from typing_extensions import override
 
 from tapesac_core import Controller, TapeSACConfig, TapeSACError, block_config
-from tapesac_core.wrapping import (
+from tapesac_core.blocks.wrapping import (
     Policy,
     Regions,
     checkpoint_modules,

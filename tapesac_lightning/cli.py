@@ -67,7 +67,7 @@ def launch(args: argparse.Namespace) -> None:
 
 def report(args: argparse.Namespace) -> None:
     """Print a run's report (or its JSON) and write its figures under ``--out``."""
-    from tapesac_core.report import read_run
+    from tapesac_core.report.report import read_run
 
     run = read_run(args.run)
     print(json.dumps(run.to_json(), indent=1) if args.json else run.text())

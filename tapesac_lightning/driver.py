@@ -16,8 +16,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from tapesac_core import Controller, StepReport, TapeSACError
-from tapesac_core.block import BlockTrace
-from tapesac_core.trace_scope import traced_blocks
+from tapesac_core.blocks.trace_scope import traced_blocks
+from tapesac_core.tape.block import BlockTrace
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from tapesac_core import Controller, StepReport
 from tapesac_core import metric_names as names
-from tapesac_core.figures import MeasuredPoint, frontier_figure, image_array
-from tapesac_core.report import LoggedPlan
-from tapesac_core.step_report import StepMode
+from tapesac_core.control.step_report import StepMode
+from tapesac_core.report.figures import MeasuredPoint, frontier_figure, image_array
+from tapesac_core.report.report import LoggedPlan
 
 
 def step_metrics(report: StepReport) -> dict[str, float]:

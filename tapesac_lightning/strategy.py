@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import model_parallel as _model_parallel
 from typing_extensions import override
 
 from tapesac_core import Controller, TapeSACConfig, TapeSACError, block_config
-from tapesac_core.wrapping import (
+from tapesac_core.blocks.wrapping import (
     Policy,
     Regions,
     checkpoint_modules,

@@ -21,13 +21,13 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from tapesac_core import Controller, TapeSACError, block_config
-from tapesac_core.metric_names import STATE_KEY
-from tapesac_core.wrapping import (
+from tapesac_core.blocks.wrapping import (
     Policy,
     Regions,
     module_selector,
     repeated_blocks,
 )
+from tapesac_core.metric_names import STATE_KEY
 
 from .accelerate import TapeSACPlugin, named_blocks
 from .driver import StepDiscarded, StepDriver, TokenCounter, open_at_forward, tokens_in

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tapesac_core.kernels import register_kernel
+from tapesac_core.tape.kernels import register_kernel
 
 NAMESPACE = "tapesac_test_kernels"
 

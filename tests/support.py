@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tapesac_core
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer
-from tapesac_core.controller import Controller
-from tapesac_core.memory import MemoryReading
+from tapesac_core.control.controller import Controller
+from tapesac_core.measure.memory import MemoryReading
 from tapesac_core.plan.plan import Plan, RegionPlan, Saved
 from tapesac_core.units import GiB, MiB
 

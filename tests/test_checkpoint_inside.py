@@ -12,7 +12,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 import tapesac_core
 from tapesac_core import TapeSACError
-from tapesac_core.trace_scope import torch_checkpointing
+from tapesac_core.blocks.trace_scope import torch_checkpointing
 
 
 class Mlp(torch.nn.Module):

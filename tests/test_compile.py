@@ -11,7 +11,7 @@ from support import assert_bitwise, step
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import tapesac_core
-from tapesac_core import running, wrapping
+from tapesac_core.blocks import running, wrapping
 
 
 class Mlp(torch.nn.Module):

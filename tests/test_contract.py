@@ -477,13 +477,13 @@ def test_replay_forgets_storages_it_must_not_write_into_once_they_are_freed(monk
     # The allocator reuses a freed address: a stale entry would make replay copy a fresh output
     # before writing into it. Replay's states are captured to look at what they track.
     replays = []
-    init = tapesac_core.replay.Replay.__init__
+    init = tapesac_core.tape.replay.Replay.__init__
 
     def capture(self, block):
         init(self, block)
         replays.append(self)
 
-    monkeypatch.setattr(tapesac_core.replay.Replay, "__init__", capture)
+    monkeypatch.setattr(tapesac_core.tape.replay.Replay, "__init__", capture)
 
     def block(x):
         u = x * 3

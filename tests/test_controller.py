@@ -20,11 +20,19 @@ from support import (
 
 import tapesac_core
 from examples.models import DecoderLayer
-from tapesac_core.controller import CONTROL, FULL, PLANNED, PROFILE, SAMPLE, WARMUP, Controller
-from tapesac_core.memory import MemoryReading
+from tapesac_core.control.controller import (
+    CONTROL,
+    FULL,
+    PLANNED,
+    PROFILE,
+    SAMPLE,
+    WARMUP,
+    Controller,
+)
+from tapesac_core.measure.memory import MemoryReading
 from tapesac_core.plan import bucket, upper_edge
 from tapesac_core.plan.plan import PLAN_VERSION
-from tapesac_core.steady_cache import steady_cache
+from tapesac_core.tape.steady_cache import steady_cache
 from tapesac_core.units import GiB, KiB, MiB
 
 

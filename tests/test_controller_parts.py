@@ -8,15 +8,13 @@ import pytest
 import torch
 
 from tapesac_core import TapeSACConfig, TapeSACError
-from tapesac_core.budget import Correction, MemoryBudget
-from tapesac_core.measured_times import SpeedupWatch, StepTimes
-from tapesac_core.memory import MemoryReading
-from tapesac_core.plan import bucket, upper_edge
-from tapesac_core.plan_cache import ModelKey
-from tapesac_core.profile import MemoryModel, MemorySample
-from tapesac_core.ranks import RankAgreement
-from tapesac_core.schedule import StepSchedule
-from tapesac_core.step_report import (
+from tapesac_core.control.budget import Correction, MemoryBudget
+from tapesac_core.control.measured_times import SpeedupWatch, StepTimes
+from tapesac_core.control.plan_cache import ModelKey
+from tapesac_core.control.profile import MemoryModel, MemorySample
+from tapesac_core.control.ranks import RankAgreement
+from tapesac_core.control.schedule import StepSchedule
+from tapesac_core.control.step_report import (
     CONTROL,
     FULL,
     PLANNED,
@@ -27,7 +25,9 @@ from tapesac_core.step_report import (
     bucket_entries,
     from_bucket_entries,
 )
-from tapesac_core.token_buckets import TokenBuckets
+from tapesac_core.control.token_buckets import TokenBuckets
+from tapesac_core.measure.memory import MemoryReading
+from tapesac_core.plan import bucket, upper_edge
 from tapesac_core.units import GiB, MiB
 
 
@@ -133,7 +133,7 @@ def _plan(predicted_peak=45 * MiB, capacity=96 * MiB) -> SimpleNamespace:
 def test_a_step_above_its_prediction_asks_for_the_unexplained_error_only(caplog) -> None:
     budget, memory = _budget(margin=0.02)
     plan = _plan()
-    with caplog.at_level(logging.INFO, logger="tapesac_core.budget"):
+    with caplog.at_level(logging.INFO, logger="tapesac_core.control.budget"):
         asked = budget.check(_reading(50 * MiB), 0, plan, 45 * MiB, memory)
     assert asked == Correction(model_error=5 * MiB) and "above the predicted" in caplog.text
     assert not budget.check(_reading(46 * MiB), 0, plan, 45 * MiB, memory)  # within the margin
@@ -166,7 +166,7 @@ def test_memory_outside_the_blocks_that_moved_is_measured_anew_not_taken_for_err
 def test_no_plan_fitting_is_said_once_with_by_how_much_and_the_fix(caplog) -> None:
     budget, memory = _budget()
     plan = SimpleNamespace(memory_model="peak", base=90 * MiB, empty=True, predicted_peak=90 * MiB)
-    with caplog.at_level(logging.INFO, logger="tapesac_core.budget"):
+    with caplog.at_level(logging.INFO, logger="tapesac_core.control.budget"):
         budget.say_unfit(plan, 80 * MiB, {"DecoderLayer": 512}, memory)
         budget.say_unfit(plan, 80 * MiB, {"DecoderLayer": 512}, memory)
     assert caplog.text.count("no plan fits: the memory limit 100.00 MiB cannot be met") == 1
@@ -175,7 +175,7 @@ def test_no_plan_fitting_is_said_once_with_by_how_much_and_the_fix(caplog) -> No
     )
     assert "Fix: a memory_limit of at least 110.00 MiB" in caplog.text
     budget.apply(Correction(outside_growth=5 * MiB), memory)  # another situation: said again
-    with caplog.at_level(logging.INFO, logger="tapesac_core.budget"):
+    with caplog.at_level(logging.INFO, logger="tapesac_core.control.budget"):
         budget.say_unfit(plan, 75 * MiB, {"DecoderLayer": 512}, memory)
     assert caplog.text.count("no plan fits") == 2 and "5.00 MiB, +5.00 MiB since" in caplog.text
 

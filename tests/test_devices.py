@@ -8,9 +8,9 @@ import torch
 from support import checkpointed_lm
 
 from tapesac_core import TapeSACError
-from tapesac_core.controller import Controller
-from tapesac_core.memory import AcceleratorMeter
-from tapesac_core.timing import DeviceQueue, NodeTimer, seconds
+from tapesac_core.control.controller import Controller
+from tapesac_core.measure.memory import AcceleratorMeter
+from tapesac_core.measure.timing import DeviceQueue, NodeTimer, seconds
 
 CUDA1 = torch.device("cuda", 1)
 

@@ -7,11 +7,11 @@ from typing import Any
 import numpy as np
 from support import sample_plan
 
-from tapesac_core.figures import MeasuredPoint, frontier_figure, image_array
-from tapesac_core.measured_times import BucketTimes
-from tapesac_core.report import LoggedPlan, read_run
-from tapesac_core.step_frontier import StepFrontier
-from tapesac_core.step_report import StepMode, StepReport
+from tapesac_core.control.measured_times import BucketTimes
+from tapesac_core.control.step_frontier import StepFrontier
+from tapesac_core.control.step_report import StepMode, StepReport
+from tapesac_core.report.figures import MeasuredPoint, frontier_figure, image_array
+from tapesac_core.report.report import LoggedPlan, read_run
 from tapesac_core.units import MiB
 from tapesac_lightning.logging import Publisher
 

@@ -25,7 +25,7 @@ import torch
 from support import SHORT_SCHEDULE, token_ids
 
 import tapesac_core
-from tapesac_core.controller import PLANNED, PROFILE, Controller
+from tapesac_core.control.controller import PLANNED, PROFILE, Controller
 from tapesac_core.plan.peak import Option, predict
 from tapesac_core.plan.peak_dp import solve_peak
 from tapesac_core.plan.peak_timeline import (

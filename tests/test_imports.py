@@ -77,9 +77,9 @@ def test_core_runs_without_the_integrations_libraries() -> None:
         import torch
 
         import tapesac_core
-        import tapesac_core.running  # the function's module, imported before the name is used
+        import tapesac_core.blocks.running  # the function's module, imported before the name is used
 
-        assert tapesac_core.checkpoint is tapesac_core.running.checkpoint  # the function
+        assert tapesac_core.checkpoint is tapesac_core.blocks.running.checkpoint  # the function
         assert importlib.util.find_spec("tapesac_core.checkpoint") is None  # no module of its name
         assert set(tapesac_core.__all__) <= set(dir(tapesac_core))
         for name in tapesac_core.__all__:

@@ -6,7 +6,7 @@ import torch
 from support import FakeMeter, assert_bitwise, step
 
 import tapesac_core
-from tapesac_core.tape import INVISIBLE_WRITE
+from tapesac_core.tape.tape import INVISIBLE_WRITE
 
 
 @torch.library.custom_op("tapesac_test_invisible::bump", mutates_args=())
@@ -85,7 +85,7 @@ def test_the_controller_looks_for_hidden_writes_in_its_first_step_only(caplog) -
 
 
 def test_a_fingerprint_sees_a_changed_or_moved_element_beyond_its_first_chunk() -> None:
-    from tapesac_core.verify import fingerprint
+    from tapesac_core.tape.verify import fingerprint
 
     t = torch.randn(3 << 20)  # three chunks
     changed, swapped = t.clone(), t.clone()

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tapesac_core.kernels import register_kernel
+from tapesac_core.tape.kernels import register_kernel
 
 
 class ScaledTanh(torch.autograd.Function):

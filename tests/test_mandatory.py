@@ -8,7 +8,7 @@ import torch.distributed as dist
 from support import OpCounter, assert_bitwise, step
 
 import tapesac_core
-from tapesac_core.tape import COLLECTIVE, DYNAMIC_SHAPE, INVISIBLE_WRITE, NO_PRODUCER
+from tapesac_core.tape.tape import COLLECTIVE, DYNAMIC_SHAPE, INVISIBLE_WRITE, NO_PRODUCER
 
 F32 = 4
 

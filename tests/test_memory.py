@@ -9,7 +9,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import tapesac_core
 from examples.models import DecoderLayer, DecoderLM, ModelConfig, MoEDecoderLayer, rotary_cos_sin
-from tapesac_core.memory import LiveTensorMeter, MemoryReading, memory_meter, profile_memory
+from tapesac_core.measure.memory import LiveTensorMeter, MemoryReading, memory_meter, profile_memory
 
 CPU_GENERATOR_STATE = 5056  # bytes of torch.default_generator.get_state()
 

@@ -4,9 +4,9 @@ what the integrations log is what the run report and its figures read back."""
 from pathlib import Path
 
 from tapesac_core import metric_names as names
-from tapesac_core.figures import timeline_figure
-from tapesac_core.report import RunReport
-from tapesac_core.step_report import StepMode, StepReport
+from tapesac_core.control.step_report import StepMode, StepReport
+from tapesac_core.report.figures import timeline_figure
+from tapesac_core.report.report import RunReport
 from tapesac_core.units import MiB
 from tapesac_lightning.logging import step_metrics
 

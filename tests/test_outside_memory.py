@@ -13,7 +13,7 @@ from support import SHORT_SCHEDULE, checkpointed_lm, token_ids
 
 import tapesac_core
 from examples.models import DecoderLM
-from tapesac_core.controller import CONTROL, PLANNED, Controller
+from tapesac_core.control.controller import CONTROL, PLANNED, Controller
 from tapesac_core.units import MiB
 
 # mismatch_windows: measured speedups on a busy host must not send the run back to profiling.

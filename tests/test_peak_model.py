@@ -224,7 +224,7 @@ def test_when_no_plan_fits_the_plan_of_the_lowest_predicted_peak_runs() -> None:
     """Block 1's window sets the must-only peak (150). Saving 10 bytes there removes 40 of its
     replay temporaries (120); saving 30 removes 45 (135); block 0's 5 bytes are alive in that
     window too (+5). Under a capacity of 100 nothing fits: the lowest peak, 120, runs."""
-    from tapesac_core.solve import _lowest_peak
+    from tapesac_core.control.solve import _lowest_peak
 
     t = _windows_timeline(random.Random(0), 1, 2, 1)
     t = Timeline(

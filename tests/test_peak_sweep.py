@@ -13,12 +13,12 @@ from support import BLOCK_CLASSES, SHORT_SCHEDULE, checkpointed_lm, token_ids
 
 import tapesac_core
 from examples.training import train_step
-from tapesac_core.controller import CONTROL, PLANNED, Controller
-from tapesac_core.memory import LiveTensorMeter
+from tapesac_core.control.controller import CONTROL, PLANNED, Controller
+from tapesac_core.control.solve import region_menus, scaled
+from tapesac_core.measure.memory import LiveTensorMeter
 from tapesac_core.plan.menus import menus_of
 from tapesac_core.plan.peak import predict
 from tapesac_core.plan.plan import BlockKind
-from tapesac_core.solve import region_menus, scaled
 
 SEQ = 69
 
@@ -339,8 +339,8 @@ def test_two_micro_batches_in_one_step_the_second_starts_from_freed_memory(dense
 def test_measuring_the_timeline_leaves_the_step_bitwise_and_sees_every_block():
     from support import assert_bitwise, step
 
-    from tapesac_core.timeline import StepProbe
-    from tapesac_core.trace_scope import trace
+    from tapesac_core.blocks.trace_scope import trace
+    from tapesac_core.measure.timeline import StepProbe
 
     model = _model()
     ids = _ids(0)

@@ -17,10 +17,10 @@ from support import (
 import tapesac_core
 from examples.models import DecoderLM
 from tapesac_core import PLAIN, TORCH_CHECKPOINT
-from tapesac_core.memory import profile_memory
+from tapesac_core.blocks.trace_scope import trace
+from tapesac_core.control.profile import plain_bytes
+from tapesac_core.measure.memory import profile_memory
 from tapesac_core.plan.plan import BlockKind, Plan, RegionPlan
-from tapesac_core.profile import plain_bytes
-from tapesac_core.trace_scope import trace
 
 
 def _model(moe: bool = False) -> tuple[DecoderLM, DecoderLM, torch.Tensor]:

@@ -8,8 +8,8 @@ from support import SHORT_SCHEDULE, FakeMeter
 
 import tapesac_core
 from examples.models import ModelConfig, MoEDecoderLayer, rotary_cos_sin
-from tapesac_core.controller import PLANNED, Controller
-from tapesac_core.kernels import register_kernel
+from tapesac_core.control.controller import PLANNED, Controller
+from tapesac_core.tape.kernels import register_kernel
 from tapesac_core.units import GiB
 
 SLOW = "tapesac_test_delay.slow_sin.default"
@@ -231,7 +231,7 @@ def _forward_bytes(
     """Live bytes (measured) the block's forward leaves for backward under ``plan``; its trace."""
     from support import assert_replayed_as_predicted
 
-    from tapesac_core.memory import LiveTensorMeter
+    from tapesac_core.measure.memory import LiveTensorMeter
 
     with tapesac_core.trace() as traces, LiveTensorMeter() as meter:
         with tapesac_core.use_plan(plan):
@@ -326,8 +326,8 @@ class _CastBlock(torch.nn.Module):
 
 
 def test_values_that_do_not_grow_with_tokens_are_not_scaled_in_the_plan() -> None:
-    from tapesac_core.profile import region_profiles
-    from tapesac_core.solve import scaled
+    from tapesac_core.control.profile import region_profiles
+    from tapesac_core.control.solve import scaled
 
     torch.manual_seed(0)
     block = tapesac_core.checkpoint_module(_CastBlock(), region="cast")

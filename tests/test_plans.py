@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from support import assert_bitwise, assert_replayed_as_predicted
 
 import tapesac_core
-from tapesac_core.memory import profile_memory
+from tapesac_core.measure.memory import profile_memory
 
 
 def _forward_end_bytes(c, plan) -> tuple[int, tapesac_core.BlockTrace]:
@@ -109,7 +109,7 @@ def test_a_plan_records_its_ops_on_the_same_path_as_must_only(kind, monkeypatch)
     """Holding what a plan names sends no op to the slower path: each op recording takes as
     must-only, the hot path included, it takes under the plan too (on the slower path, a plan's
     forward cost the MoE example 8.5 ms a step, half of what its replay saved)."""
-    from tapesac_core.recorder import Recorder
+    from tapesac_core.tape.recorder import Recorder
 
     slow: list[str] = []
     record = Recorder._record

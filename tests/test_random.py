@@ -8,7 +8,7 @@ from support import assert_bitwise, step
 import tapesac_core
 from examples.kernels import FusedDropout
 from tapesac_core import TapeSACError
-from tapesac_core.ops import op_info
+from tapesac_core.tape.ops import op_info
 
 
 class Noisy(torch.nn.Module):

@@ -10,7 +10,7 @@ from support import brute_force_block, brute_force_replay
 
 from tapesac_core.plan import block_nodes, block_time, replay_nodes, replay_time
 from tapesac_core.plan.tape_graph import graph_of
-from tapesac_core.tape import (
+from tapesac_core.tape.tape import (
     COLLECTIVE,
     EXTERNAL,
     INPUT,

@@ -1,4 +1,4 @@
-"""The recorder's fast path records what its checking path records (``tapesac_core.recorder``).
+"""The recorder's fast path records what its checking path records (``tapesac_core.tape.recorder``).
 
 Plain ops and simple views take a fast path through ``Recorder.__torch_dispatch__`` that skips
 the steps of ``_record`` that cannot apply to them. Each test records the same call of a real
@@ -21,8 +21,8 @@ from support import assert_bitwise
 
 import tapesac_core
 from tapesac_core.plan.plan import Plan, RegionPlan
-from tapesac_core.recorder import Recorder
-from tapesac_core.tape import Node, Tape
+from tapesac_core.tape.recorder import Recorder
+from tapesac_core.tape.tape import Node, Tape
 from tapesac_core.tensors import Slot, layout_of
 
 Tensor = torch.Tensor

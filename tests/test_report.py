@@ -4,7 +4,7 @@ plan is read back as data."""
 import pytest
 from support import sample_plan
 
-from tapesac_core.report import LoggedPlan, measured_speedup, run_summary
+from tapesac_core.report.report import LoggedPlan, measured_speedup, run_summary
 from tapesac_core.units import MiB
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from support import SHORT_SCHEDULE, SMALL, checkpointed_lm, run_step, setup_controller
 
-from tapesac_core.controller import PLANNED, Controller
+from tapesac_core.control.controller import PLANNED, Controller
 from tapesac_core.units import GiB
 from tapesac_lightning.logging import step_metrics
 

@@ -1,4 +1,4 @@
-"""Steady state across sizes (``tapesac_core.size_templates``): a block called at a new length
+"""Steady state across sizes (``tapesac_core.tape.size_templates``): a block called at a new length
 runs from the tape its calls at other lengths predict, bitwise; where the ops' integers follow
 no curve of the length, or stop following it, its calls record and no gradient is wrong."""
 
@@ -12,7 +12,7 @@ import torch
 from support import assert_bitwise, assert_replayed_as_predicted, reference_and_copy, step
 
 import tapesac_core
-from tapesac_core.steady import Recorded
+from tapesac_core.tape.steady import Recorded
 
 # Three recorded calls make a template, a fourth at another length trusts it, the rest run
 # from it; the last repeats a length the template made a tape for.

@@ -1,5 +1,5 @@
 """Steady state: a module block recorded once per signature, then run without the dispatch mode
-(``tapesac_core.steady``): bitwise, holding and freeing what recording does, recording again
+(``tapesac_core.tape.steady``): bitwise, holding and freeing what recording does, recording again
 where the signature or the ops change, and never replaying a stale tape."""
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from support import (
 
 import tapesac_core
 from examples.models import DecoderLayer
-from tapesac_core.block import PLAIN
-from tapesac_core.profile import RegionProfile, ReplayWall, with_forward_paths
-from tapesac_core.solve import full_recompute_extra, region_menus
-from tapesac_core.steady import Recorded
+from tapesac_core.control.profile import RegionProfile, ReplayWall, with_forward_paths
+from tapesac_core.control.solve import full_recompute_extra, region_menus
+from tapesac_core.tape.block import PLAIN
+from tapesac_core.tape.steady import Recorded
 
 STEPS = 3  # a first call records; the later ones run in steady state
 

@@ -8,8 +8,8 @@ import pytest
 from support import FakeMeter, VirtualClock, setup_controller, token_ids
 
 from tapesac_core import StepReport, TapeSACError
-from tapesac_core.controller import Controller
-from tapesac_core.trace_scope import traced_blocks
+from tapesac_core.blocks.trace_scope import traced_blocks
+from tapesac_core.control.controller import Controller
 from tapesac_core.units import MiB
 
 SEQS = [32, 32, 32, 32, 31, 40]

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from support import FakeMeter, VirtualClock, run_step, setup_controller
 
 import tapesac_core
-from tapesac_core.controller import CONTROL, PLANNED, PROFILE, Controller
-from tapesac_core.profile import RegionProfile, ReplayWall, calibrated, merged
-from tapesac_core.solve import modelled_replay, solve_plan
-from tapesac_core.step_time import StepTime, outside_per_token
-from tapesac_core.timing import NodeTimer
+from tapesac_core.control.controller import CONTROL, PLANNED, PROFILE, Controller
+from tapesac_core.control.profile import RegionProfile, ReplayWall, calibrated, merged
+from tapesac_core.control.solve import modelled_replay, solve_plan
+from tapesac_core.measure.step_time import StepTime, outside_per_token
+from tapesac_core.measure.timing import NodeTimer
 from tapesac_core.units import GiB, MiB
 
 # ------------------------------------------------------------------ the pure time model
@@ -117,7 +117,7 @@ def test_profiled_replay_far_from_the_measured_wall_time_is_scaled_to_it(caplog)
         ReplayWall("seq", (0, 1), 30.0, 10),
         ReplayWall("other", (0,), 99.0, 10),
     ]
-    with caplog.at_level(logging.INFO, logger="tapesac_core.profile"):
+    with caplog.at_level(logging.INFO, logger="tapesac_core.control.profile"):
         scaled = calibrated(profile, walls, tolerance=0.2)
     assert scaled.node_time == pytest.approx({0: 0.1, 1: 0.3, 2: 0.5})
     assert scaled.forward_time == pytest.approx({0: 0.1, 1: 0.3, 2: 0.5})

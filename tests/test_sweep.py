@@ -8,9 +8,9 @@ import torch
 from support import SHORT_SCHEDULE, checkpointed_lm, token_ids
 
 from examples.training import train_step
-from tapesac_core.controller import PLANNED, Controller
-from tapesac_core.memory import LiveTensorMeter
-from tapesac_core.solve import solve_plan
+from tapesac_core.control.controller import PLANNED, Controller
+from tapesac_core.control.solve import solve_plan
+from tapesac_core.measure.memory import LiveTensorMeter
 
 # Six-step runs of the example model at five limits, measured (about 2 minutes): the second tier.
 pytestmark = pytest.mark.slow

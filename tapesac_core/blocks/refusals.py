@@ -1,0 +1,134 @@
+"""Setups a block cannot run in, each refused with a ``TapeSACError`` naming the fix: a block
+inside a block and ``fully_shard`` on a module inside one (when a module is wrapped, and again at
+its forward), torch.utils.checkpoint around a block or saved-tensor hooks inside one, Hugging
+Face's checkpointing flag on a block, and a reentrant recompute of its submodules in backward."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import TapeSACError
+from ..tape.block import Block
+from ..tape.recorder import Recorder
+from ..tape.steady import Recompute, SteadyForward
+from .block_settings import block_config
+
+
+def refuse_outer_torch_checkpoint(name: str) -> None:
+    """torch.utils.checkpoint (non-reentrant) installs saved-tensor hooks around what it wraps."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint":
+        raise TapeSACError(
+            f"block {name!r} runs inside torch.utils.checkpoint. Fix: remove the outer "
+            "checkpoint; TapeSAC already checkpoints this block"
+        )
+
+
+def refuse_hf_checkpointing(module: torch.nn.Module, name: str) -> None:
+    """Hugging Face's ``GradientCheckpointingLayer`` runs torch.utils.checkpoint inside its own
+    forward while its ``gradient_checkpointing`` flag is on: autograd would hand every saved
+    tensor to torch's hooks, not TapeSAC's, and the block would save and replay nothing."""
+    if module.training and getattr(module, "gradient_checkpointing", False) is True:
+        raise TapeSACError(
+            f"block {name!r} has Hugging Face activation checkpointing on (its "
+            "gradient_checkpointing flag): torch.utils.checkpoint would run inside the TapeSAC "
+            "block, which would then save and replay nothing. Fix: turn it off, "
+            "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
+            "transformers 5), or gradient_checkpointing=False in the Trainer's arguments; "
+            "TapeSAC replaces it"
+        )
+
+
+# The pack hooks TapeSAC itself runs a block's forward under.
+_OWN_PACK_HOOKS = (Recorder.pack, SteadyForward.pack, Recompute._pack)
+
+
+def refuse_inner_saved_tensor_hooks(block: Block, submodule: str) -> None:
+    """Saved-tensor hooks pushed inside a recording block (torch.utils.checkpoint or a wrapper
+    of it, activation offloading) take every tensor autograd saves there away from the tape's
+    pack hook: the block would silently save and replay nothing of it."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None or getattr(hooks[0], "__func__", None) in _OWN_PACK_HOOKS:
+        return
+    origin = getattr(hooks[0], "__module__", "") or ""
+    what = (
+        "torch.utils.checkpoint (or a wrapper of it, e.g. checkpoint_wrapper)"
+        if origin == "torch.utils.checkpoint"
+        else f"saved-tensor hooks of {origin or 'unknown origin'} (e.g. save_on_cpu offloading)"
+    )
+    raise TapeSACError(
+        f"{what} runs inside TapeSAC block {block.name!r} (around {block.name}.{submodule}): "
+        "autograd would hand the tensors it saves there to those hooks, and TapeSAC would save "
+        "and replay nothing of them. Fix: remove that checkpoint (or hooks) inside the block; "
+        "TapeSAC already checkpoints it"
+    )
+
+
+def refuse_recompute_in_backward(submodule: str, module: torch.nn.Module) -> None:
+    """A submodule of a block running with grad during backward: a reentrant checkpoint inside
+    the block recomputes it (its forward ran under no_grad, where no saved-tensor hooks show).
+    torch's non-reentrant recompute (full-checkpointing control steps) runs under its hooks."""
+    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() == -1:
+        return
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None or getattr(hooks[0], "__module__", "") != "torch.utils.checkpoint":
+        raise TapeSACError(
+            f"{module._tapesac_inside}.{submodule} ran during backward: a reentrant checkpoint "
+            "(torch.utils.checkpoint(use_reentrant=True)) inside TapeSAC block "
+            f"{module._tapesac_inside!r} recomputes it. Fix: remove that checkpoint; TapeSAC "
+            "already checkpoints the block"
+        )
+
+
+def refuse_wrapping(module: torch.nn.Module, name: str) -> None:
+    """Every reason ``module`` cannot become a block, as an error naming the fix."""
+    _refuse_nesting(module, name)
+    refuse_sharded_inside(module, name)
+
+
+def _refuse_nesting(module: torch.nn.Module, name: str) -> None:
+    """A checkpointed module inside ``module``, or ``module`` inside one: an error naming both."""
+    outer = getattr(module, "_tapesac_inside", None)
+    if outer is not None:
+        raise TapeSACError(
+            f"cannot checkpoint {name!r}: it lies inside {outer!r}, which is "
+            "already checkpointed (a block inside a block). Fix: checkpoint only "
+            "one of them"
+        )
+    inner = next(
+        (
+            f"{name}.{sub_name}"
+            for sub_name, sub in module.named_modules()
+            if sub is not module and block_config(sub) is not None
+        ),
+        None,
+    )
+    if inner is not None:
+        raise TapeSACError(
+            f"cannot checkpoint {name!r}: it contains {inner!r}, which is already "
+            "checkpointed (a block inside a block). Fix: checkpoint only one of them"
+        )
+
+
+def refuse_sharded_inside(module: torch.nn.Module, name: str) -> None:
+    """``fully_shard`` on a module inside a block: an error naming it (FSDP would gather and free
+    its parameters inside the block's forward, which replay cannot repeat)."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = next(
+        (
+            f"{name}.{sub_name}"
+            for sub_name, sub in module.named_modules()
+            if sub is not module and isinstance(sub, FSDPModule)
+        ),
+        None,
+    )
+    if inner is not None:
+        raise TapeSACError(
+            f"block {name!r} contains {inner!r}, sharded by fully_shard on its own: "
+            "FSDP gathers and frees its parameters inside the block, which replay "
+            "cannot repeat. Fix: apply fully_shard to the block (or a module "
+            "around it), not to modules inside it"
+        )

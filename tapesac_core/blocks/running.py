@@ -1,0 +1,298 @@
+"""Running one block: ``checkpoint`` records it, or runs it from its cached tape (steady state).
+
+Contract, as for ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: the block's forward
+runs once, normally; autograd's saved tensors are replaced by value ids except the mandatory set
+S0 and the values the active plan saves; backward replays, on demand, only the producers of the
+values it unpacks. Loss and gradients are bitwise those of running without checkpointing.
+
+When grad is disabled a block runs plainly. In eval mode with grad enabled it is still
+checkpointed. Raises ``TapeSACError`` for a block nested in another (at wrap time when a module is
+wrapped inside or around a wrapped one, else at its forward), a block run during a backward
+pass (reentrant checkpointing), ``torch.utils.checkpoint`` around a block or inside one (Hugging
+Face's ``gradient_checkpointing`` flag on a block, a wrapper on a submodule, saved-tensor hooks
+pushed inside: checked as each submodule is entered), ``fully_shard`` on a
+module inside a block (at wrap time or at its forward), double backward, and in-place writes into
+block inputs, parameters or buffers.
+
+Under ``torch.compile`` the blocks are excluded from tracing (``torch.compiler.disable`` at the
+block boundary, one info log): each block is one graph break and runs eagerly with record and
+replay, the code between blocks compiles, and nothing of a block is guarded, so blocks cause no
+recompilation. As for any disabled call, Dynamo runs eagerly a whole frame that calls a block
+inside a loop: compile the modules around the blocks then.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch.utils._pytree import tree_leaves
+
+from ..errors import TapeSACError
+from ..plan.plan import BlockKind
+from ..tape.block import Block, BlockPlan
+from ..tape.recorder import Recorder
+from ..tape.signature import Signature, block_signature
+from ..tape.steady import Recompute, Recorded, SteadyForward, SteadyTape, steady_tape
+from ..tape.steady_cache import SteadyCache, steady_cache
+from ..tape.tape import Tape
+from ..tape.verify import HiddenWrites
+from .block_settings import block_config
+from .plan_scope import PLAN
+from .refusals import (
+    refuse_hf_checkpointing,
+    refuse_outer_torch_checkpoint,
+    refuse_sharded_inside,
+)
+from .trace_scope import TORCH_CHECKPOINTING, TRACE, trace
+
+logger = logging.getLogger(__name__)
+
+RECORDING: ContextVar[Block | None] = ContextVar("tapesac_recording", default=None)
+
+
+@contextmanager
+def _autocast_weight_cache_disabled() -> Iterator[None]:
+    """Autocast caches casts of parameters: a cached cast never reaches the dispatcher again, so
+    the tape would see it as an external tensor and keep it. Casting again is cheap."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
+def run_block(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    region: str,
+    module: torch.nn.Module | None,
+    name: str,
+) -> Any:
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    outer = RECORDING.get()
+    if outer is not None:
+        raise TapeSACError(
+            f"block {name!r} is nested inside checkpointed block {outer.name!r}. "
+            "Fix: checkpoint only one of them"
+        )
+    if torch._C._current_graph_task_id() != -1:
+        raise TapeSACError(
+            f"block {name!r} ran during a backward pass (reentrant checkpointing, e.g. "
+            "torch.utils.checkpoint(use_reentrant=True) around it). Fix: remove the outer checkpoint"
+        )
+    if module is not None:
+        refuse_hf_checkpointing(module, name)
+    refuse_outer_torch_checkpoint(name)
+    torch_checkpointed = TORCH_CHECKPOINTING.get()
+    if torch_checkpointed is not None:
+        torch_checkpointed.append(name)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    plan = PLAN.get()
+    block_plan = plan.block_plan(region) if plan else BlockPlan()
+    scope = TRACE.get()
+    # Not recorded, nothing to check: as without checkpointing, or as full checkpointing does.
+    if block_plan.kind is BlockKind.PLAIN:
+        if scope is not None:
+            scope.plain.append(name)
+        return fn(*args, **kwargs)
+    if block_plan.kind is BlockKind.TORCH_CHECKPOINT:
+        if scope is not None:
+            scope.torch_checkpointed.append(name)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    if module is not None:
+        refuse_sharded_inside(module, name)
+    if scope is not None:
+        scope.check_micro_batch(name)
+    config = block_config(module) if module is not None else None
+    block = Block(
+        name,
+        region,
+        module,
+        block_plan,
+        RECORDING.get,
+        config.hidden_writes if config is not None else HiddenWrites(),
+    )
+    if scope is not None:
+        scope.blocks.append(block.trace)
+    inputs = _tensors_in(args, kwargs)
+    cache = steady_cache(module) if module is not None else None
+    signature = (
+        block_signature(
+            fn, args, kwargs, inputs, list(module.modules()), _plan_key(block_plan), block.forced
+        )
+        if module is not None
+        else None
+    )
+    entry = (
+        cache.get(signature)
+        if cache is not None and signature is not None
+        else Recorded.NOT_A_MODULE
+    )
+    steady = scope is None or scope.steady
+    if isinstance(entry, SteadyTape) and cache is not None and signature is not None and steady:
+        return _run_steady(block, entry, fn, args, kwargs, inputs, cache, signature)
+    block.trace.recorded_because = str(
+        Recorded.MEASURED if isinstance(entry, SteadyTape) else entry
+    )
+    if scope is not None and scope.probe is not None:
+        block.probe = scope.probe.watch(block, len(scope.blocks) - 1)
+    if config is not None:
+        block.deterministic_ops = config.deterministic_ops
+    if scope is not None:
+        block.verify = scope.verify
+    if scope is not None and scope.time_nodes:
+        block.enable_timing(inputs[0].device if inputs else torch.get_default_device())
+    # On CPU profile steps the forward's wall time, against its ops' times, prices recording
+    # (a plain block saves it); on accelerators host time says nothing about the step's time.
+    timed = scope is not None and scope.time_nodes and all(t.device.type == "cpu" for t in inputs)
+    start = time.perf_counter() if timed else 0.0
+    recorder = Recorder(block)
+    recorder.register_inputs(inputs)
+    block.on_exit = recorder.module_exit
+    token = RECORDING.set(block)
+    try:
+        with (
+            _autocast_weight_cache_disabled(),
+            torch.autograd.graph.saved_tensors_hooks(recorder.pack, block.unpack),
+            recorder,
+        ):
+            out = fn(*args, **kwargs)
+    finally:
+        RECORDING.reset(token)
+        block.on_exit = None  # the recorder holds the block: no cycle outlives the forward
+    outputs = _tensors_in((out,), {})
+    output_vids = [recorder.vid_of(t) for t in outputs]
+    block.finish(frozenset(output_vids), recorder.alive)
+    if timed:
+        block.trace.forward_seconds = time.perf_counter() - start
+    if block.probe is not None:
+        block.probe.forward_end(block.outliving(recorder.alive))
+    if cache is not None and signature is not None:
+        cache.put(signature, steady_tape(block, inputs, outputs, output_vids), name)
+    recorder.forget()
+    return out
+
+
+def _plan_key(plan: BlockPlan) -> tuple:
+    """What of a block's plan entry its tape depends on (the held values, hence the packs)."""
+    return (plan.coords, plan.sequence, plan.budget, plan.anchors)
+
+
+def _run_steady(
+    block: Block,
+    entry: SteadyTape,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    inputs: list[torch.Tensor],
+    cache: SteadyCache,
+    signature: Signature,
+) -> Any:
+    """A call with a cached tape: the forward under the saved-tensor hooks alone (``steady.py``)."""
+    forward = SteadyForward(block, entry, inputs)
+    # On CPU its wall time prices the steady-state path against recording (profile.py).
+    timed = all(t.device.type == "cpu" for t in inputs)
+    start = time.perf_counter() if timed else 0.0
+    token = RECORDING.set(block)
+    try:
+        with (
+            _autocast_weight_cache_disabled(),
+            torch.autograd.graph.saved_tensors_hooks(forward.pack, block.unpack),
+        ):
+            out = fn(*args, **kwargs)
+    finally:
+        RECORDING.reset(token)
+        block.on_exit = None  # the forward holds the block: no cycle outlives the forward
+    block.recording = False
+    if timed:
+        block.trace.forward_seconds = time.perf_counter() - start
+    diverged = forward.finish(_tensors_in((out,), {}), inputs)
+    if diverged is not None:
+        cache.diverged(signature, entry, block.name, diverged)
+        block.held.clear()
+        block.trace.diverged = diverged
+        block.recompute = Recompute(
+            block.name,
+            fn,
+            args,
+            kwargs,
+            forward.rng,
+            signature.autocast,
+            forward.layouts(),
+            _recording,
+        )
+    return out
+
+
+@contextmanager
+def _recording(block: Block) -> Iterator[None]:
+    """``block`` is the one running (a recomputation in its backward): its submodules' checks
+    see their block."""
+    token = RECORDING.set(block)
+    try:
+        yield
+    finally:
+        RECORDING.reset(token)
+
+
+def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among a call's arguments (or a block's outputs), in pytree order. Flat
+    arguments, the common case, skip pytree's walk, which costs tens of microseconds a block."""
+    if kwargs or not all(
+        isinstance(a, torch.Tensor) or a is None or type(a) in (int, float, bool) for a in args
+    ):
+        return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
+_told_compiled = False
+
+
+@torch.compiler.disable
+def outside_compile(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A block reached by torch.compile: Dynamo stops here (one graph break) and ``call`` runs
+    the block eagerly with record and replay; the code around it stays compiled."""
+    global _told_compiled
+    if not _told_compiled:
+        _told_compiled = True
+        logger.info(
+            "TapeSAC: torch.compile leaves checkpointed blocks uncompiled (they run "
+            "eagerly, excluded with torch.compiler.disable); the rest of the model compiles"
+        )
+    return call(*args, **kwargs)
+
+
+def _module_of(fn: Callable[..., Any]) -> torch.nn.Module | None:
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, region: str = "default", **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` as one checkpointed block with tape record and replay."""
+    # Under torch.compile the block runs eagerly, outside the graph (see _checkpointed_forward in
+    # wrapping.py).
+    if torch.compiler.is_compiling():
+        return outside_compile(checkpoint, fn, *args, region=region, **kwargs)
+    module = _module_of(fn)
+    config = block_config(module) if module is not None else None
+    name = (config.path if config else None) or str(getattr(fn, "__qualname__", type(fn).__name__))
+    return run_block(fn, args, kwargs, region, module, name)
+
+
+def record(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Tape:
+    """Run ``fn`` once as a block (grad enabled) and return its tape, for analysis and tests."""
+    with torch.enable_grad(), trace() as blocks:
+        checkpoint(fn, *args, **kwargs)
+    return blocks[0].tape

@@ -1,0 +1,453 @@
+"""Profiling on the training step (paper §3.4.1): one reference block per region type, its node
+times, and the must-only step's peak memory at the token counts seen."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..measure.memory import MemoryReading
+from ..measure.timing import seconds
+from ..plan import Point, replay_time, saved_bytes, solve_frontier
+from ..plan.peak_timeline import Timeline
+from ..plan.tape_graph import TapeGraph, graph_of
+from ..tape.block import BlockTrace
+from ..tape.steady import savable_values
+from ..tape.tape import DYNAMIC_SHAPE, Tape
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class RegionProfile:
+    """A region type's model: its reference block's tape and times, and which blocks share it."""
+
+    region: str
+    tape: Tape
+    tokens: int
+    node_time: dict[int, float]  # replayed under must-only, seconds (see region_profiles, merged)
+    forward_time: dict[int, float]  # every node, in forward, seconds (likewise)
+    shares_reference: tuple[bool, ...]  # per block of the region, forward order
+    # Seconds a block's recording costs beyond its ops (bookkeeping per op, measured on CPU
+    # profile steps; 0 elsewhere): what a plain block saves on top of its replay.
+    recording_overhead: float = 0.0
+    # Seconds a block run in steady state costs beyond its ops (its saved-tensor hooks), and
+    # the share of the region's recent blocks that ran so (``with_forward_paths``, on CPU).
+    steady_overhead: float = 0.0
+    steady_share: float = 0.0
+    # The most bytes a block of the region kept or would keep run plain, over every block
+    # profiled (``plain_bytes``): where sizes depend on data (tokens routed to an expert) a
+    # block can keep more than the reference; 0 leaves the reference's bytes.
+    plain_worst: int = 0
+    # Values of the reference block backward took alive when profiled (``BlockTrace.alive_taken``):
+    # alive at its backward whatever the plan, so running the block plain keeps them at no cost.
+    alive: frozenset[int] = frozenset()
+
+    @property
+    def forward_overhead(self) -> float:
+        """Seconds a block's forward is expected to cost beyond its ops, by the paths its
+        region's blocks took lately: recorded, or in steady state. What running a block plain or
+        under torch's checkpoint saves on top of the replay."""
+        share = self.steady_share
+        return share * self.steady_overhead + (1 - share) * self.recording_overhead
+
+    @property
+    def data_dependent(self) -> bool:
+        """Whether the region's saved sizes may depend on data: a block ran another op sequence
+        (data-dependent control flow) or an op's output shape depends on values."""
+        return not all(self.shares_reference) or DYNAMIC_SHAPE in self.tape.mandatory.values()
+
+    @functools.cached_property
+    def plain_point(self) -> Point:
+        """Running a block plain as a save set: everything autograd saves (``plain_demand``), no
+        replay left, and the bytes of the region's worst block (``plain_worst``): what a block
+        of data-dependent sizes may keep is bounded by the most any block kept when profiled."""
+        demand = plain_demand(self.graph, self.tape, self.alive)
+        return Point(
+            bytes=max(saved_bytes(self.graph, demand), self.plain_worst),
+            time=0.0,
+            saved=frozenset(self.graph.value_names[v] for v in demand),
+        )
+
+    @property
+    def sequence(self) -> str:
+        return self.tape.fingerprint
+
+    @property
+    def blocks(self) -> int:
+        """m_r: the blocks of the region. Those whose op sequence differs from the reference's
+        save by anchored coordinates, within the same bytes."""
+        return len(self.shares_reference)
+
+    @functools.cached_property
+    def graph(self) -> TapeGraph:
+        """The planner's model of the reference block: a plan keeps only what a steady-state
+        call can hold, where its blocks can run in steady state."""
+        return graph_of(self.tape, self.node_time, savable_values(self.tape))
+
+    def frontier(self, beam_width: int, max_set_size: int) -> tuple[Point, ...]:
+        """The Pareto frontier of the reference block at its own token count (cached)."""
+        key = (beam_width, max_set_size)
+        if key not in self._frontiers:
+            self._frontiers[key] = solve_frontier(
+                self.graph, beam_width=beam_width, max_set_size=max_set_size
+            ).points
+        return self._frontiers[key]
+
+    def bytes_at(self, point: Point, factor: float) -> int:
+        """A save set's bytes at ``factor`` times the reference's tokens: what grows with tokens
+        scales linearly (§3.4.1); values that do not (``Tape.token_independent``) stay."""
+        tape = self.tape
+        fixed = tape.saved_bytes(self.graph.value_ids(point.saved) & tape.token_independent)
+        return fixed + math.ceil((point.bytes - fixed) * factor)
+
+    @functools.cached_property
+    def _frontiers(self) -> dict[tuple[int, int], tuple[Point, ...]]:
+        return {}
+
+    @property
+    def must_only_replay_time(self) -> float:
+        """Eq. 6 for the mandatory set alone, per block, seconds."""
+        return replay_time(self.graph, ())
+
+    @property
+    def full_recompute_time(self) -> float:
+        """Eq. 5 for torch's plain checkpoint (nothing saved but the inputs), per block, seconds."""
+        tape = self.tape
+        missing = tape.demand - tape.leaves
+        if not missing:
+            return 0.0
+        last = max(tape.values[v].node for v in missing)
+        # Replay times where measured (same kind of measurement as must-only), else forward times.
+        return sum(self.node_time.get(i, self.forward_time.get(i, 0.0)) for i in range(last + 1))
+
+
+def plain_demand(graph: TapeGraph, tape: Tape, alive: Iterable[int] = ()) -> set[int]:
+    """What a block run plain keeps: every value autograd saves (the demand set beyond S0 and
+    the leaves), less those on the storages of ``alive``: values a must-only step found alive
+    at the block's backward (``BlockTrace.alive_taken``), as a block output that is the next
+    block's input is. Being an output is not enough: a caller may drop one before backward (the
+    attention weights an eager attention returns), and then only autograd keeps it."""
+    held = {tape.values[v].sid for v in alive}
+    return {v for v in graph.demand - graph.available if tape.values[v].sid not in held}
+
+
+def plain_bytes(tape: Tape, alive: Iterable[int] = ()) -> int:
+    """The bytes a block would keep run plain, from its own tape (its own sizes), ``alive``
+    as ``plain_demand`` takes it."""
+    graph = graph_of(tape, {})
+    return saved_bytes(graph, plain_demand(graph, tape, alive))
+
+
+def _repeated(samples: list[Mapping[int, float]]) -> dict[int, float]:
+    """Per node, the median over the blocks that timed it (one run each): with three or more
+    blocks a single disturbed run cannot set a node's time; with two, the minimum keeps the
+    undisturbed one (a busy host only ever adds time)."""
+    nodes = {i for s in samples for i in s}
+    out = {}
+    for i in nodes:
+        times = [s[i] for s in samples if i in s]
+        out[i] = statistics.median(times) if len(times) > 2 else min(times)
+    return out
+
+
+def region_profiles(
+    blocks: list[BlockTrace], tokens: Mapping[str, int]
+) -> dict[str, RegionProfile]:
+    """One profile per region from a profiling step's traces: the reference block's tape, and
+    each node's time over every block that ran the reference's op sequence (``_repeated``)."""
+    by_region: dict[str, list[BlockTrace]] = {}
+    for b in blocks:
+        by_region.setdefault(b.tape.region, []).append(b)
+    profiles = {}
+    for region, traces in by_region.items():
+        common, _ = Counter(b.tape.fingerprint for b in traces).most_common(1)[0]
+        reference = next(b for b in traces if b.tape.fingerprint == common)
+        same = [b for b in traces if b.tape.fingerprint == common]
+        profiles[region] = RegionProfile(
+            region=region,
+            tape=reference.tape,
+            tokens=tokens[region],
+            node_time=_repeated(
+                [{i: min(map(seconds, s)) for i, s in b.node_times.items()} for b in same]
+            ),
+            forward_time=_repeated(
+                [{i: seconds(s) for i, s in b.forward_times.items()} for b in same]
+            ),
+            shares_reference=tuple(b.tape.fingerprint == common for b in traces),
+            recording_overhead=_recording_overhead(same),
+            plain_worst=max(plain_bytes(b.tape, b.alive_taken) for b in traces),
+            alive=frozenset(reference.alive_taken),
+        )
+    return profiles
+
+
+def _recording_overhead(traces: list[BlockTrace]) -> float:
+    """Median over blocks of their recorded forward's wall time beyond its ops' times."""
+    excess = [
+        max(0.0, b.forward_seconds - math.fsum(seconds(s) for s in b.forward_times.values()))
+        for b in traces
+        if b.forward_seconds is not None
+    ]
+    return statistics.median(excess) if excess else 0.0
+
+
+def merged(old: RegionProfile | None, new: RegionProfile) -> RegionProfile:
+    """Each node's shorter time over profiling steps of the same op sequence, the old step's
+    times scaled linearly to the new step's token count first (times scale with tokens, §3.4.1),
+    so that unequal token counts do not let the last step alone set the times."""
+    if old is None or old.sequence != new.sequence:
+        return new
+    f = new.tokens / old.tokens
+    keep = {i: min(t, old.node_time.get(i, t / f) * f) for i, t in new.node_time.items()}
+    forward = {i: min(t, old.forward_time.get(i, t / f) * f) for i, t in new.forward_time.items()}
+    return RegionProfile(
+        region=new.region,
+        tape=new.tape,
+        tokens=new.tokens,
+        node_time=keep,
+        forward_time=forward,
+        shares_reference=new.shares_reference,
+        recording_overhead=min(old.recording_overhead, new.recording_overhead),
+        # Measured on timed steps, not on profiling steps: kept until measured again.
+        steady_overhead=old.steady_overhead,
+        steady_share=old.steady_share,
+        # The worst block over every profiling step, not the last step's alone.
+        plain_worst=max(new.plain_worst, math.ceil(old.plain_worst * f)),
+        alive=new.alive,
+    )
+
+
+@dataclass(frozen=True)
+class ReplayWall:
+    """One block in a must-only step, as measured: which nodes its replay ran, for how long
+    (wall seconds), at how many tokens of its region; whether its forward ran in steady state,
+    and its wall seconds (on CPU)."""
+
+    sequence: str
+    replayed: tuple[int, ...]
+    seconds: float
+    tokens: int
+    steady: bool = False
+    forward_seconds: float | None = None
+
+
+def replay_ratio(profile: RegionProfile, walls: Iterable[ReplayWall]) -> float | None:
+    """Median over blocks of (measured replay wall time) / (sum of the profiled times of the nodes
+    that block replayed, at its tokens), over blocks that ran the profile's op sequence; None
+    when no block replayed a timed node."""
+    ratios = []
+    for w in walls:
+        if w.sequence != profile.sequence:
+            continue
+        modelled = (
+            sum(profile.node_time.get(i, 0.0) for i in w.replayed) * w.tokens / profile.tokens
+        )
+        if modelled > 0:
+            ratios.append(w.seconds / modelled)
+    return statistics.median(ratios) if ratios else None
+
+
+def calibrated(
+    profile: RegionProfile, walls: Iterable[ReplayWall], tolerance: float
+) -> RegionProfile:
+    """``profile`` if the sum of its replay node times agrees with the measured replay wall time
+    (``replay_ratio``) within a factor ``1 + tolerance`` either way, else every node time (replay
+    and forward) scaled by that ratio, with an info log: the profiling steps were disturbed
+    (a busy host) or timing itself cost time. Uniform scaling keeps the plan; it fixes the
+    predicted times."""
+    ratio = replay_ratio(profile, walls)
+    if ratio is None or 1 / (1 + tolerance) <= ratio <= 1 + tolerance:
+        return profile
+    logger.info(
+        "TapeSAC: region %r's profiled replay node times sum to %.3g of the measured "
+        "replay wall time (beyond the %.0f%% tolerance): scaling them by %.3g",
+        profile.region,
+        1 / ratio,
+        100 * tolerance,
+        ratio,
+    )
+    return dataclasses.replace(
+        profile,
+        node_time={i: t * ratio for i, t in profile.node_time.items()},
+        forward_time={i: t * ratio for i, t in profile.forward_time.items()},
+    )
+
+
+def with_forward_paths(profile: RegionProfile, walls: Iterable[ReplayWall]) -> RegionProfile:
+    """``profile`` with the share of recent blocks of its op sequence that ran in steady state,
+    and their median wall time beyond the profiled forward op times (at their tokens)."""
+    same = [w for w in walls if w.sequence == profile.sequence]
+    if not same:
+        return profile
+    ops = math.fsum(profile.forward_time.values())
+    excess = [
+        max(0.0, w.forward_seconds - ops * w.tokens / profile.tokens)
+        for w in same
+        if w.steady and w.forward_seconds is not None
+    ]
+    share = sum(w.steady for w in same) / len(same)
+    overhead = statistics.median(excess) if excess else profile.steady_overhead
+    if (share, overhead) == (profile.steady_share, profile.steady_overhead):
+        return profile
+    return dataclasses.replace(profile, steady_share=share, steady_overhead=overhead)
+
+
+def step_fragmentation(reading: MemoryReading) -> int:
+    """Reserved minus allocated at a sample step's peak, when the step itself set the reserved
+    high-water mark; 0 when it fit in memory an earlier step reserved (nothing measured)."""
+    return max(0, reading.reserved - reading.peak) if reading.reserved_growth > 0 else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySample:
+    """The must-only step's memory at a token count (Eq. 8's base and Eq. 9's measured terms)."""
+
+    tokens: int
+    peak: int
+    static: int = 0  # in use when the step started (model states): does not scale with tokens
+    outside: int = 0  # device memory outside PyTorch's caching allocator
+    fragmentation: int = 0  # reserved minus allocated at the peak
+
+    @classmethod
+    def of(cls, reading: MemoryReading, tokens: int, static: int) -> MemorySample:
+        """A metered must-only step at ``tokens``; ``static``: in use when it started."""
+        return cls(
+            tokens=tokens,
+            peak=reading.peak,
+            static=static,
+            outside=reading.outside,
+            fragmentation=step_fragmentation(reading),
+        )
+
+
+@dataclass
+class MemoryModel:
+    """base(tokens): the must-only step peak, interpolated between samples (paper §3.4.2).
+
+    Samples and timelines are kept as if the memory in use when a step starts (model states,
+    other models, buffers: memory outside the blocks, which no plan can give back) were what the
+    first sample measured, ``reference_static``; ``static_growth`` is how much more is in use now
+    (negative: less), as last measured, and comes off the capacity.
+    """
+
+    samples: list[MemorySample] = field(default_factory=list)
+    extra_fragmentation: int = 0  # raised when observed peaks come near the limit
+    model_error: int = 0  # raised when a metered step exceeded its predicted peak
+    timelines: dict[int, Timeline] = field(default_factory=dict)  # per sampled token count
+    reference_static: int | None = None
+    static_growth: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Samples and corrections (timelines are not kept: a new bucket profiles again)."""
+        return {
+            "samples": [vars(s) for s in self.samples],
+            "extra_fragmentation": self.extra_fragmentation,
+            "model_error": self.model_error,
+            "reference_static": self.reference_static,
+            "static_growth": self.static_growth,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> MemoryModel:
+        model = cls(
+            extra_fragmentation=state["extra_fragmentation"],
+            model_error=int(state.get("model_error", 0)),  # absent before version 3
+            # Absent before version 4: samples then were as measured, the first one's static
+            # their reference.
+            reference_static=state.get("reference_static"),
+            static_growth=int(state.get("static_growth", 0)),
+        )
+        for s in state["samples"]:
+            model.samples.append(MemorySample(**s))
+        if model.reference_static is None and model.samples:
+            model.reference_static = model.samples[0].static
+        return model
+
+    def growth_at(self, static: int) -> int:
+        """How much more than the reference is in use at a step's start of ``static`` bytes."""
+        return static - self.reference_static if self.reference_static is not None else 0
+
+    def add_timeline(self, timeline: Timeline) -> None:
+        """The memory timeline of a must-only sample step (the peak-aware model's input)."""
+        self.timelines[timeline.tokens] = timeline.shifted(self.growth_at(timeline.static))
+
+    def timeline(self, tokens: int) -> Timeline | None:
+        """The timeline sampled nearest ``tokens`` (None before any): its shape is scaled to
+        the must-only peak at ``tokens`` when solving (``Timeline.scaled``), the memory that
+        does not grow with tokens (``fixed``) taken as static, unscaled."""
+        if not self.timelines:
+            return None
+        nearest = self.timelines[min(self.timelines, key=lambda t: (abs(t - tokens), -t))]
+        return dataclasses.replace(nearest, static=nearest.static + self.fixed)
+
+    @property
+    def fixed(self) -> int:
+        """The must-only peak's part above the static memory that does not grow with tokens
+        (under FSDP2 the gathered parameters, weight casts): the intercept of a line fitted
+        through the samples, once they span token counts 20% apart; 0 before."""
+        s = self.samples
+        if len(s) < 2 or s[-1].tokens < 1.2 * s[0].tokens:
+            return 0
+        xs = [x.tokens for x in s]
+        ys = [x.peak - x.static for x in s]
+        mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum(
+            (x - mean_x) ** 2 for x in xs
+        )
+        return int(min(max(0.0, mean_y - slope * mean_x), min(ys)))
+
+    def add(self, sample: MemorySample) -> None:
+        """A metered must-only step, kept at the reference static (see the class)."""
+        if self.reference_static is None:
+            self.reference_static = sample.static
+        shift = self.growth_at(sample.static)
+        sample = dataclasses.replace(sample, peak=sample.peak - shift, static=sample.static - shift)
+        self.samples = sorted(
+            [s for s in self.samples if s.tokens != sample.tokens] + [sample],
+            key=lambda s: s.tokens,
+        )
+
+    def base(self, tokens: int) -> int:
+        """Linear between samples, never below the smallest one (memory only grows with tokens);
+        above them, what the step adds to its static memory grows at least proportionally."""
+        if not self.samples:
+            raise ValueError("no memory sample yet: run a must-only sample step first")
+        s = self.samples
+        if tokens <= s[0].tokens:
+            return s[0].peak
+        for lo, hi in zip(s, s[1:]):
+            if tokens <= hi.tokens:
+                return round(
+                    lo.peak + (hi.peak - lo.peak) * (tokens - lo.tokens) / (hi.tokens - lo.tokens)
+                )
+        last = s[-1]
+        slope = max(0, last.peak - last.static) / last.tokens
+        if len(s) > 1:
+            prev = s[-2]
+            slope = max(slope, (last.peak - prev.peak) / (last.tokens - prev.tokens))
+        return round(last.peak + slope * (tokens - last.tokens))
+
+    def covers(self, tokens: int, tolerance: float) -> bool:
+        """A sample within ``tolerance`` (relative) of ``tokens``."""
+        return any(abs(tokens - s.tokens) <= tolerance * s.tokens for s in self.samples)
+
+    @property
+    def outside(self) -> int:
+        return max((s.outside for s in self.samples), default=0)
+
+    @property
+    def measured_fragmentation(self) -> int:
+        """The largest fragmentation a sample step measured (without the controller's raises)."""
+        return max((s.fragmentation for s in self.samples), default=0)
+
+    @property
+    def fragmentation(self) -> int:
+        return self.measured_fragmentation + self.extra_fragmentation

@@ -1,0 +1,435 @@
+"""From region profiles and a byte budget to a Plan (Algorithm 1, lines 3-7)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+from ..config import TapeSACConfig
+from ..measure.step_time import StepTime
+from ..plan import Point, RegionFrontier, replay_time, saved_bytes, solve_knapsack
+from ..plan.menus import RegionMenu, menus_of
+from ..plan.peak import Option, predict
+from ..plan.peak_dp import solve_peak
+from ..plan.peak_timeline import Timeline
+from ..plan.plan import BlockKind, Plan, RegionPlan, Saved
+from ..tape.steady import tape_blocker
+from ..units import format_bytes
+from .profile import RegionProfile
+
+
+def scaled(
+    points: tuple[Point, ...], factor: float, bytes_at: Callable[[Point, float], int] | None = None
+) -> tuple[Point, ...]:
+    """A frontier at another token count: times scale linearly with tokens (§3.4.1), and so do
+    sizes, or as ``bytes_at`` says (values that do not grow with tokens stay). Points another
+    one now dominates are dropped, so the result is again a frontier."""
+    size = bytes_at or (lambda p, f: math.ceil(p.bytes * f))
+    moved = sorted(
+        (Point(bytes=size(p, factor), time=p.time * factor, saved=p.saved) for p in points),
+        key=lambda p: (p.bytes, p.time),
+    )
+    frontier: list[Point] = []
+    for p in moved:
+        if not frontier or p.time < frontier[-1].time and p.bytes > frontier[-1].bytes:
+            frontier.append(p)
+    return tuple(frontier)
+
+
+def modelled_replay(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int]) -> float:
+    """Seconds of must-only replay in a step at ``tokens``, from the profiled node times (Eq. 6
+    for S0, every block of each region, times scaled linearly with tokens)."""
+    return math.fsum(
+        p.blocks * p.must_only_replay_time * tokens[r] / p.tokens
+        for r, p in profiles.items()
+        if r in tokens
+    )
+
+
+def full_recompute_extra(profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int]) -> float:
+    """Seconds full checkpointing adds to a must-only step at ``tokens``: each block recomputes
+    its forward (Eq. 5) instead of replaying (Eq. 6), and its forward costs no recording or
+    steady-state overhead (``RegionProfile.forward_overhead``)."""
+    return math.fsum(
+        p.blocks
+        * (
+            (p.full_recompute_time - p.must_only_replay_time) * tokens[r] / p.tokens
+            - p.forward_overhead
+        )
+        for r, p in profiles.items()
+        if r in tokens
+    )
+
+
+def _frontiers(
+    profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int], config: TapeSACConfig
+) -> dict[str, tuple[Point, ...]]:
+    """Each region's frontier at ``tokens`` (``scaled``)."""
+    return {
+        r: scaled(
+            p.frontier(config.beam_width, config.max_set_size), tokens[r] / p.tokens, p.bytes_at
+        )
+        for r, p in profiles.items()
+    }
+
+
+def solve_plan(
+    profiles: Mapping[str, RegionProfile],
+    tokens: Mapping[str, int],
+    *,
+    model: str,
+    capacity: int,
+    base: int,
+    must_only_step_time: float,
+    config: TapeSACConfig,
+    timeline: Timeline | None = None,
+    torch_checkpoint_gains: Mapping[str, float] | None = None,
+) -> Plan:
+    """The plan maximising replay time removed with its predicted step peak ≤ capacity.
+
+    With ``config.memory_model == "peak"`` and a ``timeline`` of a must-only sample step whose
+    blocks match the profiles, the peak is the timeline model's (``plan.peak``: saved values
+    alive from their block's forward to its backward, replay temporaries of the block that
+    sets the peak from the set it saves), scaled so its must-only peak is ``base``; when no plan
+    fits, the fastest of those with the lowest predicted peak (must-only for a limit of 0).
+    Otherwise Eq. 8: Σ bytes ≤ capacity − base (nothing saved when base alone exceeds it).
+
+    Under the timeline model a block may also run plain (``config.plain_blocks``) or under
+    torch.utils.checkpoint where ``torch_checkpoint_gains`` names a region: the seconds per block
+    that running so saves against must-only, positive (``torch_checkpoint_gains``).
+
+    Its predicted speedup comes from ``StepTime``: ``must_only_step_time`` minus the modelled
+    must-only replay is the time outside replay (floored, see ``StepTime.model``), so the
+    prediction is finite and at most must-only / outside, whatever the profiled times were.
+    """
+    frontiers = _frontiers(profiles, tokens, config)
+    budget = capacity - base
+    gains = torch_checkpoint_gains or {}
+    extras = {r: _extra_kinds(config, gains.get(r, 0.0)) for r in profiles}
+    peak = (
+        _peak_choice(profiles, frontiers, tokens, timeline, capacity, base, config, extras, gains)
+        if config.memory_model == "peak" and timeline is not None
+        else None
+    )
+    choices: Mapping[str, tuple[int, ...]]
+    if peak is not None:
+        choices, saved_bytes, gain, predicted, peak_at = peak
+    else:
+        choice = solve_knapsack(
+            {r: RegionFrontier(points=f, blocks=profiles[r].blocks) for r, f in frontiers.items()},
+            budget,
+            resolution=config.knapsack_resolution,
+        )
+        choices, saved_bytes, gain = choice.choices, choice.bytes, choice.gain
+        predicted, peak_at = base + saved_bytes, "the start of backward (Eq. 8 bound)"
+    regions = {
+        r: _region_plan(profiles[r], frontiers[r], choices[r], tokens[r], extras[r])
+        for r in sorted(profiles)
+    }
+    full = full_recompute_extra(profiles, tokens)
+    step = StepTime.of_step(must_only_step_time, modelled_replay(profiles, tokens))
+    planned_time = step.planned(gain)
+    notes = _capacity_notes(base, capacity, predicted, saved_bytes)
+    return Plan(
+        model=model,
+        regions=regions,
+        capacity=capacity,
+        base=base,
+        saved_bytes=saved_bytes,
+        predicted_speedup=step.speedup(gain),
+        predicted_speedup_vs_full=(step.must_only + full) / planned_time,
+        notes=notes,
+        step_time=step.must_only,
+        replay_time=step.replay,
+        memory_model="peak" if peak is not None else "sum",
+        predicted_peak=predicted,
+        peak_at=peak_at,
+        static=timeline.static if timeline is not None else 0,
+    )
+
+
+def _capacity_notes(base: int, capacity: int, predicted: int, saved: int) -> tuple[str, ...]:
+    """What explain() says when the must-only step does not fit the capacity."""
+    if base <= capacity:
+        return ()
+    head = (
+        f"the must-only step needs {format_bytes(base)} of the {format_bytes(capacity)} the "
+        "limit leaves"
+    )
+    if predicted > capacity:
+        return (
+            f"{head}, and no plan fits: this one has the lowest predicted peak, "
+            f"{format_bytes(predicted)}"
+            if saved
+            else f"{head}: nothing more is saved",
+        )
+    return (
+        f"{head}: this plan fits, its saved values remove more replay temporaries than they keep",
+    )
+
+
+def torch_checkpoint_gains(
+    profiles: Mapping[str, RegionProfile],
+    tokens: Mapping[str, int],
+    must_only_step: float,
+    full_step: float,
+    modelled_must_only: float,
+) -> dict[str, float]:
+    """Per region, the seconds one block saves running under torch.utils.checkpoint instead of
+    must-only, from measured steps: the median must-only step (``must_only_step``) against the
+    median full-checkpointing one (``full_step``), as a share of the must-only step modelled at
+    ``tokens``, shared among the blocks by their full recompute time (Eq. 5). Empty when the full
+    step was not faster: no block gains."""
+    saving = (1 - full_step / must_only_step) * modelled_must_only if must_only_step > 0 else 0
+    weight = {r: p.full_recompute_time * tokens[r] / p.tokens for r, p in profiles.items()}
+    total = sum(p.blocks * weight[r] for r, p in profiles.items())
+    if saving <= 0 or total <= 0:
+        return {}
+    return {r: saving * weight[r] / total for r in profiles if weight[r] > 0}
+
+
+def _extra_kinds(config: TapeSACConfig, torch_checkpoint_gain: float) -> tuple[BlockKind, ...]:
+    """The options after a region's frontier, in this order: plain where the config allows it,
+    torch.utils.checkpoint where it measured faster than must-only."""
+    return (BlockKind.PLAIN,) * config.plain_blocks + (BlockKind.TORCH_CHECKPOINT,) * (
+        torch_checkpoint_gain > 0
+    )
+
+
+def region_menus(
+    profiles: Mapping[str, RegionProfile],
+    frontiers: Mapping[str, tuple[Point, ...]],
+    tokens: Mapping[str, int],
+    extras: Mapping[str, tuple[BlockKind, ...]] | None = None,
+    torch_checkpoint_gains: Mapping[str, float] | None = None,
+) -> dict[str, RegionMenu]:
+    """Each region's frontier (at ``tokens``) for the timeline model, and after it the options
+    ``extras`` names for the region (``_with_extras``)."""
+    menus = {}
+    for r, points in frontiers.items():
+        p = profiles[r]
+        menu = RegionMenu(
+            sequence=p.sequence,
+            graph=p.graph,
+            bytes=tuple(pt.bytes for pt in points),
+            gains=tuple(points[0].time - pt.time for pt in points),
+            saved=tuple(p.graph.value_ids(pt.saved) for pt in points),
+            scale=tokens[r] / p.tokens,
+        )
+        kinds = (extras or {}).get(r, ())
+        gain = (torch_checkpoint_gains or {}).get(r, 0.0)
+        menus[r] = _with_extras(menu, p, points, tokens[r], kinds, gain) if kinds else menu
+    return menus
+
+
+def _with_extras(
+    menu: RegionMenu,
+    profile: RegionProfile,
+    points: tuple[Point, ...],
+    tokens: int,
+    kinds: tuple[BlockKind, ...],
+    torch_checkpoint_gain: float,
+) -> RegionMenu:
+    """``menu`` with an option after its frontier per kind (from index ``len(points)``).
+    Plain: the block keeps everything autograd saves, replays nothing, and saves its forward's
+    overhead too (recording or steady state, ``RegionProfile.forward_overhead``), so it beats the frontier's last point wherever both fit. Torch checkpoint: it
+    keeps nothing, recomputes its whole forward at its first unpack, and gains what measured
+    steps say (``torch_checkpoint_gains``)."""
+    plain = profile.plain_point
+    plain_bytes = profile.bytes_at(plain, tokens / profile.tokens)
+    gain = {
+        BlockKind.PLAIN: points[0].time + profile.forward_overhead,
+        BlockKind.TORCH_CHECKPOINT: torch_checkpoint_gain,
+    }
+    size = {BlockKind.PLAIN: plain_bytes, BlockKind.TORCH_CHECKPOINT: 0}
+    return dataclasses.replace(
+        menu,
+        bytes=(*menu.bytes, *(size[k] for k in kinds)),
+        gains=(*menu.gains, *(gain[k] for k in kinds)),
+        saved=(*menu.saved, *(profile.graph.value_ids(plain.saved) for _ in kinds)),
+        kinds=(BlockKind.TAPE,) * len(points) + kinds,
+        plain_bytes=plain_bytes,
+    )
+
+
+def torch_checkpoint_peak(
+    profiles: Mapping[str, RegionProfile],
+    tokens: Mapping[str, int],
+    timeline: Timeline,
+    base: int,
+    config: TapeSACConfig,
+) -> int | None:
+    """The predicted peak of a step with every block under torch.utils.checkpoint (what a
+    full-checkpointing step that measures it reaches); None when the timeline's blocks do not
+    match the profiles."""
+    if not _matches(timeline, profiles):
+        return None
+    # Only the must-only point is needed beside the torch-checkpoint option.
+    frontiers = {r: f[:1] for r, f in _frontiers(profiles, tokens, config).items()}
+    checkpointed = {r: (BlockKind.TORCH_CHECKPOINT,) for r in profiles}
+    scaled_timeline = timeline.scaled(base)
+    menus = menus_of(
+        scaled_timeline,
+        region_menus(profiles, frontiers, tokens, checkpointed, dict.fromkeys(profiles, 1.0)),
+    )
+    return predict(scaled_timeline, [m[-1] for m in menus]).peak
+
+
+def _matches(timeline: Timeline, profiles: Mapping[str, RegionProfile]) -> bool:
+    """Whether the timeline has as many blocks of each region as its profile."""
+    counts: dict[str, int] = {}
+    for b in timeline.blocks:
+        counts[b.region] = counts.get(b.region, 0) + 1
+    return all(counts.get(r, 0) == p.blocks for r, p in profiles.items())
+
+
+class PeakChoice(NamedTuple):
+    """A plan under the timeline model: per region the menu option of each block, the bytes
+    saved, the replay seconds removed, the predicted step peak and where in the step it falls."""
+
+    choices: dict[str, tuple[int, ...]]
+    saved_bytes: int
+    gain: float
+    predicted: int
+    peak_at: str
+
+
+def _peak_choice(
+    profiles: Mapping[str, RegionProfile],
+    frontiers: Mapping[str, tuple[Point, ...]],
+    tokens: Mapping[str, int],
+    timeline: Timeline,
+    capacity: int,
+    base: int,
+    config: TapeSACConfig,
+    extras: Mapping[str, tuple[BlockKind, ...]],
+    torch_checkpoint_gains: Mapping[str, float],
+) -> PeakChoice | None:
+    """The plan under the timeline model; None when the timeline's blocks do not match the
+    profiles (the caller falls back to Eq. 8)."""
+    if not _matches(timeline, profiles):
+        return None
+    scaled_timeline = timeline.scaled(base)
+    menus = menus_of(
+        scaled_timeline,
+        region_menus(profiles, frontiers, tokens, extras, torch_checkpoint_gains),
+    )
+    picks = solve_peak(scaled_timeline, menus, capacity, resolution=config.knapsack_resolution)
+    if picks is None:  # a limit of 0 asks for must-only, any other for the least memory
+        picks = (
+            (0,) * len(menus)
+            if config.parsed_memory_limit.must_only
+            else _lowest_peak(scaled_timeline, menus, capacity, config.knapsack_resolution)
+        )
+    options = [m[c] for m, c in zip(menus, picks)]
+    prediction = predict(scaled_timeline, options)
+    choices: dict[str, list[int]] = {r: [0] * p.blocks for r, p in profiles.items()}
+    for b, o in zip(timeline.blocks, options):
+        if b.region in choices:
+            choices[b.region][b.index] = o.point
+    return PeakChoice(
+        choices={r: tuple(c) for r, c in choices.items()},
+        saved_bytes=sum(o.bytes for o in options),
+        gain=math.fsum(o.gain for o in options),
+        predicted=prediction.peak,
+        peak_at=prediction.label,
+    )
+
+
+def _lowest_peak(
+    timeline: Timeline, menus: list[list[Option]], capacity: int, resolution: int
+) -> tuple[int, ...]:
+    """When no plan fits ``capacity``: the fastest plan among those of the lowest predicted peak
+    (to 0.1% of the step's peak), by bisection on the capacity. Saving removes replay
+    temporaries, so that is often well below must-only's peak, the upper end."""
+    must_only = (0,) * len(menus)
+    high = predict(timeline, [m[0] for m in menus]).peak
+    low, best = capacity, must_only
+    while high - low > max(1, high // 1000):
+        middle = (low + high) // 2
+        picks = solve_peak(timeline, menus, middle, resolution=resolution)
+        if picks is None:
+            low = middle
+        else:
+            high, best = middle, picks
+    return best
+
+
+def _region_plan(
+    profile: RegionProfile,
+    points: tuple[Point, ...],
+    chosen: tuple[int, ...],
+    tokens: int,
+    extras: tuple[BlockKind, ...],
+) -> RegionPlan:
+    graph = profile.graph
+    menu = (BlockKind.TAPE,) * len(points) + extras  # the options after the frontier
+    kinds = tuple(menu[i] for i in chosen)
+    plain = tuple(k is BlockKind.PLAIN for k in kinds)
+    recorded = tuple(k is BlockKind.TAPE for k in kinds)
+    blocks = tuple(points[i].saved if r else frozenset() for i, r in zip(chosen, recorded))
+    anchors = tuple(frozenset(graph.produced(v)[1] for v in graph.value_ids(b)) for b in blocks)
+    modules = {a.module: graph.module_digests[a.module] for b in anchors for a in b}
+    others = len(blocks) - sum(profile.shares_reference)
+    notes = []
+    if others:
+        notes.append(
+            f"{others} of {len(blocks)} blocks ran another op sequence (data-dependent control "
+            "flow): they save what the plan names in submodules whose ops match the reference "
+            "block's (anchored coordinates)"
+        )
+    if any(plain) and profile.data_dependent:
+        notes.append(
+            "saved sizes depend on data: a plain block is given the bytes of the most any block "
+            "of the region kept when profiled"
+        )
+    blocker = tape_blocker(profile.tape)
+    if any(recorded) and blocker is not None:
+        notes.append(f"its recorded blocks record every call, not only the first: {blocker}")
+    if BlockKind.TORCH_CHECKPOINT in kinds:
+        notes.append(
+            "torch checkpoint: the block runs under torch.utils.checkpoint, which measured "
+            "faster than must-only here"
+        )
+    note = "; ".join(notes)
+    largest = points[max((i for i in chosen if i < len(points)), default=0)]
+    return RegionPlan(
+        sequence=profile.sequence,
+        blocks=blocks,
+        tokens=tokens,
+        saved=_describe(profile, largest, tokens / profile.tokens),
+        note=note,
+        block_bytes=tuple(
+            profile.bytes_at(profile.plain_point, tokens / profile.tokens)
+            if p
+            else points[i].bytes
+            if r
+            else 0
+            for i, p, r in zip(chosen, plain, recorded)
+        ),
+        anchors=anchors,
+        modules=modules,
+        kinds=kinds if not all(recorded) else (),
+    )
+
+
+def _describe(profile: RegionProfile, point: Point, factor: float) -> tuple[Saved, ...]:
+    """Each value of a save set: bytes, and replay time it removes given the rest of the set."""
+    graph = profile.graph
+    saved = graph.value_ids(point.saved)
+    whole = replay_time(graph, saved)
+    rows = []
+    for vid in sorted(saved):
+        grows = vid not in graph.token_independent
+        coord, anchor = graph.produced(vid)
+        rows.append(
+            Saved(
+                coord=coord,
+                module=anchor.module or None,  # "": the block's own op
+                bytes=math.ceil(saved_bytes(graph, [vid]) * (factor if grows else 1)),
+                time_removed=(replay_time(graph, saved - {vid}) - whole) * factor,
+            )
+        )
+    return tuple(rows)

@@ -1,0 +1,393 @@
+"""One call of a checkpointed block: its tape, the tensors it keeps, and its unpack entry point."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from ..errors import TapeSACError
+from ..measure.timing import NodeTimer
+from ..plan.coords import Anchor, Coord
+from ..plan.plan import BlockKind
+from ..tensors import is_subclass_with_dispatch
+from .lifetimes import StorageLifetimes
+from .replay import Replay
+from .tape import BUFFER, OP, PARAM, Node, Tape, Value
+from .verify import HiddenWrites
+
+if TYPE_CHECKING:
+    from .draws import Draws
+    from .steady import Recompute, SteadyTape
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class BlockTrace:
+    """What one block call recorded and replayed; holds no tensors."""
+
+    tape: Tape
+    saved: frozenset[int] = (
+        frozenset()
+    )  # op values held for backward (S0 and planned) after forward
+    replayed: list[int] = field(default_factory=list)  # node indices run by replay, in order
+    node_times: dict[int, list[Any]] = field(default_factory=dict)  # replayed node -> timer samples
+    forward_times: dict[int, Any] = field(default_factory=dict)  # node -> its forward timer sample
+    alive_taken: set[int] = field(default_factory=set)  # demanded values taken alive, not replayed
+    unpacked: set[int] = field(default_factory=set)  # demanded values autograd actually read
+    sequence_changed: bool = False  # another op sequence than the plan's: anchored coordinates used
+    over_budget: int = 0  # planned values not kept: their bytes exceeded the block's budget
+    replay_seconds: float = 0.0  # wall time its replays took in backward (host clock)
+    forward_seconds: float | None = None  # wall time of its recorded forward (CPU profile steps)
+    invisible_writes: list = field(default_factory=list)  # coordinates replay did not reproduce
+    steady: bool = False  # run from a cached tape, without the dispatch mode
+    recorded_because: str | None = None  # why a module block was recorded (``steady.Recorded``)
+    diverged: str | None = None  # a steady-state call that ran other ops than its tape: what
+    draws_bytes: int = 0  # generator states a steady-state call keeps for its random ops
+    # Its block, weakly: autograd's saved tensors hold the block until it frees the graph.
+    block: weakref.ReferenceType[Block] | None = field(default=None, repr=False)
+
+    @property
+    def released(self) -> bool:
+        """Whether autograd has freed the block's saved values: after its backward, or with the
+        graph of a forward that reached none (then ``unpacked`` is empty)."""
+        return self.block is not None and self.block() is None
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes this block keeps for backward beyond its leaves (storages counted once)."""
+        return self.tape.bytes_of(self.saved)
+
+    @property
+    def rng_bytes(self) -> int:
+        """Bytes of the generator states this call keeps to replay its random ops: one per random
+        op recorded, one per generator in steady state."""
+        return self.tape.rng_bytes + self.draws_bytes
+
+
+# Plan entries for a block that is not recorded: run as without checkpointing (autograd keeps
+# everything it saves until the block's backward), or under torch.utils.checkpoint.
+PLAIN = BlockKind.PLAIN
+TORCH_CHECKPOINT = BlockKind.TORCH_CHECKPOINT
+
+
+class BlockPlan(NamedTuple):
+    """What one block call saves: coordinates, the op sequence they are valid for (None: any),
+    the bytes they may keep beyond S0 (None: no bound), and the same set anchored on submodules
+    with those submodules' op digests (for a block that runs another op sequence); and how the
+    block runs (``kind``: when not recorded, the rest is empty)."""
+
+    coords: frozenset[Coord] = frozenset()
+    sequence: str | None = None
+    budget: int | None = None
+    anchors: frozenset[Anchor] = frozenset()
+    modules: Mapping[str, str] = {}
+    kind: BlockKind = BlockKind.TAPE
+
+
+class Block:
+    """State of one checkpointed block call, from its forward to the end of its backward."""
+
+    def __init__(
+        self,
+        name: str,
+        region: str,
+        module: torch.nn.Module | None,
+        plan: BlockPlan,
+        recording: Callable[[], Any],
+        hidden_writes: HiddenWrites,
+    ) -> None:
+        self.name, self.region, self.module = name, region, module
+        self.hidden_writes = hidden_writes
+        (
+            self.plan_coords,
+            self.plan_sequence,
+            self.plan_budget,
+            self.plan_anchors,
+            self.plan_modules,
+            _,
+        ) = plan  # a Block exists because its entry is recorded
+        self.anchored: set[int] = set()  # held for an anchored coordinate of the plan
+        self.module_calls: dict[tuple[str, str], int] = {}  # (module, op) -> calls so far
+        self.nodes: list[Node] = []
+        self.values: list[Value] = []
+        self.storage_bytes: list[int] = []
+        self.lifetimes = StorageLifetimes(self.nodes)  # when the forward frees its storages
+        self.demand: frozenset[int] = frozenset()  # P: the values autograd packed (set in finish)
+        self.mandatory: dict[int, str] = {}
+        self.planned: set[int] = set()
+        self.planned_seen: set[tuple] = set()
+        self.held: dict[int, torch.Tensor] = {}
+        self.kept: frozenset[int] = frozenset()  # held, or fetched by name: set in finish
+        # Demanded values alive at the end of forward, set in finish: a weak reference and the
+        # version the value has (backward takes it if it is still alive with that version).
+        self.refs: dict[int, tuple[weakref.ref, int]] = {}
+        self.pack_count: Mapping[int, int] = {}  # packs per value, set in finish: keys are P
+        # Per pack, the value packed: autograd's handle is the pack's index (an int, which the
+        # garbage collector does not track), and the block's unpack hook resolves it.
+        self.handles: Sequence[int] = []
+        self.pack_layouts: list[tuple[torch.Size, torch.dtype]] = []  # per pack (steady state)
+        self.host_sync = False  # an op returned a number: the data may steer the ops
+        # Per submodule exit, in order, each tensor it returned: its value (None: unrecorded)
+        # and its shape and dtype.
+        self.exits: list[tuple[tuple[int | None, tuple[torch.Size, torch.dtype]], ...]] = []
+        self.on_exit: Callable[[Any], None] | None = None
+        # A steady-state call whose forward diverged from its tape: backward recomputes it.
+        self.recompute: Recompute | None = None
+        self.draws: Draws | None = None  # a steady-state call's random ops' generator states
+        self.current_module: str | None = None
+        self._module_stack: list[str] = []
+        self.timer: Any = None
+        self.recording = True
+        self._active_recording = recording
+        self._replay: tuple[int, Replay] | None = None
+        # Some node writes in place: only then must replay guard what it must not write into.
+        self.writes_in_place = False
+        self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
+        self.device_types: set[str] = set()  # of the recorded layouts (ValueIds.layout)
+        self.verify = False  # fingerprint packed values; replay compares (see verify.py)
+        self.deterministic_ops: frozenset[str] = frozenset()  # custom ops declared not random
+        self.fingerprints: dict[int, torch.Tensor] = {}
+        self.forced = hidden_writes.of(region)  # coordinates held as mandatory: hidden writes
+        self.probe: Any = None  # a timeline.BlockProbe on metered sample steps
+        self.trace = BlockTrace(
+            Tape(
+                name,
+                region,
+                self.nodes,
+                self.values,
+                self.storage_bytes,
+                frozenset(),
+                {},
+                frozenset(),
+            ),
+            block=weakref.ref(self),
+        )
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    @property
+    def alive_taken(self) -> set[int]:
+        return self.trace.alive_taken
+
+    def enter_module(self, path: str) -> None:
+        """A submodule's forward starts: ops recorded now are issued by ``path``."""
+        self._module_stack.append(path)
+        self.current_module = path
+
+    def exit_module(self, output: Any = None) -> None:
+        """A submodule's forward returned ``output``: told to the recorder or the steady-state
+        forward (``on_exit``), which may hold values from it."""
+        if self._module_stack:
+            self._module_stack.pop()
+        self.current_module = self._module_stack[-1] if self._module_stack else None
+        if self.on_exit is not None:
+            self.on_exit(output)
+
+    def is_kept(self, vid: int) -> bool:
+        """Available without replay: held by the block, or a parameter/buffer fetched by name."""
+        return vid in self.kept
+
+    def kept_tensor(self, vid: int) -> torch.Tensor:
+        t = self.held.get(vid)
+        return t if t is not None else self._fetch(self.values[vid])
+
+    def _fetch(self, value: Value) -> torch.Tensor:
+        """A parameter or buffer by name, as the module holds it now (FSDP2: the re-gathered one)."""
+        owner = self._owners.get(value.vid)
+        if owner is None:
+            # A parameter or buffer value is named by its path in the block's module.
+            assert isinstance(value.name, str) and self.module is not None
+            path, _, attr = value.name.rpartition(".")
+            owner = self._owners[value.vid] = (self.module.get_submodule(path), attr)
+        module, attr = owner
+        # The registry first: Module.__getattr__ is a Python frame per unpack of a parameter.
+        t = (module._parameters if value.kind == PARAM else module._buffers).get(attr)
+        if t is None:
+            t = getattr(module, attr)
+        if is_subclass_with_dispatch(t):
+            raise TapeSACError(
+                f"block {self.name!r}: {value.kind} {value.name!r} is a {type(t).__name__} at "
+                "backward time, not the unsharded tensor forward used. Fix: shard with FSDP2 at "
+                "the checkpointed module or above it (fully_shard(block) after checkpoint_module)"
+            )
+        return t
+
+    def finish(
+        self, outputs: frozenset[int], alive: Callable[[Collection[int]], dict[int, Any]]
+    ) -> None:
+        """End of forward: freeze the tape; drop kept tensors no replay or unpack can reach.
+        ``alive`` gives weak references to the tensors of values still alive (``Recorder.alive``)."""
+        self.recording = False
+        self.pack_count = Counter(self.handles)
+        tape = Tape(
+            self.name,
+            self.region,
+            self.nodes,
+            self.values,
+            self.storage_bytes,
+            frozenset(self.pack_count),
+            dict(self.mandatory),
+            frozenset(self.planned),
+            outputs,
+            frozenset(v for returned in self.exits for v, _ in returned if v is not None),
+            self.host_sync,
+            self.lifetimes.stop(),
+        )
+        self.demand = tape.demand
+        if self.plan_sequence is not None and tape.fingerprint != self.plan_sequence:
+            self.trace.sequence_changed = True
+            self.planned = self._matching_anchors(tape)
+        if self.plan_budget is not None and tape.saved_bytes(self.planned) > self.plan_budget:
+            self.planned = self._within_budget(tape, self.plan_budget)
+        tape.planned = frozenset(self.planned)
+        available = tape.always_available | tape.planned
+        self._drop_unread(tape, available)
+        values = self.values
+        self.refs = alive({v for v in tape.demand if values[v].kind == OP and v not in self.held})
+        fetched = {v for v in available if values[v].kind in (PARAM, BUFFER)}
+        self.kept = frozenset(self.held) | fetched
+        missing = self.plan_coords - self.planned_seen
+        if missing and not self.trace.sequence_changed:
+            logger.warning(
+                "block %r (region %r): the plan names coordinates this block does not "
+                "have, nothing saved for them: %s",
+                self.name,
+                self.region,
+                ", ".join(str(tuple(c)) for c in sorted(missing)),  # as use_plan takes them
+            )
+        self.trace.tape = tape
+        self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
+
+    def outliving(
+        self, alive: Callable[[Collection[int]], dict[int, Any]]
+    ) -> list[tuple[int, Any]]:
+        """At the end of forward, the values whose tensors are still alive that the block does
+        not hold, on storages of its own (not of its leaves): one per storage, its latest
+        value, with the storage. A caller may keep them a while (a returned tuple, a cache);
+        the memory timeline notes when each is freed. ``alive`` as ``finish`` takes it."""
+        values = self.values
+        held = {values[v].sid for v in self.held}
+        held |= {v.sid for v in values if v.kind != OP}
+        candidates = {v.vid for v in values if v.kind == OP and v.sid not in held}
+        latest: dict[int, tuple[int, Any]] = {}
+        for vid, (ref, _) in sorted(alive(candidates).items()):
+            t = ref()
+            if t is not None:
+                latest[values[vid].sid] = (vid, t.untyped_storage())
+        return list(latest.values())
+
+    def adopt(self, entry: SteadyTape) -> None:
+        """Run from a cached tape (steady state): what a recorded call's ``finish`` set, but the
+        held tensors and the values backward may take alive, which the call itself supplies."""
+        tape = entry.tape
+        self.nodes, self.values, self.storage_bytes = tape.nodes, tape.values, tape.storage_bytes
+        # Copies where recording mutates its own (a few values: S0 and the plan's).
+        self.demand, self.mandatory, self.planned = (
+            tape.demand,
+            dict(tape.mandatory),
+            set(tape.planned),
+        )
+        self.handles, self.pack_count, self.kept = entry.handles, entry.pack_count, entry.kept
+        self.writes_in_place, self.device_types = entry.writes_in_place, set(entry.device_types)
+        self.trace.tape, self.trace.saved, self.trace.steady = tape, entry.saved, True
+
+    def _drop_unread(self, tape: Tape, available: frozenset[int]) -> None:
+        """Release held tensors one backward never reads: a kept value is demanded or read by a
+        replayed node (``tape.needed_sources``). Where every held value is demanded and
+        available, nothing can go, and the sweep over the tape is left to backward
+        (``Replay``), which counts reads anyway."""
+        demand, held = tape.demand, self.held
+        if all(v in demand and v in available for v in held):
+            return
+        needed = tape.needed_sources(tape.planned)
+        for vid in [v for v in held if v not in needed]:
+            del held[vid]
+
+    def _matching_anchors(self, tape: Tape) -> set[int]:
+        """The plan's coordinates were solved on another op sequence and may name other tensors
+        here; its anchored coordinates in submodules whose own ops match the reference's still
+        name the values the plan chose."""
+        digests = tape.module_fingerprints
+        modules = {v: anchor[0] for v in self.anchored if (anchor := tape.anchor(v)) is not None}
+        return {v for v, m in modules.items() if digests[m] == self.plan_modules.get(m)}
+
+    def _within_budget(self, tape: Tape, budget: int) -> set[int]:
+        """The planned values, in forward order, that fit the plan's bytes for this block.
+
+        Sizes that depend on data (tokens routed to one expert) can exceed what the plan was
+        solved for; keeping them all could break the memory limit. Values are held
+        until here, so the excess lives only during this block's forward.
+        """
+        kept: set[int] = set()
+        for vid in sorted(self.planned):
+            if tape.saved_bytes(kept | {vid}) <= budget:
+                kept.add(vid)
+        self.trace.over_budget = len(self.planned) - len(kept)
+        logger.debug(
+            "block %r: %d planned values over the plan's %d bytes, not kept",
+            self.name,
+            self.trace.over_budget,
+            budget,
+        )
+        return kept
+
+    def anchor_call(self, name: str) -> int:
+        """Count a call of op ``name`` by the current submodule: its anchored ``k``."""
+        key = (self.current_module or "", name)
+        k = self.module_calls.get(key, 0)
+        self.module_calls[key] = k + 1
+        return k
+
+    def enable_timing(self, device: torch.device) -> None:
+        """Time every op this block runs, in forward and in replay (events on accelerators)."""
+        self.timer = NodeTimer(device)
+
+    # ------------------------------------------------------------------ backward
+
+    def unpack(self, handle: int) -> torch.Tensor:
+        """The block's saved-tensor unpack hook: the value of ``handle``, replaying its producers
+        if needed. Autograd holds the hook with every saved tensor, and so the block."""
+        active = self._active_recording()
+        if self.recording or active is not None:
+            raise TapeSACError(
+                f"block {self.name!r}: a saved tensor was unpacked (a backward pass ran) during the "
+                f"forward of block {(active or self).name!r}. Reentrant use is not supported: do not "
+                "call backward or torch.autograd.grad inside a checkpointed module"
+            )
+        gid = torch._C._current_graph_task_id()
+        if gid != -1 and torch.is_grad_enabled():
+            raise TapeSACError(
+                f"block {self.name!r}: backward with create_graph=True (double backward) through a "
+                "TapeSAC block is not supported. Fix: do not checkpoint this module for "
+                "higher-order gradients, or use torch.utils.checkpoint for it"
+            )
+        if self.recompute is not None:
+            return self.recompute.take(handle, self)
+        vid = self.handles[handle]
+        self.trace.unpacked.add(vid)
+        if self.probe is not None:
+            return self.probe.unpack(vid, lambda: self._take(vid, handle, gid))
+        return self._take(vid, handle, gid)
+
+    def _take(self, vid: int, handle: int, gid: int) -> torch.Tensor:
+        t = self.held.get(vid)
+        if t is not None:
+            return t
+        if self.is_kept(vid):
+            return self._fetch(self.values[vid])
+        return self._replay_for(gid).take(vid, handle)
+
+    def _replay_for(self, gid: int) -> Replay:
+        """One replay state per backward pass; a second backward (retain_graph) replays again."""
+        if gid == -1:
+            return Replay(self)
+        if self._replay is None or self._replay[0] != gid:
+            self._replay = (gid, Replay(self))
+        return self._replay[1]

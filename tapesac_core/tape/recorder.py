@@ -1,0 +1,461 @@
+"""Recording: a dispatch mode that writes each op of a block into its tape, and the pack hook.
+
+``Recorder`` is the block's ``TorchDispatchMode`` while its forward runs, and its saved-tensor
+pack hook. Per op it makes the node (op, call number ``k``, arguments with tensors replaced by
+``Slot``s, input and output value ids, writes, the random state it drew from) and the values of
+its outputs; it asks ``ValueIds`` (``values.py``) which value each input is, and tells
+``Holding`` (``holding.py``) each output, which it keeps if S0 or the plan names it. Per pack it
+records the packed value in the demand set.
+
+Contract (what makes replay exact): every tensor the block touches has a value id, a tensor's
+content at one version (``values.py``); an output shares the storage id of an input it aliases
+(a view, an in-place result), else has a storage of its own, and a view shares its base's
+version; a random op's generator state is captured before it runs, and replay restores it.
+
+One implementation records every op: ``_record`` (arguments, writes, random state, timing) then
+``_add_node`` (outputs, holding, the node). The fast path in ``__torch_dispatch__`` is
+``_record`` for an op that is plain or a simple view (``OpInfo``) while nothing is timed and no
+allocation awaits its first write: of ``_record``'s steps only templating, the call and
+``_add_node`` apply to such an op, and it runs just those. ``tests/test_recording_paths.py``
+records the same blocks both ways (``Recorder.fast_path``) and compares the tapes.
+
+Failure modes that raise ``TapeSACError``: an op writing into a block input, parameter or buffer;
+a random op whose generator cannot be captured; a tensor subclass inside the block.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import TapeSACError
+from ..measure.memory import not_counted
+from ..tensors import (
+    default_generator,
+    flat_tensors,
+    has_default_generator,
+    is_subclass_with_dispatch,
+    slot,
+    slot_args,
+)
+from .holding import Holding
+from .ops import OpInfo, arg, is_random_call, op_info
+from .tape import BUFFER, INPUT, OP, PARAM, Node, Value
+from .values import ValueIds
+
+if TYPE_CHECKING:
+    from .block import Block
+
+Tensor = torch.Tensor
+
+_new_tuple = tuple.__new__  # skips NamedTuple's Python-level __new__ for every node and value
+
+
+class Recorder(TorchDispatchMode):
+    """Records one block's forward into ``block``'s tape (as a dispatch mode); also provides
+    the pack hook (``pack``), the submodule exit hook (``module_exit``) and, at the end of
+    forward, ``vid_of`` for the block's outputs and ``alive`` for ``Block.finish``."""
+
+    # False: every op takes ``_record`` (tests compare the tapes of both paths).
+    fast_path: ClassVar[bool] = True
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo, which costs
+        # microseconds per op; recording only ever runs eagerly.
+        return False
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.block = block
+        self.calls: dict[str, int] = {}  # op name -> calls so far: a node's ``k``
+        leaf_sids: set[int] = set()  # ValueIds adds the storages of leaves; Holding reads them
+        self.holding = Holding(block, leaf_sids)
+        self.ids = ValueIds(block, self.holding, self.calls, leaf_sids)
+        # The same set object as the holding policy's (never rebound): checked on every op.
+        self.uninitialised = self.holding.uninitialised
+        self.timer = block.timer  # set before recording when node times are wanted
+        # Whether the fast path may record this block's ops: nothing is timed (fixed for the
+        # block). A planned block's ops take it too: on the checking path a plan's forward cost
+        # more than its replay saved, on many small ops.
+        self.fast = self.fast_path and block.timer is None
+        # OpOverload hashes in Python: look ops up by id (they live as long as the process).
+        self.infos: dict[int, OpInfo] = {}
+        self.hot: dict[int, OpInfo] = {}  # the ops of ``infos`` the fast path records
+
+    def forget(self) -> None:
+        """The forward ended: drop the per-tensor bookkeeping. Autograd keeps the pack hook,
+        and with it this recorder, until the block's graph is freed."""
+        self.ids.by_id.clear()
+        self.ids.ptrs.clear()
+        self.infos.clear()
+        self.hot.clear()
+
+    def vid_of(self, t: Tensor) -> int:
+        """The value id of ``t`` as it is now (``ValueIds.vid_of``): the block's outputs."""
+        return self.ids.vid_of(t)
+
+    def register_inputs(self, tensors: list[Tensor]) -> None:
+        """Block inputs are leaves, kept strongly (as torch's checkpoint keeps them)."""
+        ids = self.ids
+        for i, t in enumerate(tensors):
+            ids.refuse_subclass(t)
+            entry = ids.by_id.get(id(t))
+            if entry is None or entry[0]() is not t:
+                self.holding.keep_input(ids.new_value(t, -1, 0, INPUT, i), t)
+
+    def pack(self, t: Tensor) -> int:
+        """Autograd saves ``t``: record it in the demand set and hand autograd a handle (the
+        pack's index in ``block.handles``)."""
+        block = self.block
+        entry = self.ids.by_id.get(id(t))  # ValueIds.recorded, inlined: runs per saved tensor
+        if entry is not None and entry[0]() is t and entry[2] == t._version:
+            vid = entry[1]
+        else:
+            vid = self.ids.vid_of(t)
+        # A recording block's handles are a list (a steady one's a tuple); no cast(): a call.
+        handles: list[int] = block.handles  # type: ignore[assignment]
+        handles.append(vid)
+        block.pack_layouts.append((t.shape, t.dtype))
+        holding = self.holding
+        if (block.verify or self.uninitialised) and vid not in holding.first_packed:
+            holding.first_pack(vid, t)
+        return len(handles) - 1
+
+    def module_exit(self, output: Any) -> None:
+        """A submodule returned ``output``: the values of its tensors, where recorded, are what a
+        steady-state call can hold from that exit (values on their storages)."""
+        self.block.exits.append(
+            tuple((self.ids.recorded(t), (t.shape, t.dtype)) for t in flat_tensors(output))
+        )
+
+    def alive(self, vids: Collection[int]) -> dict[int, tuple[weakref.ref[Tensor], int]]:
+        """A weak reference per value of ``vids`` whose tensor is alive now (a block output,
+        say): backward takes it as it is, if still alive there, instead of replaying it.
+
+        Collected once at the end of forward rather than at each pack, so that the pack hook,
+        run per saved tensor, stays short. Only a tensor that still has the value's version
+        counts: an alias seen by storage (``x.data``) has a counter of its own."""
+        refs: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+        values = self.ids.values
+        for ref, vid, _ in self.ids.by_id.values():
+            if vid in vids and vid not in refs:
+                t = ref()
+                if t is not None and t._version == values[vid].version:
+                    refs[vid] = (ref, values[vid].version)
+        return refs
+
+    # ------------------------------------------------------------------ dispatch: per op
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        info = self.hot.get(id(func))
+        if info is None or self.uninitialised:
+            info = self.infos.get(id(func)) or self._info(func)
+            return self._record(func, info, args, kwargs)
+        # The fast path: ``_record`` for an op in ``hot`` (plain or a simple view, nothing
+        # timed, no allocation pending), whose other steps provably do nothing for it: it is
+        # neither unrecorded, collective nor an identity; it writes nothing, draws no random
+        # number and reads more than metadata.
+        targs, tkwargs, inputs = self._templates(args, kwargs)
+        out = info.call(*args, **kwargs)
+        self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
+        return out
+
+    def _record(self, func: Any, info: OpInfo, args: tuple, kwargs: dict) -> Any:
+        """Record one op: every op the fast path in ``__torch_dispatch__`` does not take (not
+        plain nor a simple view, or any op while timing or while an allocation is pending)."""
+        if info.unrecorded or (info.collective and not self._reads_recorded(args, kwargs)):
+            return func(*args, **kwargs)
+        if info.identity:
+            return self._same_value(func, args, kwargs)
+        targs, tkwargs, inputs = self._templates(args, kwargs)
+        writes = self._before_write(func, info, args, kwargs, inputs) if info.mutated else ()
+        rng = (
+            self._capture_rng(info, args, kwargs)
+            if info.random
+            and is_random_call(info, args, kwargs)
+            and not (info.unannounced and info.qualname in self.block.deterministic_ops)
+            else None
+        )
+        if info.metadata_only and inputs:
+            self._keep_meta(inputs[0], args[0])
+        timer = self.timer
+        if timer is None:
+            out = func(*args, **kwargs)
+        else:
+            start = timer.start()
+            out = func(*args, **kwargs)
+            sample = timer.stop(start)
+        if self.uninitialised and not info.metadata_only and not info.aliasing:
+            self.holding.check_initialised(args, kwargs, inputs, writes)
+        index = self._add_node(func, info, targs, tkwargs, inputs, writes, rng, out, args, kwargs)
+        if timer is not None and index >= 0:
+            self.block.trace.forward_times[index] = sample
+        return out
+
+    def _same_value(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
+        """``detach``-like ops return the same content, storage and layout: no node, same value.
+
+        Autograd dispatches such ops on its own (``make_variable`` detaches a factory function's
+        result when the recorder holds it); recording them would make the op sequence, and every
+        plan coordinate after it, depend on what the plan saves.
+        """
+        vid = self.ids.vid_of(args[0])
+        out = func(*args, **kwargs)
+        self.ids.same_as(out, vid)
+        return out
+
+    def _info(self, func: Any) -> OpInfo:
+        info = self.infos[id(func)] = op_info(func)
+        if self.fast and (info.plain or info.simple_view):
+            self.hot[id(func)] = info
+        return info
+
+    def _keep_meta(self, vid: int, t: Tensor) -> None:
+        """A metadata-only op's input: its layout is what replay rebuilds from."""
+        values = self.ids.values
+        value = values[vid]
+        if value.meta is None:
+            values[vid] = value._replace(meta=self.ids.layout(t))
+
+    def _reads_recorded(self, args: tuple, kwargs: dict) -> bool:
+        """FSDP's collectives move FSDP's own buffers; user collectives read recorded values."""
+        by_id = self.ids.by_id
+        for t in flat_tensors((args, kwargs)):
+            entry = by_id.get(id(t))
+            if entry is not None and entry[0]() is t:
+                return True
+        return False
+
+    def _templates(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[int]]:
+        """A call's recorded arguments and keyword arguments (each tensor replaced by the slot of
+        its position among the call's tensors) and the value ids of those tensors, in order. A
+        call whose arguments are exactly its tensors gets the shared ``SLOT_ARGS`` tuple."""
+        inputs: list[int] = []
+        targs: list[Any] | None = None  # built only once an argument is not a tensor
+        by_id = self.ids.by_id
+        for a in args:
+            if isinstance(a, Tensor):
+                entry = by_id.get(id(a))  # ValueIds.recorded, inlined: runs per tensor argument
+                if entry is not None and entry[0]() is a and entry[2] == a._version:
+                    inputs.append(entry[1])
+                else:
+                    inputs.append(self.ids.vid_of(a))
+                if targs is not None:
+                    targs.append(slot(len(inputs) - 1))
+            else:
+                if targs is None:
+                    targs = list(slot_args(len(inputs)))
+                targs.append(self._template(a, inputs))
+        # Counted before keyword arguments add their tensors to ``inputs``.
+        template = slot_args(len(inputs)) if targs is None else tuple(targs)
+        tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
+        return template, tkwargs, inputs
+
+    def _template(self, a: Any, inputs: list[int]) -> Any:
+        """One recorded argument: a tensor (appended to ``inputs``) becomes its slot, a list or
+        tuple with tensors a list or tuple of templates; anything else is kept as it is."""
+        if isinstance(a, Tensor):
+            entry = self.ids.by_id.get(id(a))
+            if entry is not None and entry[0]() is a and entry[2] == a._version:
+                inputs.append(entry[1])
+            else:
+                inputs.append(self.ids.vid_of(a))
+            return slot(len(inputs) - 1)
+        if type(a) is list or type(a) is tuple:
+            for x in a:
+                if isinstance(x, Tensor):
+                    return type(a)([self._template(x, inputs) for x in a])
+        return a
+
+    def _mutated_tensors(self, info: OpInfo, args: tuple, kwargs: dict) -> list[Tensor]:
+        return [
+            t
+            for position, name in info.mutated
+            for t in flat_tensors(arg(args, kwargs, position, name))
+        ]
+
+    def _before_write(
+        self, func: Any, info: OpInfo, args: tuple, kwargs: dict, inputs: list[int]
+    ) -> tuple[int, ...]:
+        """Refuse writes into leaves; move held values the write would change. Returns slots written."""
+        ids = self.ids
+        slots = []
+        for t in self._mutated_tensors(info, args, kwargs):
+            vid = ids.vid_of(t)
+            slots.append(inputs.index(vid))
+            sid = ids.values[vid].sid
+            if sid in ids.leaf_sids:
+                self._refuse_leaf_write(func, sid)
+            self.holding.before_write(t.untyped_storage(), sid)
+            ids.epochs[sid] = ids.epochs.get(sid, 0) + 1
+        return tuple(slots)
+
+    def _refuse_leaf_write(self, func: Any, sid: int) -> None:
+        leaf = next(v for v in self.ids.values if v.sid == sid and v.kind in (INPUT, PARAM, BUFFER))
+        what = f"block input {leaf.name}" if leaf.kind == INPUT else f"{leaf.kind} {leaf.name!r}"
+        raise TapeSACError(
+            f"block {self.block.name!r}: {func} writes in place into {what}; replay cannot "
+            "reproduce a mutation of a block input, parameter or buffer. Fix: make the op "
+            "out-of-place (e.g. `x = x + y` instead of `x += y`), or do not checkpoint this module"
+        )
+
+    def _capture_rng(self, info: OpInfo, args: tuple, kwargs: dict) -> tuple | None:
+        """The generator a random call draws from (its ``Generator`` argument, else the default
+        generator of its device) and that generator's state now; None for an op random only
+        for want of a declaration on a device without one (it cannot draw there)."""
+        generator = (
+            arg(args, kwargs, *info.generator_arg)
+            if info.generator_arg is not None
+            else kwargs.get("generator")
+        )
+        if generator is None:
+            device = kwargs.get("device")
+            if device is None:
+                tensors = flat_tensors((args, kwargs))
+                device = tensors[0].device if tensors else torch.get_default_device()
+            if info.unannounced and not has_default_generator(torch.device(device)):
+                return None
+            generator = default_generator(torch.device(device))
+        state = generator.get_state()
+        not_counted(state)  # bookkeeping, not the step's memory (and no op a meter sees)
+        return (generator, state)
+
+    def _add_node(
+        self,
+        func: Any,
+        info: OpInfo,
+        targs: tuple,
+        tkwargs: dict,
+        inputs: list[int],
+        writes: tuple[int, ...],
+        rng: Any,
+        out: Any,
+        args: tuple,
+        kwargs: dict,
+    ) -> int:
+        """Record the call as a node; its index, or -1 when it produced and wrote no tensor."""
+        block = self.block
+        returned = [out] if type(out) is Tensor else flat_tensors(out)
+        extra: tuple[int, ...] = ()
+        before_write: dict[int, int] | None = None  # id(tensor) -> its value before the write
+        if writes:
+            mutated = self._mutated_tensors(info, args, kwargs)
+            before_write = {id(t): inputs[slot] for slot, t in zip(writes, mutated)}
+            extra = tuple(
+                slot for slot, t in zip(writes, mutated) if not any(t is r for r in returned)
+            )
+            returned = returned + [t for t in mutated if not any(t is r for r in returned)]
+        if not returned:
+            if out is not None and not isinstance(out, (list, tuple)):
+                block.host_sync = True  # a number read from a tensor may steer the next ops
+            return -1
+        if writes:
+            block.writes_in_place = True
+        for t in returned:
+            # A plain Tensor intercepts nothing: the type check spares the attribute lookups.
+            if type(t) is not Tensor and is_subclass_with_dispatch(t):
+                raise TapeSACError(
+                    f"block {block.name!r}: {func} returned a {type(t).__name__}; tensor subclasses "
+                    "inside a TapeSAC block are not supported. Fix: wait for or unwrap it (e.g. "
+                    "funcol.wait_tensor) inside the op that produces it, or do not checkpoint this module"
+                )
+        index = len(block.nodes)
+        name, calls = info.name, self.calls
+        k = calls.get(name, 0)
+        calls[name] = k + 1
+        km = block.anchor_call(name) if block.plan_anchors else -1
+        holds = info.holds_outputs or block.plan_coords or block.forced
+        outs: list[int] = []
+        for j, t in enumerate(returned):
+            vid = self._new_output(t, index, j, info, inputs, outs, before_write)
+            outs.append(vid)
+            if holds:
+                self.holding.maybe_hold(func, info, name, k, km, j, vid, t, args, kwargs)
+        block.nodes.append(
+            _new_tuple(
+                Node,
+                (
+                    index,
+                    func,
+                    name,
+                    k,
+                    targs,
+                    tkwargs,
+                    inputs,
+                    [] if info.metadata_only else inputs,
+                    outs,
+                    writes,
+                    extra,
+                    rng,
+                    info.metadata_only,
+                    block.current_module,
+                ),
+            )
+        )
+        return index
+
+    def _new_output(
+        self,
+        t: Tensor,
+        index: int,
+        j: int,
+        info: OpInfo,
+        inputs: list[int],
+        outs: list[int],
+        before_write: dict[int, int] | None,
+    ) -> int:
+        """A value for output ``j``: in the storage it shares with an input, or in a new one.
+
+        Inside the dispatch mode the autograd layer above has not run yet: it will bump the
+        version of every tensor the op wrote and make view outputs share their base's counter.
+        """
+        ids = self.ids
+        values, ptrs = ids.values, ids.ptrs
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        key = id(t)
+        sid = version = None
+        epoch = 0
+        written = before_write.get(key) if before_write else None
+        if written is not None:
+            sid, version = values[written].sid, values[written].version + 1
+            ids.last_write[sid] = len(values)
+        elif ptr:
+            for vid in inputs:
+                if ptrs[vid] == ptr:
+                    sid = values[vid].sid
+                    if info.view:
+                        version = values[vid].version
+                    break
+            else:
+                for vid in outs:
+                    if ptrs[vid] == ptr:
+                        sid = values[vid].sid
+                        break
+        if sid is None:
+            storage_bytes = self.block.storage_bytes
+            sid = len(storage_bytes)
+            storage_bytes.append(storage.nbytes())
+            self.block.lifetimes.watch(storage, sid)
+            if info.allocation:
+                self.uninitialised.add(sid)
+        elif ids.epochs:
+            epoch = ids.epochs.get(sid, 0)
+        vid = len(values)
+        if version is None:
+            version = t._version
+        # Layouts are kept only where replay needs them (they cost recording time).
+        meta = ids.layout(t) if info.metadata_only else None
+        values.append(_new_tuple(Value, (vid, index, j, sid, epoch, meta, version, OP, None)))
+        ptrs.append(ptr)
+        ids.by_id[key] = (weakref.ref(t), vid, version)
+        return vid

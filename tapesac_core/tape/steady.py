@@ -1,0 +1,450 @@
+"""Steady state: a module block recorded once per signature, then run without the dispatch mode.
+
+Contract. A module block's first call with a signature (``signature.py``) is recorded as ever.
+If its tape allows it (``steady_tape``: no random op, no data-dependent shape, host sync or
+collective, every kept value one that autograd saves), the tape is cached on the module
+(``SteadyCache``). A later call with the same signature runs its forward under the saved-tensor
+hooks alone (``SteadyForward``): the k-th tensor autograd packs is the value the tape's k-th pack
+was, so it is held where the recorded call held it (S0, the plan, a block input) and otherwise
+handed to autograd as a handle; backward replays from the cached tape as for a recorded block.
+The block keeps the same values, so it frees what a recorded block frees.
+
+Divergence. A forward may run other ops under one signature (a branch on a global, an attribute
+changed). Each pack is checked against the tape (count, shape, dtype), and at the end of forward
+the types of the autograd nodes the block created (from its outputs back to its inputs) are
+compared with the recorded call's. On a mismatch the cached tape is dropped (the next call is
+recorded), one warning names the block and what differed, and this call's backward runs the
+block's forward again as ``torch.utils.checkpoint`` does (from its inputs, with the generator
+states of its start), taking the k-th packed tensor for handle k: nothing comes from the stale
+tape. A change that alters neither the packs nor the autograd node kinds goes unseen until the
+block is recorded again under the same signature, which compares the op sequences and warns (the
+controller records its verification steps for that: a bucket's first planned step, and every
+``meter_every``-th): a Python number in an op's arguments read from a global, which tensor an op
+reads or the order of the block's outputs switched by a branch, a branch on ``.tolist()`` (no
+dispatch mode sees it). Make such values arguments of the block or its modules' attributes.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from ..errors import TapeSACError
+from ..tensors import (
+    Meta,
+    default_generator,
+    detached,
+    flat_tensors,
+    layout_of,
+    on_storage,
+    view_on,
+)
+from .draws import Draws, draws_by_layout
+from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, OP, Node, Tape, Value
+
+if TYPE_CHECKING:
+    from .size_templates import SizeTemplate
+
+Tensor = torch.Tensor
+
+
+class Recorded(str, Enum):
+    """Why a block's call was recorded rather than run in steady state."""
+
+    FIRST_CALL = "first call with this signature"
+    MEASURED = "a profiling, sampling or verification step"
+    NOT_A_MODULE = "a function block (steady state needs a module)"
+    RANDOM = (
+        "random ops whose draws depend on values or on a generator passed in: replayed from "
+        "the generator states recorded at each call"
+    )
+    DATA_DEPENDENT = "data-dependent shapes, collectives or an op sequence that differs by call"
+    HOST_SYNC = "a host sync (.item(), a tensor's truth value) may steer its ops"
+    UNSAVED_KEPT = "the plan or S0 keeps values autograd does not save"
+    OUTSIDE_GRAPH = "its autograd graph reaches tensors that are not its inputs"
+    GRAPH_DIFFERS = "its first steady-state call ran other ops than its tape, twice"
+    SIZES = "the integers in its ops follow no curve of its input sizes (each new size records)"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+Layout = tuple[torch.Size, torch.dtype]
+
+
+class Holds(NamedTuple):
+    """What a steady-state call holds from one packed tensor: values on its storage (``meta``
+    None: the packed tensor itself; else the recorded layout of another view of that storage),
+    on a copy of the storage if the forward writes into it later (as the recorder moves a held
+    value off a storage about to be written)."""
+
+    copy: bool
+    values: tuple[tuple[int, Meta | None], ...]
+
+
+@dataclass(eq=False)
+class SteadyTape:
+    """A recorded call, as later calls with its signature run from it. Fixed once made, but for
+    ``confirmed``, which its first matching steady-state call sets."""
+
+    tape: Tape
+    handles: tuple[int, ...]  # the value of each pack, in pack order
+    packs: tuple[Layout, ...]  # shape and dtype of each pack, checked as the packs come
+    hold: Mapping[int, Holds]  # pack index -> the values held from the packed tensor's storage
+    # Submodule exit -> (position of a returned tensor, its layout, what is held from it).
+    exit_hold: Mapping[int, tuple[tuple[int, Layout, Holds], ...]]
+    exits: int  # submodule exits in the forward
+    empty: tuple[tuple[int, Meta], ...]  # external tensors of no bytes, made again by layout
+    inputs: tuple[int | None, ...]  # per block input, the value it is kept as (None: not kept)
+    outputs: tuple[int | None, ...]  # per output tensor, its value if backward may take it alive
+    kept: frozenset[int]
+    saved: frozenset[int]
+    pack_count: Mapping[int, int]
+    writes_in_place: bool
+    device_types: frozenset[str]
+    autograd: tuple[str, ...]  # the autograd nodes the forward created (``autograd_nodes``)
+    random: tuple[Node, ...]  # the random ops, in order: their states are derived (``draws.py``)
+    confirmed: bool = False  # a steady-state call of it made the same autograd nodes
+    template: SizeTemplate | None = None  # what made it at a size not recorded
+
+
+def steady_tape(
+    block: Any,
+    inputs: Sequence[Tensor],
+    outputs: Sequence[Tensor],
+    output_vids: Sequence[int],
+) -> SteadyTape | Recorded:
+    """The finished recorded ``block`` as a steady-state entry, or why later calls must record."""
+    tape: Tape = block.trace.tape
+    blocked = tape_blocker(tape)
+    if blocked is not None:
+        return blocked
+    if block.trace.sequence_changed or block.trace.over_budget:
+        return Recorded.DATA_DEPENDENT
+    handles, values = tuple(block.handles), tape.values
+    first_pack: dict[int, int] = {}
+    on_storage_at: dict[tuple[int, int], int] = {}  # (storage, epoch) -> its first pack
+    for k, vid in enumerate(handles):
+        first_pack.setdefault(vid, k)
+        on_storage_at.setdefault(_storage(values[vid]), k)
+    last_epoch: dict[int, int] = {}
+    for v in values:
+        last_epoch[v.sid] = max(last_epoch.get(v.sid, 0), v.epoch)
+    # Submodule outputs: where a kept value's storage is never packed (the output of a linear
+    # layer that only an add reads), the submodule's forward hook still sees it.
+    returned_at: dict[tuple[int, int], tuple[int, int]] = {}
+    for j, returned in enumerate(block.exits):
+        for i, (vid, _) in enumerate(returned):
+            if vid is not None:
+                returned_at.setdefault(_storage(values[vid]), (j, i))
+    held_at: dict[int, list[tuple[int, Meta | None]]] = {}
+    held_at_exit: dict[tuple[int, int], list[tuple[int, Meta | None]]] = {}
+    input_vid: dict[int, int] = {}
+    empty: list[tuple[int, Meta]] = []
+    for vid, t in block.held.items():
+        value = values[vid]
+        where = _storage(value)
+        if value.kind == INPUT:
+            input_vid[value.name] = vid
+        elif vid in first_pack:
+            held_at.setdefault(first_pack[vid], []).append((vid, None))
+        elif where in on_storage_at:
+            held_at.setdefault(on_storage_at[where], []).append((vid, layout_of(t)))
+        elif where in returned_at:
+            held_at_exit.setdefault(returned_at[where], []).append((vid, layout_of(t)))
+        elif value.kind == EXTERNAL and not tape.storage_bytes[value.sid]:
+            empty.append((vid, layout_of(t)))  # torch.tensor([]) in the forward: no content
+        else:
+            return Recorded.UNSAVED_KEPT
+
+    def written_later(vid: int) -> bool:
+        return last_epoch[values[vid].sid] > values[vid].epoch
+
+    hold = {k: Holds(written_later(handles[k]), tuple(held)) for k, held in held_at.items()}
+    exit_hold: dict[int, tuple[tuple[int, Layout, Holds], ...]] = {}
+    for (j, i), held in held_at_exit.items():
+        vid, layout = block.exits[j][i]
+        exit_hold[j] = (*exit_hold.get(j, ()), (i, layout, Holds(written_later(vid), tuple(held))))
+    autograd = autograd_nodes(outputs, inputs, limit=2 * len(tape.nodes) + 64)
+    if autograd is None:
+        return Recorded.OUTSIDE_GRAPH
+    alive = block.refs
+    stateless = _stateless(tape)  # the cache keeps no state of this recorded call
+    return SteadyTape(
+        tape=stateless,
+        handles=handles,
+        packs=tuple(block.pack_layouts),
+        hold=hold,
+        exit_hold=exit_hold,
+        exits=len(block.exits),
+        empty=tuple(empty),
+        inputs=tuple(input_vid.get(i) for i in range(len(inputs))),
+        outputs=tuple(v if v in alive else None for v in output_vids),
+        kept=block.kept,
+        saved=block.trace.saved,
+        pack_count=block.pack_count,
+        writes_in_place=block.writes_in_place,
+        device_types=frozenset(block.device_types),
+        autograd=autograd,
+        random=tuple(n for n in stateless.nodes if n.rng is not None),
+    )
+
+
+def tape_blocker(tape: Tape) -> Recorded | None:
+    """Why no call of ``tape``'s kind can run in steady state (None: it may, per call)."""
+    if any(n.rng is not None and not draws_by_layout(n) for n in tape.nodes):
+        return Recorded.RANDOM
+    if tape.host_sync:
+        return Recorded.HOST_SYNC
+    reasons = set(tape.mandatory.values())
+    if COLLECTIVE in reasons or DYNAMIC_SHAPE in reasons:
+        return Recorded.DATA_DEPENDENT
+    return None
+
+
+def _stateless(tape: Tape) -> Tape:
+    """``tape`` without its random ops' generator states (5 KB each on CPU): a steady-state call
+    derives its own (``draws.py``), and the cache must not keep the recorded call's alive."""
+    if all(n.rng is None for n in tape.nodes):
+        return tape
+    nodes = [n if n.rng is None else n._replace(rng=(n.rng[0], None)) for n in tape.nodes]
+    return replace(tape, nodes=nodes)
+
+
+def savable_values(tape: Tape) -> frozenset[int] | None:
+    """The values a steady-state call of ``tape`` can hold, on storages autograd saves or a
+    submodule returns (``steady_tape`` holds them there); None when it cannot run in steady
+    state, so that any value may be kept."""
+    if tape_blocker(tape) is not None:
+        return None
+    values = tape.values
+    seen = {_storage(values[v]) for v in tape.demand | tape.returned}
+    return frozenset(v.vid for v in values if v.kind == OP and _storage(v) in seen)
+
+
+def _storage(value: Value) -> tuple[int, int]:
+    """A value's storage at its epoch: the content a tensor on it has."""
+    return (value.sid, value.epoch)
+
+
+def autograd_nodes(
+    outputs: Sequence[Tensor], inputs: Sequence[Tensor], limit: int
+) -> tuple[str, ...] | None:
+    """The kinds of the autograd nodes between ``outputs`` and ``inputs``, in a fixed walk
+    order (``node_kind``); None when the walk passes ``limit`` nodes (the graph reaches tensors
+    made before the block that are not its inputs: a walk would cross the whole model)."""
+    stop = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
+    stack = [t.grad_fn for t in reversed(outputs) if t.grad_fn is not None]
+    seen: set[int] = set()
+    kinds: list[str] = []
+    while stack:
+        fn = stack.pop()
+        key = id(fn)
+        if key in seen or key in stop:
+            continue
+        seen.add(key)
+        kinds.append(node_kind(type(fn)))
+        if len(kinds) > limit:
+            return None
+        for nxt, _ in reversed(fn.next_functions):
+            if nxt is not None:
+                stack.append(nxt)
+    return tuple(kinds)
+
+
+# Autograd nodes a composite op makes without a dispatch mode, and the one it makes under any
+# (``reshape`` takes ``_reshape_alias`` unless ``isTensorSubclassLike``, true under a mode):
+# the recorder's mode, or a user's (FlopCounterMode) around a steady-state call.
+_UNDER_A_MODE = {"ReshapeAliasBackward0": "ViewBackward0"}
+
+
+@functools.cache
+def node_kind(node_type: type) -> str:
+    """An autograd node's type name, the same with and without a dispatch mode."""
+    return _UNDER_A_MODE.get(node_type.__name__, node_type.__name__)
+
+
+class SteadyForward:
+    """The pack hook of one steady-state call, and its end-of-forward check."""
+
+    def __init__(self, block: Any, entry: SteadyTape, inputs: Sequence[Tensor]) -> None:
+        self.block, self.entry = block, entry
+        self.count = 0
+        self.diverged: str | None = None
+        self.later: list[Layout] = []  # packs after a divergence, for the recomputation's check
+        self.exits = 0
+        block.on_exit = self.exited
+        self.rng = generator_states(inputs)
+        block.adopt(entry)
+        held = block.held
+        for vid, t in zip(entry.inputs, inputs):
+            if vid is not None:
+                held[vid] = detached(t)
+        for vid, layout in entry.empty:
+            held[vid] = torch.empty_strided(
+                layout.shape, layout.stride, dtype=layout.dtype, device=layout.device
+            )
+
+    def pack(self, t: Tensor) -> int:
+        """Autograd saves ``t``: the tape's ``k``-th pack, held if the recorded call held it."""
+        k = self.count
+        self.count = k + 1
+        if self.diverged is None:
+            packs = self.entry.packs
+            if k < len(packs) and packs[k][1] is t.dtype and packs[k][0] == t.shape:
+                holds = self.entry.hold.get(k)
+                if holds is not None:
+                    self._hold(t, holds)
+                return k
+            expected = f"{tuple(packs[k][0])} {packs[k][1]}" if k < len(packs) else "no pack"
+            self.diverged = (
+                f"saved tensor {k} is {tuple(t.shape)} {t.dtype}, the tape has {expected}"
+            )
+        self.later.append((t.shape, t.dtype))
+        return k
+
+    def exited(self, output: Any) -> None:
+        """A submodule returned ``output``: hold what the recorded call held from it."""
+        j = self.exits
+        self.exits = j + 1
+        held_here = self.entry.exit_hold.get(j)
+        if held_here is None or self.diverged is not None:
+            return
+        returned = flat_tensors(output)
+        for i, (shape, dtype), holds in held_here:
+            if i < len(returned) and returned[i].dtype is dtype and returned[i].shape == shape:
+                self._hold(returned[i], holds)
+            else:
+                self.diverged = (
+                    f"submodule call {j} did not return a {tuple(shape)} {dtype} tensor {i}"
+                )
+                return
+
+    def _hold(self, t: Tensor, holds: Holds) -> None:
+        held = self.block.held
+        storage = t.untyped_storage().clone() if holds.copy else t.untyped_storage()
+        for vid, layout in holds.values:
+            if layout is not None:
+                held[vid] = view_on(storage, layout)
+            else:
+                held[vid] = on_storage(t, storage) if holds.copy else detached(t)
+
+    def layouts(self) -> list[Layout]:
+        """Every pack's layout this forward: the tape's up to a divergence, then its own."""
+        return list(self.entry.packs[: self.count - len(self.later)]) + self.later
+
+    def finish(self, outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> str | None:
+        """End of forward: what differed from the tape, if anything; else the block keeps what
+        the recorded call kept, and takes alive the outputs backward reads."""
+        entry, block = self.entry, self.block
+        if self.diverged is None and self.count != len(entry.packs):
+            self.diverged = f"{self.count} tensors saved, the tape has {len(entry.packs)}"
+        if self.diverged is None and self.exits != entry.exits:
+            self.diverged = f"{self.exits} submodule calls, the tape has {entry.exits}"
+        if self.diverged is None:
+            made = autograd_nodes(outputs, inputs, limit=len(entry.autograd))
+            same = made == entry.autograd
+            entry.confirmed = entry.confirmed or same
+            if not same:
+                self.diverged = "autograd recorded other operations than the tape's"
+        if self.diverged is not None:
+            return self.diverged
+        if entry.random:
+            block.draws = Draws(entry.random, self.rng)
+            block.trace.draws_bytes = block.draws.nbytes
+        self.rng = []  # only a recomputation needs it: the pack hook lives as long as the graph
+        block.refs = {
+            vid: (weakref.ref(t), t._version)
+            for vid, t in zip(entry.outputs, outputs)
+            if vid is not None
+        }
+        return None
+
+
+def generator_states(inputs: Sequence[Tensor]) -> list[tuple[torch.Generator, Tensor]]:
+    """The state of each default generator the block's ops may draw from (the CPU's and its
+    inputs' devices'): a recomputation after a divergence draws the same numbers."""
+    devices = {torch.device("cpu")} | {t.device for t in inputs}
+    generators = [default_generator(d) for d in devices if d.type != "meta"]
+    return [(g, g.get_state()) for g in generators]
+
+
+class Recompute:
+    """A diverged steady-state call's backward: its forward run again from its inputs, as
+    ``torch.utils.checkpoint`` recomputes, its packs taken by index."""
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        rng: list[tuple[torch.Generator, Tensor]],
+        autocast: Sequence[tuple[str, torch.dtype]],
+        layouts: list[Layout],
+        running: Callable[[Any], AbstractContextManager[Any]],
+    ) -> None:
+        self.name, self.fn, self.args, self.kwargs = name, fn, args, kwargs
+        self.rng, self.autocast, self.layouts, self.running = rng, autocast, layouts, running
+        self.packed: list[Tensor] | None = None
+        self._packing: list[Tensor] = []
+
+    def take(self, handle: int, block: Any) -> Tensor:
+        """The tensor of pack ``handle``, running ``block``'s forward again at the first."""
+        if self.packed is None:
+            self.packed = self._run(block)
+        return self.packed[handle]
+
+    def _run(self, block: Any) -> list[Tensor]:
+        args, kwargs = tree_map_only(
+            Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (self.args, self.kwargs)
+        )
+        current = [(g, g.get_state()) for g, _ in self.rng]
+        for g, state in self.rng:
+            g.set_state(state)
+        try:
+            with ExitStack() as stack:
+                # The forward's autocast: backward runs without it (on GPUs in autograd's own
+                # threads), and casts decide what is saved.
+                for device_type, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(self.running(block))
+                stack.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(self._pack, _never_unpacked)
+                )
+                self.fn(*args, **kwargs)
+        finally:
+            for g, state in current:
+                g.set_state(state)
+        packed, self._packing = self._packing, []
+        layouts = [(t.shape, t.dtype) for t in packed]
+        if layouts != self.layouts:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(layouts, self.layouts)) if a != b),
+                min(len(layouts), len(self.layouts)),
+            )
+            raise TapeSACError(
+                f"block {self.name!r}: its forward ran differently in backward than in forward "
+                f"({len(self.layouts)} tensors saved in forward, {len(layouts)} when run again; "
+                f"they differ from saved tensor {first} on). "
+                "Fix: make what steers the block's forward an input or a module attribute that "
+                "does not change between a step's forward and its backward"
+            )
+        return packed
+
+    def _pack(self, t: Tensor) -> int:
+        self._packing.append(t.detach())
+        return len(self._packing) - 1
+
+
+def _never_unpacked(handle: int) -> Tensor:
+    raise TapeSACError("a tensor saved while recomputing a TapeSAC block was unpacked")
