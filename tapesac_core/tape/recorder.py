@@ -39,8 +39,6 @@ from ..tensors import (
     flat_tensors,
     has_default_generator,
     is_subclass_with_dispatch,
-    slot,
-    slot_args,
 )
 from .holding import Holding
 from .ops import OpInfo, arg, is_random_call, op_info
@@ -164,7 +162,7 @@ class Recorder(TorchDispatchMode):
         # timed, no allocation pending), whose other steps provably do nothing for it: it is
         # neither unrecorded, collective nor an identity; it writes nothing, draws no random
         # number and reads more than metadata.
-        targs, tkwargs, inputs = self._templates(args, kwargs)
+        targs, tkwargs, inputs = self.ids.arguments(args, kwargs)
         out = info.call(*args, **kwargs)
         self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
         return out
@@ -176,7 +174,7 @@ class Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if info.identity:
             return self._same_value(func, args, kwargs)
-        targs, tkwargs, inputs = self._templates(args, kwargs)
+        targs, tkwargs, inputs = self.ids.arguments(args, kwargs)
         writes = self._before_write(func, info, args, kwargs, inputs) if info.mutated else ()
         rng = (
             self._capture_rng(info, args, kwargs)
@@ -234,47 +232,6 @@ class Recorder(TorchDispatchMode):
             if entry is not None and entry[0]() is t:
                 return True
         return False
-
-    def _templates(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[int]]:
-        """A call's recorded arguments and keyword arguments (each tensor replaced by the slot of
-        its position among the call's tensors) and the value ids of those tensors, in order. A
-        call whose arguments are exactly its tensors gets the shared ``SLOT_ARGS`` tuple."""
-        inputs: list[int] = []
-        targs: list[Any] | None = None  # built only once an argument is not a tensor
-        by_id = self.ids.by_id
-        for a in args:
-            if isinstance(a, Tensor):
-                entry = by_id.get(id(a))  # ValueIds.recorded, inlined: runs per tensor argument
-                if entry is not None and entry[0]() is a and entry[2] == a._version:
-                    inputs.append(entry[1])
-                else:
-                    inputs.append(self.ids.vid_of(a))
-                if targs is not None:
-                    targs.append(slot(len(inputs) - 1))
-            else:
-                if targs is None:
-                    targs = list(slot_args(len(inputs)))
-                targs.append(self._template(a, inputs))
-        # Counted before keyword arguments add their tensors to ``inputs``.
-        template = slot_args(len(inputs)) if targs is None else tuple(targs)
-        tkwargs = {k: self._template(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
-        return template, tkwargs, inputs
-
-    def _template(self, a: Any, inputs: list[int]) -> Any:
-        """One recorded argument: a tensor (appended to ``inputs``) becomes its slot, a list or
-        tuple with tensors a list or tuple of templates; anything else is kept as it is."""
-        if isinstance(a, Tensor):
-            entry = self.ids.by_id.get(id(a))
-            if entry is not None and entry[0]() is a and entry[2] == a._version:
-                inputs.append(entry[1])
-            else:
-                inputs.append(self.ids.vid_of(a))
-            return slot(len(inputs) - 1)
-        if type(a) is list or type(a) is tuple:
-            for x in a:
-                if isinstance(x, Tensor):
-                    return type(a)([self._template(x, inputs) for x in a])
-        return a
 
     def _mutated_tensors(self, info: OpInfo, args: tuple, kwargs: dict) -> list[Tensor]:
         return [

@@ -28,12 +28,12 @@ once the forward ends (``Recorder.forget``).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import TapeSACError
-from ..tensors import Meta, is_subclass_with_dispatch, layout_of, slot
+from ..tensors import Meta, is_subclass_with_dispatch, layout_of, slot, slot_args
 from .tape import ALIAS_OP, BUFFER, EXTERNAL, OP, PARAM, Node, Value
 
 if TYPE_CHECKING:
@@ -123,6 +123,47 @@ class ValueIds:
     def same_as(self, t: Tensor, vid: int) -> None:
         """``t`` is another tensor object with value ``vid``'s content, storage and layout."""
         self.by_id[id(t)] = (weakref.ref(t), vid, self.values[vid].version)
+
+    def arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[int]]:
+        """A call's recorded arguments and keyword arguments (each tensor replaced by the slot of
+        its position among the call's tensors) and the value ids of those tensors, in order. A
+        call whose arguments are exactly its tensors gets the shared ``SLOT_ARGS`` tuple."""
+        inputs: list[int] = []
+        targs: list[Any] | None = None  # built only once an argument is not a tensor
+        by_id = self.by_id
+        for a in args:
+            if isinstance(a, Tensor):
+                entry = by_id.get(id(a))  # recorded(), inlined: runs per tensor argument
+                if entry is not None and entry[0]() is a and entry[2] == a._version:
+                    inputs.append(entry[1])
+                else:
+                    inputs.append(self.vid_of(a))
+                if targs is not None:
+                    targs.append(slot(len(inputs) - 1))
+            else:
+                if targs is None:
+                    targs = list(slot_args(len(inputs)))
+                targs.append(self._argument(a, inputs))
+        # Counted before keyword arguments add their tensors to ``inputs``.
+        template = slot_args(len(inputs)) if targs is None else tuple(targs)
+        tkwargs = {k: self._argument(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
+        return template, tkwargs, inputs
+
+    def _argument(self, a: Any, inputs: list[int]) -> Any:
+        """One recorded argument: a tensor (appended to ``inputs``) becomes its slot, a list or
+        tuple with tensors a list or tuple of templates; anything else is kept as it is."""
+        if isinstance(a, Tensor):
+            entry = self.by_id.get(id(a))
+            if entry is not None and entry[0]() is a and entry[2] == a._version:
+                inputs.append(entry[1])
+            else:
+                inputs.append(self.vid_of(a))
+            return slot(len(inputs) - 1)
+        if type(a) is list or type(a) is tuple:
+            for x in a:
+                if isinstance(x, Tensor):
+                    return type(a)([self._argument(x, inputs) for x in a])
+        return a
 
     def vid_of(self, t: Tensor) -> int:
         """The value id of ``t`` as it is now, registering leaves and re-read aliases."""
