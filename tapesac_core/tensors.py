@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._compat import dispatch_disabled, tree_leaves
 from .errors import TapeSACError
 
 
@@ -83,7 +84,7 @@ def detached(t: Tensor) -> Tensor:
     """
     # No dispatch mode (the recorder) sees this bookkeeping op. The C++ guard, not
     # ``_disable_current_modes``, which pops and pushes every mode in Python (16 µs a call).
-    with torch._C._DisableTorchDispatch():
+    with dispatch_disabled():
         return t.detach()
 
 
@@ -96,6 +97,12 @@ def flat_tensors(out: Any) -> list[Tensor]:
     if isinstance(out, dict):
         return [t for o in out.values() for t in flat_tensors(o)]
     return []
+
+
+def tensor_leaves(tree: Any) -> list[Tensor]:
+    """The tensors anywhere in ``tree`` (lists, tuples, dicts and containers registered with
+    torch's pytree, such as a model's output classes), in order."""
+    return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
 
 
 def is_subclass_with_dispatch(t: Tensor) -> bool:

@@ -12,12 +12,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from tapesac_core import Controller, StepReport, TapeSACError
 from tapesac_core.blocks.trace_scope import traced_blocks
 from tapesac_core.tape.block import BlockTrace
+from tapesac_core.tensors import tensor_leaves
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ TokenCounter = Callable[[Any], int | Mapping[str, int]]
 
 def tokens_in(batch: Any) -> int:
     """Tokens of a batch: elements of its first integer tensor, else of its first tensor."""
-    tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    tensors = tensor_leaves(batch)
     if not tensors:
         raise TapeSACError(
             "the batch holds no tensor to count tokens from. Fix: pass "

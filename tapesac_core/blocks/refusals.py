@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .._compat import graph_task_id, saved_tensors_hooks_on_top
 from ..errors import TapeSACError
 from ..tape.block import Block
 from ..tape.recorder import Recorder
@@ -16,7 +17,7 @@ from .block_settings import block_config
 
 def refuse_outer_torch_checkpoint(name: str) -> None:
     """torch.utils.checkpoint (non-reentrant) installs saved-tensor hooks around what it wraps."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    hooks = saved_tensors_hooks_on_top()
     if hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint":
         raise TapeSACError(
             f"block {name!r} runs inside torch.utils.checkpoint. Fix: remove the outer "
@@ -47,7 +48,7 @@ def refuse_inner_saved_tensor_hooks(block: Block, submodule: str) -> None:
     """Saved-tensor hooks pushed inside a recording block (torch.utils.checkpoint or a wrapper
     of it, activation offloading) take every tensor autograd saves there away from the tape's
     pack hook: the block would silently save and replay nothing of it."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    hooks = saved_tensors_hooks_on_top()
     if hooks is None or getattr(hooks[0], "__func__", None) in _OWN_PACK_HOOKS:
         return
     origin = getattr(hooks[0], "__module__", "") or ""
@@ -68,9 +69,9 @@ def refuse_recompute_in_backward(submodule: str, module: torch.nn.Module) -> Non
     """A submodule of a block running with grad during backward: a reentrant checkpoint inside
     the block recomputes it (its forward ran under no_grad, where no saved-tensor hooks show).
     torch's non-reentrant recompute (full-checkpointing control steps) runs under its hooks."""
-    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() == -1:
+    if not torch.is_grad_enabled() or graph_task_id() == -1:
         return
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    hooks = saved_tensors_hooks_on_top()
     if hooks is None or getattr(hooks[0], "__module__", "") != "torch.utils.checkpoint":
         raise TapeSACError(
             f"{module._tapesac_inside}.{submodule} ran during backward: a reentrant checkpoint "

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
-from torch.utils._pytree import tree_leaves
 
+from .._compat import graph_task_id
 from ..errors import TapeSACError
 from ..plan.plan import BlockKind
 from ..tape.block import Block, BlockPlan
@@ -43,6 +43,7 @@ from ..tape.steady import Recompute, Recorded, SteadyForward, SteadyTape, steady
 from ..tape.steady_cache import SteadyCache, steady_cache
 from ..tape.tape import Tape
 from ..tape.verify import HiddenWrites
+from ..tensors import tensor_leaves
 from .block_settings import block_config
 from .plan_scope import PLAN
 from .refusals import (
@@ -85,7 +86,7 @@ def run_block(
             f"block {name!r} is nested inside checkpointed block {outer.name!r}. "
             "Fix: checkpoint only one of them"
         )
-    if torch._C._current_graph_task_id() != -1:
+    if graph_task_id() != -1:
         raise TapeSACError(
             f"block {name!r} ran during a backward pass (reentrant checkpointing, e.g. "
             "torch.utils.checkpoint(use_reentrant=True) around it). Fix: remove the outer checkpoint"
@@ -251,7 +252,7 @@ def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     if kwargs or not all(
         isinstance(a, torch.Tensor) or a is None or type(a) in (int, float, bool) for a in args
     ):
-        return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        return tensor_leaves((args, kwargs))
     return [a for a in args if isinstance(a, torch.Tensor)]
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._compat import TorchDispatchMode
 from ..tensors import flat_tensors, is_subclass_with_dispatch
 
 

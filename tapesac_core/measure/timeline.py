@@ -15,8 +15,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
+from .._compat import current_autograd_node
 from ..plan.peak_timeline import (
     FORWARD_END,
     FORWARD_START,
@@ -140,7 +139,7 @@ class BlockProbe:
     def unpack(self, vid: int, take: Callable[[], Any]) -> Any:
         # The autograd node unpacking (alive while it runs): its saved values are unpacked
         # together, then it computes with all of them.
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         self.probe.event(UNPACK_START, self.index, vid, None if node is None else id(node))
         out = take()
         self.probe.event(UNPACK_END, self.index, vid)

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .._compat import cuda_sleep
+
 _LEAD = 5e-3  # seconds of device work queued ahead of the host whenever it catches up
 _HEADROOM = 1e-3  # queued work left when the host starts an op: longer than launching one op
 
@@ -46,7 +48,7 @@ def _cuda_cycles_per_second(index: int) -> float:
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         cycles = 10_000_000
         start.record()
-        torch.cuda._sleep(cycles)
+        cuda_sleep(cycles)
         end.record()
         end.synchronize()
         return cycles / (start.elapsed_time(end) / 1e3)
@@ -59,7 +61,7 @@ def _cuda_delay(device: torch.device) -> Callable[[float], None]:
 
     def delay(seconds: float) -> None:
         with torch.cuda.device(index):
-            torch.cuda._sleep(int(seconds * _cuda_cycles_per_second(index)))
+            cuda_sleep(int(seconds * _cuda_cycles_per_second(index)))
 
     return delay
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from .._compat import graph_task_id
 from ..errors import TapeSACError
 from ..measure.timing import NodeTimer
 from ..plan.coords import Anchor, Coord
@@ -361,7 +362,7 @@ class Block:
                 f"forward of block {(active or self).name!r}. Reentrant use is not supported: do not "
                 "call backward or torch.autograd.grad inside a checkpointed module"
             )
-        gid = torch._C._current_graph_task_id()
+        gid = graph_task_id()
         if gid != -1 and torch.is_grad_enabled():
             raise TapeSACError(
                 f"block {self.name!r}: backward with create_graph=True (double backward) through a "

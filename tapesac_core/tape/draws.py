@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._compat import OpOverload, op_packet
 from ..tensors import default_generator
 from .tape import Node
 
@@ -63,9 +64,9 @@ def draws_by_layout(node: Node) -> bool:
     """Whether random ``node`` draws by its layouts alone, from its device's default generator
     (one whose state a steady-state call keeps)."""
     op = node.op
-    if type(op) is not torch._ops.OpOverload or op.namespace != "aten":
+    if type(op) is not OpOverload or op.namespace != "aten":
         return False
-    if op._opname not in LAYOUT_DRAWS:
+    if op_packet(op) not in LAYOUT_DRAWS:
         return False
     generator = node.rng[0]
     return default_generator(generator.device) is generator

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves
+
+from .._compat import op_exists, parse_schema, tree_leaves
 
 CtxAttributes = Callable[..., dict[str, Any]]
 
@@ -373,7 +374,7 @@ def _parse_schema(qualname: str, schema: str, outputs: int) -> torch.FunctionSch
     if not (namespace.isidentifier() and name.isidentifier()):
         raise ValueError(f"qualname must look like 'mylib::fused_rmsnorm', got {qualname!r}.")
     try:
-        parsed = torch._C.parse_schema(name + schema)
+        parsed = parse_schema(name + schema)
     except RuntimeError as error:
         raise ValueError(
             f"{qualname}: cannot parse schema {schema!r}; write it without the name, like "
@@ -411,9 +412,7 @@ def _check_forward_arity(
 
 def _check_unregistered(qualname: str) -> None:
     """Refuse a taken name: torch.library.custom_op would silently replace an op it made earlier."""
-    try:
-        torch._C._dispatch_find_schema_or_throw(qualname, "")
-    except RuntimeError:
+    if not op_exists(qualname):
         return
     raise RuntimeError(
         f"{qualname} is already registered in this process. Op names are global: pick another name, "

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .._compat import op_packet, op_schema, raw_call
+
 # PyTorch has no tag for collectives: they are recognised by operator namespace.
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d"})
 # Ops that belong to FSDP's own machinery or to the profiler, never to the block's dataflow.
@@ -78,8 +80,8 @@ def op_info(op: Any) -> OpInfo:
     """Read an operator's schema and tags once."""
     name = str(op)
     namespace = getattr(op, "namespace", "")
-    packet = getattr(op, "_opname", name.split(".")[1] if "." in name else name)
-    schema = op._schema
+    packet = op_packet(op) or (name.split(".")[1] if "." in name else name)
+    schema = op_schema(op)
     tags = set(getattr(op, "tags", ()))
     mutated = tuple(
         (i, a.name)
@@ -136,7 +138,7 @@ def op_info(op: Any) -> OpInfo:
         holds_outputs=namespace in COLLECTIVE_NAMESPACES or torch.Tag.dynamic_output_shape in tags,
         plain=not (special or view or packet in _UNANNOTATED_VIEWS),
         simple_view=view and not special,
-        call=op._op if type(op) is torch._ops.OpOverload else op,
+        call=raw_call(op),
     )
 
 
@@ -189,7 +191,7 @@ def rebuild_output(
     op: Any, node_args: tuple, node_kwargs: dict, out_meta: Any, in_meta: Any
 ) -> torch.Tensor:
     """Replay a metadata-only op without its input's data: from recorded output metadata."""
-    packet = op._opname
+    packet = op_packet(op) or str(op)
     if packet in _RANDOM_LIKE:
         # The random stream depends on the input's layout only: a stand-in with its metadata works.
         stand_in = torch.empty_strided(

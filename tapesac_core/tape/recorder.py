@@ -30,8 +30,8 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._compat import DispatchModeWithoutDynamoGuard
 from ..errors import TapeSACError
 from ..measure.memory import not_counted
 from ..tensors import (
@@ -53,19 +53,13 @@ Tensor = torch.Tensor
 _new_tuple = tuple.__new__  # skips NamedTuple's Python-level __new__ for every node and value
 
 
-class Recorder(TorchDispatchMode):
+class Recorder(DispatchModeWithoutDynamoGuard):
     """Records one block's forward into ``block``'s tape (as a dispatch mode); also provides
     the pack hook (``pack``), the submodule exit hook (``module_exit``) and, at the end of
     forward, ``vid_of`` for the block's outputs and ``alive`` for ``Block.finish``."""
 
     # False: every op takes ``_record`` (tests compare the tapes of both paths).
     fast_path: ClassVar[bool] = True
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo, which costs
-        # microseconds per op; recording only ever runs eagerly.
-        return False
 
     def __init__(self, block: Block) -> None:
         super().__init__()

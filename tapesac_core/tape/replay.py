@@ -20,8 +20,8 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
-from torch._ops import OpOverload
 
+from .._compat import raw_call
 from ..errors import TapeSACError
 from ..tensors import SLOT_ARGS, Meta, Slot, flat_tensors, on_storage, view_on
 from .ops import rebuild_output
@@ -53,9 +53,7 @@ def _call(node: Node, tensors: list[torch.Tensor]) -> Any:
             for a in node.args
         ]
     kwargs = _fill(node.kwargs, tensors) if node.kwargs else node.kwargs
-    op = node.op
-    call = op._op if type(op) is OpOverload else op  # OpOverload.__call__ only forwards
-    return call(*args, **kwargs)
+    return raw_call(node.op)(*args, **kwargs)
 
 
 def _zeros(meta: Meta) -> torch.Tensor:

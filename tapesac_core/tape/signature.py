@@ -17,8 +17,8 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_flatten
 
+from .._compat import tree_flatten
 from ..plan.coords import Coord
 
 Tensor = torch.Tensor

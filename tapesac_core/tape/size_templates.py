@@ -36,8 +36,8 @@ from fractions import Fraction
 from typing import Any, NamedTuple
 
 import torch
-from torch._ops import OpOverload
 
+from .._compat import OpOverload, op_schema
 from ..tensors import Meta
 from .signature import Signature
 from .steady import Holds, Layout, SteadyTape
@@ -122,9 +122,10 @@ def _size_arguments(op: object) -> tuple[frozenset[int], frozenset[str]]:
     and no check would see it."""
     if not isinstance(op, OpOverload):
         return frozenset(), frozenset()
-    sized = [a for a in op._schema.arguments if _integer_type(a.type)]
+    arguments = op_schema(op).arguments
+    sized = [a for a in arguments if _integer_type(a.type)]
     return (
-        frozenset(i for i, a in enumerate(op._schema.arguments) if not a.kwarg_only and a in sized),
+        frozenset(i for i, a in enumerate(arguments) if not a.kwarg_only and a in sized),
         frozenset(a.name for a in sized),
     )
 

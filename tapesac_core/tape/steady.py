@@ -35,8 +35,8 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_map_only
 
+from .._compat import tree_map_only
 from ..errors import TapeSACError
 from ..tensors import (
     Meta,

@@ -19,8 +19,8 @@ import logging
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
+from .._compat import disable_current_modes, op_packet
 from ..plan.coords import Coord
 from .tape import Node
 
@@ -85,7 +85,7 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     """Two int64 sums of ``t``'s bits, plain and position-weighted: equal content, equal
     fingerprint; a changed element changes it. Runs unseen by dispatch modes (the recorder),
     in chunks, so its temporaries stay small next to the saved tensors."""
-    with _disable_current_modes(), torch.no_grad():
+    with disable_current_modes(), torch.no_grad():
         flat = t.detach().contiguous().view(-1)
         if flat.element_size() in _INTS and flat.dtype != torch.bool:
             flat = flat.view(_INTS[flat.element_size()])
@@ -105,7 +105,7 @@ def reproducible(node: Node, device_type: str) -> bool:
     """Whether replaying ``node`` gives the bits it gave in forward."""
     if device_type != "cuda" or torch.are_deterministic_algorithms_enabled():
         return True
-    packet = node.op._opname if hasattr(node.op, "_opname") else ""
+    packet = op_packet(node.op) or ""
     return packet not in _ATOMIC_ON_CUDA
 
 
