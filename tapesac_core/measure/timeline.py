@@ -53,8 +53,9 @@ class StepProbe:
             Event(kind=kind, block=block, peak=peak, current=current, vid=vid, node=node)
         )
 
-    def watch(self, block: Any, index: int) -> BlockProbe:
-        """Start watching ``block`` (the ``index``-th of the step): its forward starts now."""
+    def watch(self, block: object, index: int) -> BlockProbe:
+        """Start watching ``block`` (the ``index``-th of the step): its forward starts now; a
+        RELEASE event when the object dies (autograd dropped its last reference)."""
         self.event(FORWARD_START, index)
         weakref.finalize(block, self.event, RELEASE, index)
         return BlockProbe(self, index)

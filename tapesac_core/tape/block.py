@@ -13,6 +13,7 @@ import torch
 
 from .._compat import graph_task_id
 from ..errors import TapeSACError
+from ..measure.timeline import BlockProbe
 from ..measure.timing import NodeTimer
 from ..plan.coords import Anchor, Coord
 from ..plan.plan import BlockKind
@@ -144,7 +145,7 @@ class Block:
         self.draws: Draws | None = None  # a steady-state call's random ops' generator states
         self.current_module: str | None = None
         self._module_stack: list[str] = []
-        self.timer: Any = None
+        self.timer: NodeTimer | None = None
         self.recording = True
         self._active_recording = recording
         self._replay: tuple[int, Replay] | None = None
@@ -156,7 +157,7 @@ class Block:
         self.deterministic_ops: frozenset[str] = frozenset()  # custom ops declared not random
         self.fingerprints: dict[int, torch.Tensor] = {}
         self.forced = hidden_writes.of(region)  # coordinates held as mandatory: hidden writes
-        self.probe: Any = None  # a timeline.BlockProbe on metered sample steps
+        self.probe: BlockProbe | None = None  # on metered sample steps
         self.trace = BlockTrace(
             Tape(
                 name,

@@ -17,7 +17,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,8 +25,11 @@ from .._compat import raw_call
 from ..errors import TapeSACError
 from ..tensors import SLOT_ARGS, Meta, Slot, flat_tensors, on_storage, view_on
 from .ops import rebuild_output
-from .tape import ALIAS_OP, Node, producer_closure, read_counts
+from .tape import ALIAS_OP, Node, layout, producer_closure, read_counts
 from .verify import check_replayed, reproducible
+
+if TYPE_CHECKING:
+    from .block import Block
 
 
 def _fill(a: Any, tensors: list[Any]) -> Any:
@@ -141,7 +144,7 @@ def _dropper(refs: dict[int, weakref.ref], ptr: int) -> Any:
 class Replay:
     """The replay state of one block during one backward pass."""
 
-    def __init__(self, block: Any) -> None:
+    def __init__(self, block: Block) -> None:
         # The block keeps its replay state: a weak reference back avoids a cycle that would keep
         # every held tensor alive until the garbage collector runs.
         self.block = weakref.proxy(block)
@@ -165,7 +168,7 @@ class Replay:
         for vid in self.env:
             self.reads[vid] = self.reads.get(vid, 0) + block.pack_count.get(vid, 0)
 
-    def _take_alive_values(self, block: Any) -> None:
+    def _take_alive_values(self, block: Block) -> None:
         """Demanded values still alive elsewhere (e.g. a block output) are taken, not replayed."""
         for vid, (ref, version) in block.refs.items():
             t = ref()
@@ -257,7 +260,7 @@ class Replay:
     def _execute(self, node: Node) -> list[torch.Tensor]:
         values = self.values
         if node.name == ALIAS_OP:
-            return [view_of_storage(self._input(node.deps[0]), values[node.outs[0]].meta)]
+            return [view_of_storage(self._input(node.deps[0]), layout(values[node.outs[0]]))]
         if node.rebuild:
             return [self._drawn(node, lambda: self._rebuild(node))]
         env = self.env
@@ -296,7 +299,7 @@ class Replay:
         if node.rebuild:
             self._rebuild(node)
             return
-        _call(node, [_zeros(self.values[v].meta) for v in node.inputs])
+        _call(node, [_zeros(layout(self.values[v])) for v in node.inputs])
 
     def _prepare_write(self, node: Node, slot: int, tensors: list[torch.Tensor]) -> None:
         """Before an in-place op: never write into a tensor replay does not own; keep old content still read."""

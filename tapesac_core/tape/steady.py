@@ -51,6 +51,7 @@ from .draws import Draws, draws_by_layout
 from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, OP, Node, Tape, Value
 
 if TYPE_CHECKING:
+    from .block import Block
     from .size_templates import SizeTemplate
 
 Tensor = torch.Tensor
@@ -117,7 +118,7 @@ class SteadyTape:
 
 
 def steady_tape(
-    block: Any,
+    block: Block,
     inputs: Sequence[Tensor],
     outputs: Sequence[Tensor],
     output_vids: Sequence[int],
@@ -142,9 +143,9 @@ def steady_tape(
     # layer that only an add reads), the submodule's forward hook still sees it.
     returned_at: dict[tuple[int, int], tuple[int, int]] = {}
     for j, returned in enumerate(block.exits):
-        for i, (vid, _) in enumerate(returned):
-            if vid is not None:
-                returned_at.setdefault(_storage(values[vid]), (j, i))
+        for i, (returned_vid, _) in enumerate(returned):
+            if returned_vid is not None:
+                returned_at.setdefault(_storage(values[returned_vid]), (j, i))
     held_at: dict[int, list[tuple[int, Meta | None]]] = {}
     held_at_exit: dict[tuple[int, int], list[tuple[int, Meta | None]]] = {}
     input_vid: dict[int, int] = {}
@@ -153,6 +154,7 @@ def steady_tape(
         value = values[vid]
         where = _storage(value)
         if value.kind == INPUT:
+            assert isinstance(value.name, int), "a block input's name is its position"
             input_vid[value.name] = vid
         elif vid in first_pack:
             held_at.setdefault(first_pack[vid], []).append((vid, None))
@@ -171,8 +173,10 @@ def steady_tape(
     hold = {k: Holds(written_later(handles[k]), tuple(held)) for k, held in held_at.items()}
     exit_hold: dict[int, tuple[tuple[int, Layout, Holds], ...]] = {}
     for (j, i), held in held_at_exit.items():
-        vid, layout = block.exits[j][i]
-        exit_hold[j] = (*exit_hold.get(j, ()), (i, layout, Holds(written_later(vid), tuple(held))))
+        exit_vid, layout = block.exits[j][i]
+        assert exit_vid is not None, "only returned values were held at an exit"
+        copy = written_later(exit_vid)
+        exit_hold[j] = (*exit_hold.get(j, ()), (i, layout, Holds(copy, tuple(held))))
     autograd = autograd_nodes(outputs, inputs, limit=2 * len(tape.nodes) + 64)
     if autograd is None:
         return Recorded.OUTSIDE_GRAPH
@@ -275,7 +279,7 @@ def node_kind(node_type: type) -> str:
 class SteadyForward:
     """The pack hook of one steady-state call, and its end-of-forward check."""
 
-    def __init__(self, block: Any, entry: SteadyTape, inputs: Sequence[Tensor]) -> None:
+    def __init__(self, block: Block, entry: SteadyTape, inputs: Sequence[Tensor]) -> None:
         self.block, self.entry = block, entry
         self.count = 0
         self.diverged: str | None = None
@@ -397,13 +401,13 @@ class Recompute:
         self.packed: list[Tensor] | None = None
         self._packing: list[Tensor] = []
 
-    def take(self, handle: int, block: Any) -> Tensor:
+    def take(self, handle: int, block: Block) -> Tensor:
         """The tensor of pack ``handle``, running ``block``'s forward again at the first."""
         if self.packed is None:
             self.packed = self._run(block)
         return self.packed[handle]
 
-    def _run(self, block: Any) -> list[Tensor]:
+    def _run(self, block: Block) -> list[Tensor]:
         args, kwargs = tree_map_only(
             Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (self.args, self.kwargs)
         )

@@ -67,6 +67,13 @@ class Value(NamedTuple):
         return f"Value({self.vid}, node={self.node}, j={self.j}, kind={self.kind})"
 
 
+def layout(value: Value) -> Meta:
+    """The recorded layout of a value the tape keeps one for (leaves, aliases read after a
+    write, the inputs and outputs of metadata-only and random ops)."""
+    assert value.meta is not None, f"value {value.vid} was recorded without its layout"
+    return value.meta
+
+
 class Node(NamedTuple):
     """One recorded op call: ``op(*args, **kwargs)`` with tensors replaced by ``Slot``s."""
 

@@ -16,7 +16,7 @@ compared.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,9 @@ _ATOMIC_ON_CUDA = frozenset(
         "index_reduce_",
     }
 )
+
+if TYPE_CHECKING:
+    from .block import Block
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 20  # elements fingerprinted at once: 24 MiB of int64 temporaries at most
 
@@ -109,13 +112,14 @@ def reproducible(node: Node, device_type: str) -> bool:
     return packet not in _ATOMIC_ON_CUDA
 
 
-def check_replayed(block: Any, node: Node, vid: int, t: torch.Tensor) -> bool:
+def check_replayed(block: Block, node: Node, vid: int, t: torch.Tensor) -> bool:
     """Compare a replayed value with its fingerprint at pack time; on a mismatch warn and make
     the producing coordinate mandatory for the block's region. True if it matched."""
     expected = block.fingerprints.get(vid)
     if expected is None or torch.equal(fingerprint(t), expected):
         return True
     coord = block.trace.tape.coord(vid)
+    assert coord is not None, "replay makes op outputs only: each has a coordinate"
     block.hidden_writes.add(block.region, coord)
     block.trace.invisible_writes.append(coord)
     logger.warning(
