@@ -20,7 +20,7 @@ from ..plan.plan import BlockKind
 from ..tensors import is_subclass_with_dispatch
 from .lifetimes import StorageLifetimes
 from .replay import Replay
-from .tape import BUFFER, OP, PARAM, Node, Tape, Value
+from .tape import BUFFER, OP, PARAM, Mandatory, Node, Tape, Value
 from .verify import HiddenWrites
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class Block:
         self.storage_bytes: list[int] = []
         self.lifetimes = StorageLifetimes(self.nodes)  # when the forward frees its storages
         self.demand: frozenset[int] = frozenset()  # P: the values autograd packed (set in finish)
-        self.mandatory: dict[int, str] = {}
+        self.mandatory: dict[int, Mandatory] = {}
         self.planned: set[int] = set()
         self.planned_seen: set[tuple] = set()
         self.held: dict[int, torch.Tensor] = {}

@@ -29,7 +29,7 @@ import torch
 
 from ..tensors import detached, flat_tensors, on_storage
 from .ops import OpInfo, has_dynamic_shape
-from .tape import COLLECTIVE, DYNAMIC_SHAPE, INVISIBLE_WRITE, NO_PRODUCER, OP
+from .tape import COLLECTIVE, DYNAMIC_SHAPE, INVISIBLE_WRITE, NO_PRODUCER, OP, Mandatory
 from .verify import fingerprint
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class Holding:
         self.uninitialised: set[int] = set()
         self.first_packed: set[int] = set()  # values packed while verifying or initialising
 
-    def hold(self, vid: int, t: Tensor, reason: str | None = None) -> None:
+    def hold(self, vid: int, t: Tensor, reason: Mandatory | None = None) -> None:
         """Keep ``t`` for backward: saved by the plan, or mandatory (``reason``)."""
         block = self.block
         block.held[vid] = detached(t)

@@ -16,6 +16,7 @@ import functools
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, NamedTuple
 
 from ..plan import model
@@ -23,16 +24,35 @@ from ..plan.coords import Anchor, Coord
 from ..plan.tape_graph import TapeGraph, graph_of
 from ..tensors import Meta, Slot
 
-# Value kinds. Leaves are kept (inputs) or fetched again by name (parameters, buffers).
-OP, INPUT, PARAM, BUFFER, EXTERNAL = "op", "input", "param", "buffer", "external"
 
-# Why a value is in the mandatory set S0.
-COLLECTIVE, DYNAMIC_SHAPE, INVISIBLE_WRITE, NO_PRODUCER = (
-    "collective",
-    "dynamic_shape",
-    "invisible_write",
-    "no_producer",
-)
+class ValueKind(str, Enum):
+    """Where a value comes from. Leaves are kept (inputs) or fetched again by name (parameters,
+    buffers); an external tensor the block read has no recorded producer."""
+
+    OP = "op"
+    INPUT = "input"
+    PARAM = "param"
+    BUFFER = "buffer"
+    EXTERNAL = "external"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Mandatory(str, Enum):
+    """Why a value is in the mandatory set S0."""
+
+    COLLECTIVE = "collective"
+    DYNAMIC_SHAPE = "dynamic_shape"
+    INVISIBLE_WRITE = "invisible_write"
+    NO_PRODUCER = "no_producer"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+OP, INPUT, PARAM, BUFFER, EXTERNAL = ValueKind
+COLLECTIVE, DYNAMIC_SHAPE, INVISIBLE_WRITE, NO_PRODUCER = Mandatory
 
 ALIAS_OP = "tapesac.alias"
 """Synthetic node: a view read again after its storage was mutated through another alias."""
@@ -60,7 +80,7 @@ class Value(NamedTuple):
     meta: Meta | None  # layout: kept for leaves, externals, views read again after a write,
     # and metadata-only ops and their inputs (what replay rebuilds from)
     version: int  # the tensor's version counter for this content
-    kind: str  # OP, INPUT, PARAM, BUFFER or EXTERNAL
+    kind: ValueKind
     name: str | int | None = None  # leaf: input position or parameter/buffer name
 
     def __repr__(self) -> str:
@@ -106,7 +126,7 @@ class Tape:
     values: list[Value]
     storage_bytes: list[int]
     demand: frozenset[int]
-    mandatory: Mapping[int, str]  # vid -> reason it is in S0
+    mandatory: Mapping[int, Mandatory]  # vid -> reason it is in S0
     planned: frozenset[int]  # values the plan asked to save (on top of S0)
     outputs: frozenset[int] = frozenset()  # values the block returned
     returned: frozenset[int] = frozenset()  # values its submodules returned

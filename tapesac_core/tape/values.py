@@ -34,7 +34,7 @@ import torch
 
 from ..errors import TapeSACError
 from ..tensors import Meta, is_subclass_with_dispatch, layout_of, slot, slot_args
-from .tape import ALIAS_OP, BUFFER, EXTERNAL, OP, PARAM, Node, Value
+from .tape import ALIAS_OP, BUFFER, EXTERNAL, OP, PARAM, Node, Value, ValueKind
 
 if TYPE_CHECKING:
     from .block import Block
@@ -76,14 +76,14 @@ class ValueIds:
         self.leaf_sids = leaf_sids  # storages of leaves, added by new_value
         self.epochs: dict[int, int] = {}  # sid -> number of recorded writes into it so far
         # The module's map of its leaves, if this block rebuilt it (``_leaf_name``).
-        self._leaves: dict[int, tuple[weakref.ref[Tensor], str, str]] | None = None
+        self._leaves: dict[int, tuple[weakref.ref[Tensor], ValueKind, str]] | None = None
 
     def new_value(
         self,
         t: Tensor,
         node: int,
         j: int,
-        kind: str,
+        kind: ValueKind,
         name: str | int | None = None,
         sid: int | None = None,
         version: int | None = None,
@@ -216,7 +216,7 @@ class ValueIds:
                 return vid
         return None
 
-    def _leaf_view(self, t: Tensor) -> tuple[str, str] | None:
+    def _leaf_view(self, t: Tensor) -> tuple[ValueKind, str] | None:
         """A parameter or buffer seen through another tensor object (``p.data``)."""
         module = self.block.module
         if module is None:
@@ -228,7 +228,7 @@ class ValueIds:
                     return kind, name
         return None
 
-    def _leaf_name(self, t: Tensor) -> tuple[str, str] | None:
+    def _leaf_name(self, t: Tensor) -> tuple[ValueKind, str] | None:
         """A parameter or buffer of the block's module, by identity.
 
         The map is kept on the module across calls (walking a module with many experts costs
