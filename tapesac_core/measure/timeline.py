@@ -24,6 +24,7 @@ from ..plan.peak_timeline import (
     UNPACK_END,
     UNPACK_START,
     Event,
+    EventKind,
     Timeline,
     TimelineBlock,
     timeline_of,
@@ -45,7 +46,9 @@ class StepProbe:
         """The step starts: the first segment is measured from now."""
         self._mark()
 
-    def event(self, kind: str, block: int, vid: int | None = None, node: int | None = None) -> None:
+    def event(
+        self, kind: EventKind, block: int, vid: int | None = None, node: int | None = None
+    ) -> None:
         if self.closed:
             return
         peak, current = self._mark()

@@ -14,21 +14,43 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
-# Event kinds the sample step records, and the phase of the segment each one starts.
-FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE = (
-    "forward_start",
-    "forward_end",
-    "unpack_start",
-    "unpack_end",
-    "release",
-)
-# A storage of a block that outlived its forward (``TimelineBlock.lingering``) was freed: the
-# segment it splits keeps its phase on both sides.
-FREED = "freed"
-KINDS = (FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE, FREED)
-FORWARD, REPLAY, COMPUTE, OUTSIDE = "forward", "replay", "compute", "outside"
-RELEASING = "releasing"  # the instant a block is released: it still holds its saved values
+
+class EventKind(str, Enum):
+    """What happened at an event the sample step records; each starts a segment of a phase.
+    ``FREED``: a storage of a block that outlived its forward (``TimelineBlock.lingering``) was
+    freed; the segment it splits keeps its phase on both sides."""
+
+    FORWARD_START = "forward_start"
+    FORWARD_END = "forward_end"
+    UNPACK_START = "unpack_start"
+    UNPACK_END = "unpack_end"
+    RELEASE = "release"
+    FREED = "freed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Phase(str, Enum):
+    """What runs in a segment of the step: a block's forward, its replay, autograd's compute
+    between unpacks, nothing of a block; ``RELEASING``: the instant a block is released (it
+    still holds its saved values)."""
+
+    FORWARD = "forward"
+    REPLAY = "replay"
+    COMPUTE = "compute"
+    OUTSIDE = "outside"
+    RELEASING = "releasing"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE, FREED = EventKind
+KINDS = tuple(EventKind)
+FORWARD, REPLAY, COMPUTE, OUTSIDE, RELEASING = Phase
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +58,7 @@ class Event:
     """One reading at an event of the sample step: the peak since the previous event (the
     segment this event closes) and the bytes in use now."""
 
-    kind: str
+    kind: EventKind
     block: int  # index of the block in forward order within the step
     peak: int
     current: int
@@ -77,7 +99,7 @@ class Segment:
     peak: int
     first: int
     last: int
-    phase: str = OUTSIDE
+    phase: Phase = OUTSIDE
     own: int | None = None
     unpack: int | None = None
     label: str = ""
