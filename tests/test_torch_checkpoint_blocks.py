@@ -137,7 +137,7 @@ def test_a_plan_is_solved_again_once_twice_the_full_checkpointing_steps_are_meas
     # The sixth, twice the three it was priced from, and the six say faster: solved again, with
     # blocks under torch's checkpoint, metered under the limit and bitwise.
     controller.times.full[key] = [0.5 * must_only] * 5
-    with caplog.at_level("INFO", logger="tapesac_core.control.controller"):
+    with caplog.at_level("INFO", logger="tapesac_core"):
         assert str(_step(controller, model, ids, 13)[0].mode) == "full"
     assert key not in controller.plans
     assert "6 full-checkpointing steps measured, its plan priced torch's checkpoint from 3" in (

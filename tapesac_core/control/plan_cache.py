@@ -1,5 +1,5 @@
-"""The plan cache as a controller's state carries it: each bucket's solved plan as JSON, for the
-model its ``ModelKey`` names."""
+"""The plan cache: each token bucket's solved plan, kept until the bucket is solved again, and as a
+controller's state carries it (each plan as JSON, for the model its ``ModelKey`` names)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..plan.plan import Plan
+from .measured_times import StepTimes
+from .schedule import StepSchedule
 from .step_report import Bucket, bucket_entries, from_bucket_entries
+from .token_buckets import TokenBuckets
 
 logger = logging.getLogger(__name__)
-
-# States before version 3 hold plans with a time model that could explode (1) or bounded by Eq. 8
-# alone (2): they are solved again (after profiling).
-_OLDEST_USABLE = 3
 
 
 @dataclass(frozen=True)
@@ -41,25 +40,64 @@ class ModelKey:
         return isinstance(value, (list, tuple)) and tuple(value) == self.regions
 
 
+def solved_for(plan: Plan) -> dict[str, int]:
+    """Per region, the token counts ``plan`` was solved for."""
+    return {r: p.tokens for r, p in plan.regions.items()}
+
+
+class PlanCache:
+    """Each token bucket's plan, solved when a planned step (or ``plan_for``) first needs it and
+    kept until the bucket is solved again. Forgetting a plan forgets what was measured of it: its
+    planned steps' times, and the schedule's count of its metered and recorded steps."""
+
+    def __init__(self, schedule: StepSchedule, times: StepTimes) -> None:
+        self.plans: dict[Bucket, Plan] = {}
+        self.schedule = schedule
+        self.times = times
+
+    def store(self, key: Bucket, plan: Plan, edges: Mapping[str, int]) -> None:
+        """Bucket ``key``'s plan, just solved for token counts ``edges``."""
+        self.plans[key] = plan
+        logger.info("TapeSAC solved bucket %s (tokens %s):\n%s", key, edges, plan.explain())
+
+    def outgrown(self, key: Bucket, tokens: Mapping[str, int]) -> Plan | None:
+        """Bucket ``key``'s plan when ``tokens`` are more than it was solved for in some region;
+        None when they are not, or the bucket has no plan."""
+        plan = self.plans.get(key)
+        if plan is None or all(tokens[r] <= p.tokens for r, p in plan.regions.items()):
+            return None
+        return plan
+
+    def solve_again(self, key: Bucket, why: str) -> None:
+        """Bucket ``key`` is solved again at its next planned step, for ``why``; its planned
+        steps' times, of the old plan, are dropped."""
+        logger.info("TapeSAC: bucket %s is solved again: %s", key, why)
+        del self.plans[key]
+        self.schedule.forget_plan(key)
+        self.times.forget_planned(key)
+
+    def forget(self) -> None:
+        """Every bucket is solved again (and its first planned step metered again on CPU)."""
+        self.plans.clear()
+        self.schedule.forget_plans()
+
+    def restore(self, plans: dict[Bucket, Plan], buckets: TokenBuckets) -> None:
+        """The plans of a resumed run (``saved_plans``): the bucket of each plan of every
+        region has seen the tokens it was solved for."""
+        self.plans = plans
+        for key, plan in plans.items():
+            if set(plan.regions) == set(buckets.regions):
+                buckets.restore(key, solved_for(plan))
+
+
 def plans_state(plans: Mapping[Bucket, Plan]) -> list[tuple[list[int], str]]:
     """Each bucket's plan as JSON."""
     return bucket_entries({k: p.to_json() for k, p in plans.items()})
 
 
-def plans_from_state(state: Mapping[str, Any], model: ModelKey, version: int) -> dict[Bucket, Plan]:
-    """The plans of a state of this TapeSAC's ``version`` or an older one; none (said at info
-    level) when they are too old to use."""
-    found = state.get("version", 1)
-    if found < _OLDEST_USABLE and state["plans"]:
-        logger.info(
-            "TapeSAC: state version %s is not this TapeSAC's (version %s: plans with a step "
-            "time model and a predicted peak): its %d plans are solved again",
-            found,
-            version,
-            len(state["plans"]),
-        )
-        return {}
+def plans_from_state(entries: Any, model: ModelKey) -> dict[Bucket, Plan]:
+    """The plans ``plans_state`` wrote (or a state's from before version 5), for ``model``."""
     return {
         k: Plan.from_json(v, model=model.fingerprint)
-        for k, v in from_bucket_entries(state["plans"]).items()
+        for k, v in from_bucket_entries(entries).items()
     }

@@ -4,7 +4,7 @@ must-only steps measured."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 from ..tape.block import BlockTrace
 from .profile import (
@@ -38,6 +38,15 @@ class Profiling:
             return False
         self.done = 0
         return True
+
+    def outgrown(self, tokens: Mapping[str, int], factor: float) -> bool:
+        """Whether some region's count in ``tokens`` exceeds ``factor`` times its reference
+        block's: its profile is taken again."""
+        return any(tokens[r] > factor * p.tokens for r, p in self.profiles.items())
+
+    def of(self, regions: Container[str]) -> dict[str, RegionProfile]:
+        """The profiles taken of ``regions`` (a bucket's: the keys of its token counts)."""
+        return {r: p for r, p in self.profiles.items() if r in regions}
 
     def calibrate(self, regions: Iterable[str]) -> None:
         """Each region's node times checked against measured replay wall times (host times: on

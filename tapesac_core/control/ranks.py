@@ -3,14 +3,27 @@ largest token counts and flags, the smallest memory budget, and rank 0's solved 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from ..errors import TapeSACError
 from ..plan.plan import Plan
+from .budget import Correction
 from .plan_cache import ModelKey
+
+
+class StepAgreement(NamedTuple):
+    """What every rank runs a step with: whether it profiles and whether it samples memory (any
+    rank's need), the memory correction to apply and whether any rank's memory outside the blocks
+    moved."""
+
+    profile: bool
+    sample: bool
+    correction: Correction
+    moved: bool
 
 
 class RankAgreement:
@@ -35,9 +48,35 @@ class RankAgreement:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(x) for x in t.tolist()]
 
+    def largest_tokens(self, tokens: Mapping[str, int], regions: Sequence[str]) -> dict[str, int]:
+        """Each region's largest token count over the ranks: all ranks run the bucket of the
+        largest token counts."""
+        return dict(zip(regions, self.largest([tokens[r] for r in regions])))
+
+    def every(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank."""
+        return not self.largest([int(not flag)])[0]
+
     def smallest(self, number: int) -> int:
         """The smallest value of ``number`` over the ranks."""
         return -self.largest([-number])[0]
+
+    def step_agreement(self, profile: bool, sample: bool, pending: Correction) -> StepAgreement:
+        """Whether a step profiles and samples memory (``profile``, ``sample``: this rank's
+        need), and the correction ``pending`` (what this rank's last metered step asked) with
+        the largest fragmentation and model error any rank's asked."""
+        profiled, sampled, fragmentation, model_error, moved = self.largest(
+            [
+                int(profile),
+                int(sample),
+                pending.fragmentation,
+                pending.model_error,
+                int(pending.outside_growth is not None),
+            ]
+        )
+        # The largest any rank asked; the memory outside the blocks stays this rank's own.
+        agreed = dataclasses.replace(pending, fragmentation=fragmentation, model_error=model_error)
+        return StepAgreement(bool(profiled), bool(sampled), agreed, bool(moved))
 
     def plan_of_rank_0(self, solve: Callable[[], Plan], model: ModelKey) -> Plan:
         """Rank 0 solves; every rank gets the plan it broadcasts. A failure on rank 0 is raised on

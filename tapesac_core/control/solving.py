@@ -1,0 +1,128 @@
+"""Solving a token bucket's plan for the controller: every rank gives the budget the smallest of
+them can, rank 0 solves (``solve_plan``) from the region profiles (calibrated on CPU), the modelled
+must-only step and torch's checkpoint as measured steps price it, and every rank takes its plan."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..plan.plan import Plan
+from .budget import MemoryBudget
+from .measured_times import StepTimes
+from .plan_cache import ModelKey, solved_for
+from .profile import MemoryModel
+from .profiling import Profiling
+from .ranks import RankAgreement
+from .repricing import TorchCheckpointPricing
+from .solve import solve_plan
+from .step_report import Bucket
+from .token_buckets import TokenBuckets
+
+
+class BucketSolver:
+    """Solves buckets' plans and predicts their peaks from a run's profiles, step times and token
+    buckets; the memory model and the budget (whose config solving reads) are those of the moment,
+    given to each call (a resumed run or a new limit replaces them)."""
+
+    def __init__(
+        self,
+        profiling: Profiling,
+        times: StepTimes,
+        buckets: TokenBuckets,
+        ranks: RankAgreement,
+        pricing: TorchCheckpointPricing,
+        model_key: ModelKey,
+        device_type: str,
+    ) -> None:
+        self.profiling = profiling
+        self.times = times
+        self.buckets = buckets
+        self.ranks = ranks
+        self.pricing = pricing
+        self.model_key = model_key
+        self.on_cpu = device_type == "cpu"
+
+    def plan(
+        self, key: Bucket, edges: dict[str, int], memory: MemoryModel, budget: MemoryBudget
+    ) -> Plan:
+        """Bucket ``key``'s plan at token counts ``edges``, the same on every rank: rank 0 solves
+        (``solve``) with the smallest budget any rank has."""
+        base = memory.base(self.buckets.primary(edges))
+        agreed = self.ranks.smallest(budget.capacity(memory) - base)
+        plan = self.ranks.plan_of_rank_0(
+            lambda: self.solve(edges, agreed + base, base, key, memory, budget), self.model_key
+        )
+        self.pricing.priced(key)
+        return plan
+
+    def solve(
+        self,
+        edges: dict[str, int],
+        capacity: int,
+        base: int,
+        key: Bucket,
+        memory: MemoryModel,
+        budget: MemoryBudget,
+    ) -> Plan:
+        """What rank 0 runs: bucket ``key``'s plan at token counts ``edges`` within ``capacity``,
+        from a must-only step peak of ``base``."""
+        if self.on_cpu:
+            self.profiling.calibrate(edges)
+        profiles = self.profiling.of(edges)
+        must_only_seconds = self.must_only_seconds(key, edges)
+        plan = solve_plan(
+            profiles,
+            edges,
+            model=self.model_key.fingerprint,
+            capacity=capacity,
+            base=base,
+            must_only_step_time=must_only_seconds,
+            config=budget.config,
+            timeline=memory.timeline(self.buckets.primary(edges)),
+            torch_checkpoint_gains=self.pricing.gains(key, profiles, edges, must_only_seconds),
+        )
+        # Under the peak-aware model a must-only peak above the capacity is not the end: saving
+        # removes replay temporaries, so only a plan predicted above it means nothing fits.
+        if plan.predicted_peak > capacity:
+            budget.say_unfit(plan, capacity, edges, memory)
+        return plan
+
+    def must_only_seconds(self, key: Bucket, edges: dict[str, int]) -> float:
+        """The modelled must-only step seconds of bucket ``key`` at ``edges``."""
+        return self.times.modelled_must_only(
+            key, edges, self.profiling.of(edges), self.buckets.primary
+        )
+
+    def peak_at(self, plan: Plan, tokens: Mapping[str, int], memory: MemoryModel) -> int:
+        """``plan``'s predicted peak at ``tokens``, with the memory outside the blocks as it was
+        when the memory model was sampled (what ``MemoryBudget.capacity`` is compared with)."""
+        primary = self.buckets.primary(tokens)
+        edges = solved_for(plan)
+        # A plan of no region (one a resumed run can hold) adds nothing to scale.
+        factor = primary / self.buckets.primary(edges) if edges else 1.0
+        return plan.peak_at_tokens(memory.base(primary), factor)
+
+    def fits(
+        self, plan: Plan, tokens: Mapping[str, int], memory: MemoryModel, budget: MemoryBudget
+    ) -> bool:
+        """Whether ``plan`` is predicted to fit a step of ``tokens`` on every rank."""
+        # The "sum" memory model predicts no step peak: its plans are solved again.
+        fits = bool(plan.predicted_peak) and (
+            self.peak_at(plan, tokens, memory) <= budget.capacity(memory)
+        )
+        return self.ranks.every(fits)
+
+    def full_fits(
+        self, key: Bucket, planned: bool, memory: MemoryModel, budget: MemoryBudget
+    ) -> bool:
+        """Whether bucket ``key`` (``planned``: it has a plan) still measures full checkpointing
+        against must-only before its first plan (``torch_checkpoint_blocks``): its peak predicted
+        within the limit on every rank."""
+        if not (
+            self.pricing.measures_full(key, planned) and self.profiling.profiles and memory.samples
+        ):
+            return False
+        edges = self.buckets.edges(key)
+        primary = self.buckets.primary(edges)
+        peak = self.pricing.full_peak(self.profiling.of(edges), edges, memory, primary)
+        return self.ranks.every(peak is not None and peak <= budget.capacity(memory))
