@@ -10,8 +10,8 @@ import torch
 from tapesac_core import TapeSACConfig, TapeSACError
 from tapesac_core.control.budget import Correction, MemoryBudget
 from tapesac_core.control.measured_times import SpeedupWatch, StepTimes
+from tapesac_core.control.memory_model import MemoryModel, MemorySample
 from tapesac_core.control.plan_cache import ModelKey
-from tapesac_core.control.profile import MemoryModel, MemorySample
 from tapesac_core.control.ranks import RankAgreement
 from tapesac_core.control.schedule import StepSchedule
 from tapesac_core.control.step_report import (

@@ -20,7 +20,7 @@ from ..config import TapeSACConfig
 from ..measure.memory import MemoryReading
 from ..plan.plan import Plan
 from ..units import format_bytes
-from .profile import MemoryModel
+from .memory_model import MemoryModel
 
 logger = logging.getLogger(__name__)
 

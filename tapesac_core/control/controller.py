@@ -49,9 +49,10 @@ from ..plan.plan import Plan
 from ..tape.block import BlockTrace
 from .budget import Correction, MemoryBudget
 from .measured_times import SpeedupWatch, StepTimes
+from .memory_model import MemoryModel, MemorySample
 from .open_step import OpenStep
 from .plan_cache import ModelKey, PlanCache, solved_for
-from .profile import MemoryModel, MemorySample, RegionProfile
+from .profile import RegionProfile
 from .profiling import Profiling
 from .ranks import RankAgreement
 from .repricing import TorchCheckpointPricing

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 
 from ..config import TapeSACConfig
 from .measured_times import StepTimes
-from .profile import MemoryModel, RegionProfile
+from .memory_model import MemoryModel
+from .profile import RegionProfile
 from .solve import torch_checkpoint_gains, torch_checkpoint_peak
 from .step_report import Bucket
 

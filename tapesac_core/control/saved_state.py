@@ -12,8 +12,8 @@ from ..errors import TapeSACError
 from ..plan.plan import Plan
 from ..tape.verify import HiddenWrites
 from .measured_times import StepTimes
+from .memory_model import MemoryModel
 from .plan_cache import ModelKey, plans_from_state, plans_state
-from .profile import MemoryModel
 from .step_report import Bucket
 
 _STATE_VERSION = 6  # 2: plans carry the step time model; must-only steps keep their tokens

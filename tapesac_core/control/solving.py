@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from ..plan.plan import Plan
 from .budget import MemoryBudget
 from .measured_times import StepTimes
+from .memory_model import MemoryModel
 from .plan_cache import ModelKey, solved_for
-from .profile import MemoryModel
 from .profiling import Profiling
 from .ranks import RankAgreement
 from .repricing import TorchCheckpointPricing
