@@ -178,3 +178,26 @@ def spawn_two(worker: Callable[[int, str], Any], name: str = "rank") -> list[Any
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(worker, args=(folder,), nprocs=2, join=True)
         return [json.loads(Path(folder, f"{name}{rank}.json").read_text()) for rank in range(2)]
+
+
+def spawn_two_for_each(
+    worker: Callable[[int, str], Any], names: list[str]
+) -> dict[str, list[Any] | Exception]:
+    """Run ``worker(rank, folder)`` on 2 processes once for several tests: for each of
+    ``names`` in turn it writes ``folder/{name}{rank}.json``. Each name's results in rank order,
+    or, for the names the workers did not reach, the error that stopped them (to raise in the
+    tests that read them)."""
+    error: Exception | None = None
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            mp.spawn(worker, args=(folder,), nprocs=2, join=True)
+        except Exception as e:  # raised in each test whose results are missing
+            error = e
+        results: dict[str, list[Any] | Exception] = {}
+        for name in names:
+            paths = [Path(folder, f"{name}{rank}.json") for rank in range(2)]
+            if all(p.is_file() for p in paths):
+                results[name] = [json.loads(p.read_text()) for p in paths]
+            else:
+                results[name] = error or RuntimeError(f"the workers wrote no results for {name}")
+    return results

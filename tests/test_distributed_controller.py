@@ -1,17 +1,22 @@
-"""Two ranks (gloo) with different token counts and capacities end every step with one plan."""
+"""Two ranks (gloo) with different token counts and capacities end every step with one plan.
 
+The four scenarios run one after another on one pair of processes (starting a pair costs about
+10 s): a module-scoped fixture spawns them once, and each test checks its own scenario's results.
+"""
+
+import gc
 import json
 import os
 
 import pytest
 import torch.distributed as dist
-from launch import join_group_of_two, spawn_two
+from launch import join_group_of_two, spawn_two_for_each
 from support import SHORT_SCHEDULE, SMALL, checkpointed_lm, token_ids
 
 import tapesac_core
 from examples.models import DecoderLM
-from tapesac_core.controller import Controller
-from tapesac_core.memory import MemoryReading
+from tapesac_core.control.controller import Controller
+from tapesac_core.measure.memory import MemoryReading
 from tapesac_core.units import GiB, MiB
 
 STEPS = 6
@@ -38,14 +43,13 @@ class RankMeter:
         return MemoryReading(peak=peak, current=self.base, reserved=peak, total=64 * GiB, free=GiB)
 
 
-def _rank_model(rank: int, out: str) -> DecoderLM:
-    """Join the 2-rank gloo group and build the same checkpointed model on every rank."""
-    join_group_of_two(rank, out)
+def _rank_model() -> DecoderLM:
+    """The same checkpointed model on every rank."""
     return checkpointed_lm(**SMALL)
 
 
-def _worker(rank: int, out: str) -> None:
-    model = _rank_model(rank, out)
+def _agree_scenario(rank: int) -> dict:
+    model = _rank_model()
     meter = RankMeter(BASE[rank])
     controller = Controller(
         model,
@@ -69,15 +73,13 @@ def _worker(rank: int, out: str) -> None:
             }
         )
     local_budget = LIMIT - controller.memory.base(2 * SEQ[1])
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"steps": steps, "local_budget": local_budget}, f)
-    dist.destroy_process_group()
+    return {"steps": steps, "local_budget": local_budget}
 
 
 @pytest.mark.slow
 @pytest.mark.launch
-def test_ranks_agree_on_one_plan_for_the_larger_count_and_the_smaller_capacity() -> None:
-    ranks = spawn_two(_worker, "rank")
+def test_ranks_agree_on_one_plan_for_the_larger_count_and_the_smaller_capacity(scenarios) -> None:
+    ranks = results(scenarios, "agree")
     steps0, steps1 = ranks[0]["steps"], ranks[1]["steps"]
     assert [s["mode"] for s in steps0] == [s["mode"] for s in steps1]
     assert [s["plan"] for s in steps0] == [s["plan"] for s in steps1]
@@ -108,9 +110,9 @@ class NearLimitMeter(RankMeter):
         )
 
 
-def _flags_worker(rank: int, out: str) -> None:
+def _flags_scenario(rank: int) -> dict:
     """Rank 1 alone sees a peak near the limit; then rank 0 alone fails to solve."""
-    model = _rank_model(rank, out)
+    model = _rank_model()
     meter = NearLimitMeter(BASE[0])
     # The injected meter's readings follow no plan: the peak model's correction is off, so the
     # capacity moves only by the fragmentation flag under test.
@@ -148,15 +150,15 @@ def _flags_worker(rank: int, out: str) -> None:
         step(36)
     except tapesac_core.TapeSACError as e:
         record["error"] = str(e)
-    with open(os.path.join(out, f"flags{rank}.json"), "w") as f:
-        json.dump(record, f)
-    dist.destroy_process_group()
+    return record
 
 
 @pytest.mark.slow
 @pytest.mark.launch
-def test_ranks_agree_on_a_flag_one_rank_raised_and_a_solve_failure_on_rank_0_reaches_all() -> None:
-    ranks = spawn_two(_flags_worker, "flags")
+def test_ranks_agree_on_a_flag_one_rank_raised_and_a_solve_failure_on_rank_0_reaches_all(
+    scenarios,
+) -> None:
+    ranks = results(scenarios, "flags")
     assert (
         ranks[0]["modes"]
         == ranks[1]["modes"]
@@ -177,8 +179,8 @@ def test_ranks_agree_on_a_flag_one_rank_raised_and_a_solve_failure_on_rank_0_rea
         )
 
 
-def _longer_rank_worker(rank: int, out: str) -> None:
-    model = _rank_model(rank, out)
+def _longer_rank_scenario(rank: int) -> dict:
+    model = _rank_model()
     controller = Controller(
         model,
         "1GiB",  # everything fits: every block runs plain, holding all autograd saves
@@ -195,18 +197,18 @@ def _longer_rank_worker(rank: int, out: str) -> None:
         model.zero_grad(set_to_none=True)
         steps.append({"mode": report.mode, "peak": report.peak, "predicted": report.predicted_peak})
     profile_tokens = controller.profiles["DecoderLayer"].tokens
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"steps": steps, "profile_tokens": profile_tokens}, f)
-    dist.destroy_process_group()
+    return {"steps": steps, "profile_tokens": profile_tokens}
 
 
 @pytest.mark.slow
 @pytest.mark.launch
-def test_a_rank_profiles_its_own_batch_and_predicts_its_peak_when_another_rank_is_longer() -> None:
+def test_a_rank_profiles_its_own_batch_and_predicts_its_peak_when_another_rank_is_longer(
+    scenarios,
+) -> None:
     """The bucket is the longest rank's, but each rank's tapes are of its own batch: rank 0
     (which solves) profiled at the agreed count would scale its blocks' bytes from too many
     tokens and predict every plan's peak too low (under Lightning, 3-9% on the main job)."""
-    ranks = spawn_two(_longer_rank_worker, "rank")
+    ranks = results(scenarios, "longer")
     assert [r["profile_tokens"] for r in ranks] == [2 * 32, 2 * 56]
     assert [s["mode"] for s in ranks[0]["steps"]][-2:] == ["planned", "planned"]
     for r in ranks:
@@ -216,8 +218,8 @@ def test_a_rank_profiles_its_own_batch_and_predicts_its_peak_when_another_rank_i
             assert 0.98 <= s["peak"] / s["predicted"] <= 1.02, ranks
 
 
-def _torch_checkpoint_worker(rank: int, out: str) -> None:
-    model = _rank_model(rank, out)
+def _torch_checkpoint_scenario(rank: int) -> dict:
+    model = _rank_model()
     runs = {}
     # Rank 1's limit is far below any full-checkpointing step: no rank measures one. Then both
     # have room: both measure three, alternating with must-only steps, before the first plan,
@@ -246,15 +248,49 @@ def _torch_checkpoint_worker(rank: int, out: str) -> None:
                 if not solved or report.plan is not solved[-1]:
                     solved.append(report.plan)
         runs[name] = {"modes": modes, "plans": plans, "solved": len(solved)}
-    with open(os.path.join(out, f"ckpt{rank}.json"), "w") as f:
-        json.dump(runs, f)
+    return runs
+
+
+# In this order: the scenario metering live tensors to 2% first, in a fresh process, and the
+# one that ends in an error on every rank last.
+SCENARIOS = {
+    "longer": _longer_rank_scenario,
+    "ckpt": _torch_checkpoint_scenario,
+    "agree": _agree_scenario,
+    "flags": _flags_scenario,
+}
+
+
+def _all_scenarios(rank: int, out: str) -> None:
+    """Join the 2-rank gloo group; run each scenario, writing its results as it ends."""
+    join_group_of_two(rank, out)
+    for name, scenario in SCENARIOS.items():
+        result = scenario(rank)
+        gc.collect()  # the scenario's model and controller go before the next one starts
+        with open(os.path.join(out, f"{name}{rank}.json"), "w") as f:
+            json.dump(result, f)
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def scenarios() -> dict:
+    """Every scenario's results on both ranks, from one spawn of two processes."""
+    return spawn_two_for_each(_all_scenarios, list(SCENARIOS))
+
+
+def results(scenarios: dict, name: str) -> list:
+    """Scenario ``name``'s results in rank order; the error that stopped the workers before it
+    ended, raised."""
+    found = scenarios[name]
+    if isinstance(found, Exception):
+        raise found
+    return found
 
 
 @pytest.mark.slow
 @pytest.mark.launch
-def test_ranks_agree_whether_to_measure_full_checkpointing_and_on_the_plan() -> None:
-    ranks = spawn_two(_torch_checkpoint_worker, "ckpt")
+def test_ranks_agree_whether_to_measure_full_checkpointing_and_on_the_plan(scenarios) -> None:
+    ranks = results(scenarios, "ckpt")
     tight, room = (ranks[0][k] for k in ("tight on rank 1", "room"))
     assert tight["modes"] == ranks[1]["tight on rank 1"]["modes"]
     assert tight["modes"][:4] == ["warmup", "profile", "control", "planned"], tight
