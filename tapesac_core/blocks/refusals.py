@@ -10,8 +10,9 @@ import torch
 from .._compat import graph_task_id, saved_tensors_hooks_on_top
 from ..errors import TapeSACError
 from ..tape.block import Block
+from ..tape.recompute import Recompute
 from ..tape.recorder import Recorder
-from ..tape.steady import Recompute, SteadyForward
+from ..tape.steady import SteadyForward
 from .block_settings import block_config
 
 
@@ -41,7 +42,7 @@ def refuse_hf_checkpointing(module: torch.nn.Module, name: str) -> None:
 
 
 # The pack hooks TapeSAC itself runs a block's forward under.
-_OWN_PACK_HOOKS = (Recorder.pack, SteadyForward.pack, Recompute._pack)
+_OWN_PACK_HOOKS = (Recorder.pack, SteadyForward.pack, Recompute.pack)
 
 
 def refuse_inner_saved_tensor_hooks(block: Block, submodule: str) -> None:

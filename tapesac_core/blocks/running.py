@@ -37,9 +37,10 @@ from .._compat import graph_task_id
 from ..errors import TapeSACError
 from ..plan.plan import BlockKind
 from ..tape.block import Block, BlockPlan
+from ..tape.recompute import Recompute
 from ..tape.recorder import Recorder
 from ..tape.signature import Signature, block_signature
-from ..tape.steady import Recompute, Recorded, SteadyForward, SteadyTape, steady_tape
+from ..tape.steady import Recorded, SteadyForward, SteadyTape, steady_tape
 from ..tape.steady_cache import SteadyCache, steady_cache
 from ..tape.tape import Tape
 from ..tape.verify import HiddenWrites

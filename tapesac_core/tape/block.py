@@ -25,7 +25,8 @@ from .verify import HiddenWrites
 
 if TYPE_CHECKING:
     from .draws import Draws
-    from .steady import Recompute, SteadyTape
+    from .recompute import Recompute
+    from .steady import SteadyTape
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,93 @@
+"""A diverged steady-state call's backward: the block's forward run again from its inputs, as
+``torch.utils.checkpoint`` recomputes, each saved tensor taken by its pack index (``steady.py``
+says when a call diverges)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._compat import tree_map_only
+from ..errors import TapeSACError
+from .steady import Layout
+
+if TYPE_CHECKING:
+    from .block import Block
+
+Tensor = torch.Tensor
+
+
+class Recompute:
+    """A diverged steady-state call's backward: its forward run again from its inputs, as
+    ``torch.utils.checkpoint`` recomputes, its packs taken by index."""
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        rng: list[tuple[torch.Generator, Tensor]],
+        autocast: Sequence[tuple[str, torch.dtype]],
+        layouts: list[Layout],
+        running: Callable[[Any], AbstractContextManager[Any]],
+    ) -> None:
+        self.name, self.fn, self.args, self.kwargs = name, fn, args, kwargs
+        self.rng, self.autocast, self.layouts, self.running = rng, autocast, layouts, running
+        self.packed: list[Tensor] | None = None
+        self._packing: list[Tensor] = []
+
+    def take(self, handle: int, block: Block) -> Tensor:
+        """The tensor of pack ``handle``, running ``block``'s forward again at the first."""
+        if self.packed is None:
+            self.packed = self._run(block)
+        return self.packed[handle]
+
+    def _run(self, block: Block) -> list[Tensor]:
+        args, kwargs = tree_map_only(
+            Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (self.args, self.kwargs)
+        )
+        current = [(g, g.get_state()) for g, _ in self.rng]
+        for g, state in self.rng:
+            g.set_state(state)
+        try:
+            with ExitStack() as stack:
+                # The forward's autocast: backward runs without it (on GPUs in autograd's own
+                # threads), and casts decide what is saved.
+                for device_type, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(self.running(block))
+                stack.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(self.pack, _never_unpacked)
+                )
+                self.fn(*args, **kwargs)
+        finally:
+            for g, state in current:
+                g.set_state(state)
+        packed, self._packing = self._packing, []
+        layouts = [(t.shape, t.dtype) for t in packed]
+        if layouts != self.layouts:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(layouts, self.layouts)) if a != b),
+                min(len(layouts), len(self.layouts)),
+            )
+            raise TapeSACError(
+                f"block {self.name!r}: its forward ran differently in backward than in forward "
+                f"({len(self.layouts)} tensors saved in forward, {len(layouts)} when run again; "
+                f"they differ from saved tensor {first} on). "
+                "Fix: make what steers the block's forward an input or a module attribute that "
+                "does not change between a step's forward and its backward"
+            )
+        return packed
+
+    def pack(self, t: Tensor) -> int:
+        self._packing.append(t.detach())
+        return len(self._packing) - 1
+
+
+def _never_unpacked(handle: int) -> Tensor:
+    raise TapeSACError("a tensor saved while recomputing a TapeSAC block was unpacked")
