@@ -144,7 +144,7 @@ def _flags_scenario(rank: int) -> dict:
         def fails(*args, **kwargs):
             raise ValueError("no frontier for region DecoderLayer")
 
-        controller._solve = fails
+        controller.solver.solve = fails
     step(36)  # a new bucket: its control step, then its first planned step solves
     try:
         step(36)
