@@ -344,7 +344,7 @@ def test_a_model_sharded_in_configure_model_gets_tapesac_only_and_options_apply(
 
 def test_a_batch_skipped_by_the_module_discards_its_step_and_training_goes_on(tmp_path) -> None:
     from examples.train_lightning import LitDecoder
-    from tapesac_core.checkpoint import _TRACE
+    from tapesac_core.blocks.trace_scope import TRACE
     from tapesac_lightning import TapeSACFSDPStrategy
 
     open_steps = []
@@ -354,7 +354,7 @@ def test_a_batch_skipped_by_the_module_discards_its_step_and_training_goes_on(tm
             return -1 if (self.current_epoch, batch_idx) == (0, 2) else None  # ends epoch 0
 
         def on_train_epoch_end(self) -> None:
-            open_steps.append(_TRACE.get() is not None)
+            open_steps.append(TRACE.get() is not None)
 
     strategy = TapeSACFSDPStrategy("64MiB", **SHORT_SCHEDULE)
     _fit_tiny(tmp_path, SkipsOnce, strategy, batches=4, max_epochs=2)
