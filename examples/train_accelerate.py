@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from examples.data import batches
 from examples.models import DecoderLM, ModelConfig, tiny_qwen3
-from examples.train_lightning import step_record, summary
+from examples.records import step_record, summary
 from tapesac_core import block_config
 from tapesac_lightning import TapeSACAccelerator
 from tapesac_lightning.accelerate import use_fsdp_on_cpu

@@ -31,7 +31,7 @@ from transformers import (
 
 from examples.data import batches
 from examples.models import tiny_qwen3
-from examples.train_lightning import step_record, summary
+from examples.records import step_record, summary
 from tapesac_core import block_config
 from tapesac_lightning import TapeSACTrainerCallback
 
