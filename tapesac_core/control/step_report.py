@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, TypeVar
 
+from ..enums import TextEnum
 from ..plan.plan import Plan
 from ..tape.block import BlockTrace
 
@@ -34,9 +34,8 @@ def _legacy_bucket(name: str) -> Bucket:
     return tuple(int(x) for x in name.split(","))
 
 
-class StepMode(str, Enum):
-    """What a controller step runs. A ``str`` enum: it compares equal to, and is written to JSON
-    and logs as, its value (``"planned"``)."""
+class StepMode(TextEnum):
+    """What a controller step runs (compares equal to, and is written as, ``"planned"`` etc.)."""
 
     WARMUP = "warmup"  # must-only, before anything is measured
     PROFILE = "profile"  # must-only, every op of every block timed
@@ -44,9 +43,6 @@ class StepMode(str, Enum):
     CONTROL = "control"  # must-only, timed: what planned steps' speedups are measured against
     PLANNED = "planned"  # the bucket's plan
     FULL = "full"  # every block under torch.utils.checkpoint (opt-in: full_control_every)
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def must_only(self) -> bool:

@@ -14,10 +14,11 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
+
+from ..enums import TextEnum
 
 
-class EventKind(str, Enum):
+class EventKind(TextEnum):
     """What happened at an event the sample step records; each starts a segment of a phase.
     ``FREED``: a storage of a block that outlived its forward (``TimelineBlock.lingering``) was
     freed; the segment it splits keeps its phase on both sides."""
@@ -29,11 +30,8 @@ class EventKind(str, Enum):
     RELEASE = "release"
     FREED = "freed"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Phase(str, Enum):
+class Phase(TextEnum):
     """What runs in a segment of the step: a block's forward, its replay, autograd's compute
     between unpacks, nothing of a block; ``RELEASING``: the instant a block is released (it
     still holds its saved values)."""
@@ -43,9 +41,6 @@ class Phase(str, Enum):
     COMPUTE = "compute"
     OUTSIDE = "outside"
     RELEASING = "releasing"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 FORWARD_START, FORWARD_END, UNPACK_START, UNPACK_END, RELEASE, FREED = EventKind

@@ -30,11 +30,11 @@ import functools
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from ..enums import TextEnum
 from ..tensors import (
     Meta,
     default_generator,
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 
 
-class Recorded(str, Enum):
+class Recorded(TextEnum):
     """Why a block's call was recorded rather than run in steady state."""
 
     FIRST_CALL = "first call with this signature"
@@ -70,9 +70,6 @@ class Recorded(str, Enum):
     OUTSIDE_GRAPH = "its autograd graph reaches tensors that are not its inputs"
     GRAPH_DIFFERS = "its first steady-state call ran other ops than its tape, twice"
     SIZES = "the integers in its ops follow no curve of its input sizes (each new size records)"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 Layout = tuple[torch.Size, torch.dtype]

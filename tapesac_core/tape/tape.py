@@ -16,16 +16,16 @@ import functools
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, NamedTuple
 
+from ..enums import TextEnum
 from ..plan import model
 from ..plan.coords import Anchor, Coord
 from ..plan.tape_graph import TapeGraph, graph_of
 from ..tensors import Meta, Slot
 
 
-class ValueKind(str, Enum):
+class ValueKind(TextEnum):
     """Where a value comes from. Leaves are kept (inputs) or fetched again by name (parameters,
     buffers); an external tensor the block read has no recorded producer."""
 
@@ -35,20 +35,14 @@ class ValueKind(str, Enum):
     BUFFER = "buffer"
     EXTERNAL = "external"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Mandatory(str, Enum):
+class Mandatory(TextEnum):
     """Why a value is in the mandatory set S0."""
 
     COLLECTIVE = "collective"
     DYNAMIC_SHAPE = "dynamic_shape"
     INVISIBLE_WRITE = "invisible_write"
     NO_PRODUCER = "no_producer"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 OP, INPUT, PARAM, BUFFER, EXTERNAL = ValueKind
