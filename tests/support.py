@@ -289,3 +289,40 @@ def process_group_of_one() -> Iterator[None]:
             yield
         finally:
             dist.destroy_process_group()
+
+
+def block_paths(blocks: list[tapesac_core.BlockTrace]) -> list[str]:
+    """The path each block took: "steady", or why it was recorded."""
+    return ["steady" if b.steady else str(b.recorded_because) for b in blocks]
+
+
+def hf_model(family: str, dropout: float) -> tuple[torch.nn.Module, type]:
+    """A tiny Hugging Face causal LM of ``family`` (qwen3, llama or gpt2) with ``dropout``, and
+    its decoder layer class."""
+    import transformers as tf
+
+    common = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4)
+    torch.manual_seed(0)
+    if family == "gpt2":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        config = tf.GPT2Config(
+            vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        )  # fmt: skip
+        return tf.GPT2LMHeadModel(config), GPT2Block
+    if family == "llama":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        config = tf.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_key_value_heads=2,
+            attention_dropout=dropout, **common,
+        )  # fmt: skip
+        return tf.LlamaForCausalLM(config), LlamaDecoderLayer
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    config = tf.Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_key_value_heads=2, head_dim=16,
+        attention_dropout=dropout, **common,
+    )  # fmt: skip
+    return tf.Qwen3ForCausalLM(config), Qwen3DecoderLayer

@@ -9,7 +9,14 @@ import logging
 
 import pytest
 import torch
-from support import assert_bitwise, assert_replayed_as_predicted, reference_and_copy, step
+from support import (
+    assert_bitwise,
+    assert_replayed_as_predicted,
+    block_paths,
+    hf_model,
+    reference_and_copy,
+    step,
+)
 
 import tapesac_core
 from tapesac_core.tape.steady import Recorded
@@ -18,10 +25,6 @@ from tapesac_core.tape.steady import Recorded
 # from it; the last repeats a length the template made a tape for.
 LENGTHS = (24, 40, 56, 30, 48, 20, 36, 30)
 FITTED = len(LENGTHS) - 4
-
-
-def _paths(blocks: list[tapesac_core.BlockTrace]) -> list[str]:
-    return ["steady" if b.steady else str(b.recorded_because) for b in blocks]
 
 
 def _ids(length: int) -> torch.Tensor:
@@ -43,7 +46,7 @@ def test_new_lengths_run_from_the_tape_other_lengths_predict_bitwise(config) -> 
             got = step(model, lambda: model.loss(ids), seed=i)
         assert_bitwise(ref, got)
         assert_replayed_as_predicted(blocks)
-        paths.append(set(_paths(blocks)))
+        paths.append(set(block_paths(blocks)))
     assert paths == [{str(Recorded.FIRST_CALL)}] * 4 + [{"steady"}] * FITTED
 
 
@@ -54,9 +57,7 @@ def test_new_lengths_run_from_the_tape_other_lengths_predict_bitwise(config) -> 
 def test_hugging_face_layers_with_dropout_run_in_steady_state_at_new_lengths(
     family: str, attention: str
 ) -> None:
-    from test_steady_state import _hf_model
-
-    reference, layer = _hf_model(family, 0.1)
+    reference, layer = hf_model(family, 0.1)
     reference.config._attn_implementation = attention
     reference.train()
     model = copy.deepcopy(reference)
@@ -113,7 +114,7 @@ def _bare(block: torch.nn.Module, lengths: list[int]) -> list[str]:
         with tapesac_core.trace() as blocks:
             got = step(block, lambda: block(x).pow(2).sum())
         assert_bitwise(ref, got)
-        paths.append(_paths(blocks)[0])
+        paths.append(block_paths(blocks)[0])
     return paths
 
 

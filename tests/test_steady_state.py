@@ -18,6 +18,8 @@ import torch
 from support import (
     assert_bitwise,
     assert_replayed_as_predicted,
+    block_paths,
+    hf_model,
     reference_and_copy,
     step,
     token_ids,
@@ -61,10 +63,6 @@ class InplaceViews(torch.nn.Module):
         return buf + x
 
 
-def _paths(blocks: list[tapesac_core.BlockTrace]) -> list[str]:
-    return ["steady" if b.steady else str(b.recorded_because) for b in blocks]
-
-
 def _run(model: torch.nn.Module, ids: torch.Tensor, **trace: bool) -> tuple:
     with tapesac_core.trace(**trace) as blocks:
         got = step(model, lambda: model.loss(ids))
@@ -91,7 +89,7 @@ def test_a_block_runs_in_steady_state_from_its_second_call_bitwise(config, path)
         assert_bitwise(ref, got)
         assert_replayed_as_predicted(blocks)
         expected = str(Recorded.FIRST_CALL) if i == 0 else path
-        assert _paths(blocks) == [expected] * len(blocks), i
+        assert block_paths(blocks) == [expected] * len(blocks), i
 
 
 def test_a_bare_checkpoint_module_runs_in_steady_state_on_its_second_call() -> None:
@@ -138,7 +136,7 @@ def test_random_ops_replay_from_states_derived_at_each_call(value_dependent) -> 
             got = step(block, lambda: block(x).pow(2).sum(), seed=i)
         assert_bitwise(ref, got)  # every mask replayed as drawn, under a new seed each step
         later = str(Recorded.RANDOM) if value_dependent else "steady"
-        assert _paths(blocks) == [str(Recorded.FIRST_CALL) if i == 0 else later]
+        assert block_paths(blocks) == [str(Recorded.FIRST_CALL) if i == 0 else later]
 
 
 def _forward_only(model: torch.nn.Module, ids: torch.Tensor, **trace: bool) -> tuple:
@@ -197,7 +195,7 @@ def test_steady_state_peaks_at_the_bytes_recording_peaks_at(family: str) -> None
         ids = token_ids(1, seq=64)
         loss = lambda: model.loss(ids)  # noqa: E731
     else:
-        model, layer = _hf_model("qwen3", 0.0)
+        model, layer = hf_model("qwen3", 0.0)
         tapesac_core.checkpoint_modules(model, {layer})
         ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(1))
         loss = lambda: model(input_ids=ids, labels=ids, use_cache=False).loss  # noqa: E731
@@ -226,7 +224,7 @@ def test_a_new_signature_records_and_an_old_one_runs_steady_again() -> None:
         ref = step(reference, lambda: reference.loss(ids), seed=0)
         got, blocks = _run(model, ids)
         assert_bitwise(ref, got)
-        seen.append(set(_paths(blocks)))
+        seen.append(set(block_paths(blocks)))
     first, steady = {str(Recorded.FIRST_CALL)}, {"steady"}
     assert seen == [first, steady, first, steady, steady, first]
 
@@ -241,7 +239,7 @@ def test_a_plan_change_between_steps_records_once_then_runs_steady() -> None:
         with tapesac_core.use_plan({"DecoderLayer": entry}):
             got, blocks = _run(model, ids)
         assert_bitwise(ref, got)
-        seen.append(_paths(blocks)[0] if blocks else "plain")
+        seen.append(block_paths(blocks)[0] if blocks else "plain")
     # must-only was cached by _holdable_plan's recording
     assert seen == [str(Recorded.FIRST_CALL), "steady", "steady", "steady", "plain"]
 
@@ -284,7 +282,7 @@ def test_a_forward_that_diverges_under_one_signature_gets_no_wrong_gradient(
             with tapesac_core.trace() as blocks:
                 got = step(block, lambda: block(x).sum())
             assert_bitwise(ref, got)
-            seen.append("diverged" if blocks[0].diverged else _paths(blocks)[0])
+            seen.append("diverged" if blocks[0].diverged else block_paths(blocks)[0])
     SWITCH["op"] = "relu"
     first = str(Recorded.FIRST_CALL)
     assert seen == [first, "steady", "diverged", first, "steady"]
@@ -458,7 +456,7 @@ def _fsdp2_rank(rank: int, out: str) -> None:
                 loss, grads = one_step(model, ids)
             differ = [n for n in ref_grads if not torch.equal(ref_grads[n], grads[n])]
             results.append(
-                dict(equal=torch.equal(ref_loss, loss) and not differ, steady=_paths(blocks))
+                dict(equal=torch.equal(ref_loss, loss) and not differ, steady=block_paths(blocks))
             )
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
@@ -495,7 +493,7 @@ def test_a_dispatch_mode_around_a_steady_state_call_is_not_a_divergence(caplog) 
                 got, blocks = _run(model, ids)
             assert_bitwise(ref, got)
             assert not any(b.diverged for b in blocks)
-    assert _paths(blocks) == ["steady"] * 4
+    assert block_paths(blocks) == ["steady"] * 4
     assert not caplog.records
 
 
@@ -511,40 +509,10 @@ def test_explain_says_when_a_regions_blocks_record_every_call() -> None:
         assert ("record every call, not only the first: data-dependent" in text) == says, text
 
 
-def _hf_model(family: str, dropout: float) -> tuple[torch.nn.Module, type]:
-    import transformers as tf
-
-    common = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4)
-    torch.manual_seed(0)
-    if family == "gpt2":
-        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-
-        config = tf.GPT2Config(
-            vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-        )  # fmt: skip
-        return tf.GPT2LMHeadModel(config), GPT2Block
-    if family == "llama":
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-        config = tf.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_key_value_heads=2,
-            attention_dropout=dropout, **common,
-        )  # fmt: skip
-        return tf.LlamaForCausalLM(config), LlamaDecoderLayer
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
-
-    config = tf.Qwen3Config(
-        hidden_size=64, intermediate_size=128, num_key_value_heads=2, head_dim=16,
-        attention_dropout=dropout, **common,
-    )  # fmt: skip
-    return tf.Qwen3ForCausalLM(config), Qwen3DecoderLayer
-
-
 @pytest.mark.parametrize("dropout", [0.1, 0.0], ids=["dropout", "no_dropout"])
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gpt2"])
 def test_hugging_face_models_are_bitwise_over_five_steps(family: str, dropout: float) -> None:
-    reference, layer = _hf_model(family, dropout)
+    reference, layer = hf_model(family, dropout)
     model = copy.deepcopy(reference)
     reference.train()
     model.train()
@@ -557,7 +525,7 @@ def test_hugging_face_models_are_bitwise_over_five_steps(family: str, dropout: f
             got = step(model, lambda: model(input_ids=ids, labels=ids).loss, seed=i)
         assert_bitwise(ref, got)
         assert_replayed_as_predicted(blocks)
-        seen.append(set(_paths(blocks)))
+        seen.append(set(block_paths(blocks)))
     later = {"steady"}  # with dropout too: its draws are replayed from derived states
     assert seen == [{str(Recorded.FIRST_CALL)}] + [later] * 4
 
