@@ -109,7 +109,9 @@ def _node(node: Node, f: Callable[[int], int]) -> Node:
     positions, names = _size_arguments(node.op)
     if not positions and not names:
         return node
-    args = [_map_ints(a, f) if i in positions else a for i, a in enumerate(node.args)]
+    args = type(node.args)(
+        _map_ints(a, f) if i in positions else a for i, a in enumerate(node.args)
+    )
     kwargs = {k: _map_ints(v, f) if k in names else v for k, v in node.kwargs.items()}
     return node._replace(args=args, kwargs=kwargs)
 
@@ -123,10 +125,9 @@ def _size_arguments(op: object) -> tuple[frozenset[int], frozenset[str]]:
     if not isinstance(op, OpOverload):
         return frozenset(), frozenset()
     arguments = op_schema(op).arguments
-    sized = [a for a in arguments if _integer_type(a.type)]
     return (
-        frozenset(i for i, a in enumerate(arguments) if not a.kwarg_only and a in sized),
-        frozenset(a.name for a in sized),
+        frozenset(i for i, a in enumerate(arguments) if not a.kwarg_only and _integer_type(a.type)),
+        frozenset(a.name for a in arguments if _integer_type(a.type)),
     )
 
 
@@ -307,8 +308,11 @@ class SizeTemplate:
     trusted: bool = False  # it predicted a recorded tape exactly at a size not fitted
 
     def __post_init__(self) -> None:
-        # Made once: a tape at a new size rebuilds only the objects whose sizes change.
+        # Made once: a tape at a new size rebuilds only the objects whose sizes change, and a
+        # recorded tape is checked against the base's skeleton and integers.
         self._changing = _changing(self.base, self.sizes)
+        self._skeleton = _skeleton(self.base)
+        self._integers = size_integers(self.base)
 
     def size_of(self, ints: Sequence[int]) -> int | None:
         """The ``s`` of a signature's integers, None if they do not lie on the template's curves."""
@@ -329,9 +333,8 @@ class SizeTemplate:
 
     def predicts(self, s: int, entry: SteadyTape) -> bool:
         """Whether the template's tape at ``s`` is ``entry``, integer for integer."""
-        return size_integers(self.at(s)) == size_integers(entry) and _skeleton(
-            self.base
-        ) == _skeleton(entry)
+        expected = [n if c is None else c.at(s) for n, c in zip(self._integers, self.sizes)]
+        return size_integers(entry) == expected and _skeleton(entry) == self._skeleton
 
 
 def fit(points: Sequence[tuple[Sequence[int], SteadyTape]]) -> SizeTemplate | None:
