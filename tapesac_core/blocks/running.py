@@ -23,8 +23,8 @@ inside a loop: compile the modules around the blocks then.
 
 from __future__ import annotations
 
-import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -53,8 +53,6 @@ from .refusals import (
     refuse_sharded_inside,
 )
 from .trace_scope import TORCH_CHECKPOINTING, TRACE, trace
-
-logger = logging.getLogger(__name__)
 
 RECORDING: ContextVar[Block | None] = ContextVar("tapesac_recording", default=None)
 
@@ -257,20 +255,17 @@ def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [a for a in args if isinstance(a, torch.Tensor)]
 
 
-_told_compiled = False
-
-
 @torch.compiler.disable
 def outside_compile(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """A block reached by torch.compile: Dynamo stops here (one graph break) and ``call`` runs
     the block eagerly with record and replay; the code around it stays compiled."""
-    global _told_compiled
-    if not _told_compiled:
-        _told_compiled = True
-        logger.info(
-            "TapeSAC: torch.compile leaves checkpointed blocks uncompiled (they run "
-            "eagerly, excluded with torch.compiler.disable); the rest of the model compiles"
-        )
+    # A warning, not a log line: Python's default filter shows it once per run, with no flag of ours.
+    warnings.warn(
+        "TapeSAC: torch.compile leaves checkpointed blocks uncompiled (they run eagerly, "
+        "excluded with torch.compiler.disable); the rest of the model compiles",
+        UserWarning,
+        stacklevel=2,
+    )
     return call(*args, **kwargs)
 
 
