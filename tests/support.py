@@ -239,7 +239,7 @@ def sample_plan() -> Plan:
         block_bytes=(0, 3 * MiB),
     )
     return Plan(
-        model="DecoderLayer",
+        model=("DecoderLayer",),
         regions={"DecoderLayer": region},
         capacity=20 * GiB,
         base=12 * GiB,

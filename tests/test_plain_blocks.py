@@ -92,7 +92,7 @@ def test_a_solved_plan_runs_its_blocks_as_their_kinds_say_and_reads_older_plans_
     reference, model, ids = _model()
     tape, plain, ckpt = BlockKind.TAPE, BlockKind.PLAIN, BlockKind.TORCH_CHECKPOINT
     plan = Plan(
-        model="DecoderLayer",
+        model=("DecoderLayer",),
         regions={
             "DecoderLayer": RegionPlan(
                 sequence="any",
@@ -124,11 +124,11 @@ def test_a_solved_plan_runs_its_blocks_as_their_kinds_say_and_reads_older_plans_
     assert kinds in plan.to_json()
     version_3 = (
         plan.to_json()
-        .replace('"version": 4', '"version": 3')
+        .replace('"version": 5', '"version": 3')
         .replace(kinds, '"plain": [false, true, false, true], ')
     )
     assert Plan.from_json(version_3).regions["DecoderLayer"].kinds == (tape, plain, tape, plain)
-    version_2 = plan.to_json().replace('"version": 4', '"version": 2').replace(kinds, "")
+    version_2 = plan.to_json().replace('"version": 5', '"version": 2').replace(kinds, "")
     assert Plan.from_json(version_2).regions["DecoderLayer"].kinds == ()  # used as before: none
 
 

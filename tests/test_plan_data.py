@@ -15,8 +15,9 @@ from tapesac_core.units import GiB, MiB
 def test_plan_json_round_trip() -> None:
     plan = sample_plan()
     text = plan.to_json()
-    assert json.loads(text)["version"] == PLAN_VERSION == 4
-    assert Plan.from_json(text, model="DecoderLayer", regions={"DecoderLayer": "abc-90"}) == plan
+    assert json.loads(text)["version"] == PLAN_VERSION == 5
+    assert json.loads(text)["model"] == ["DecoderLayer"]  # a list, never text split back
+    assert Plan.from_json(text, model=("DecoderLayer",), regions={"DecoderLayer": "abc-90"}) == plan
     assert plan.coordinates() == {
         "DecoderLayer": [frozenset(), frozenset({("aten.mm.default", 0, 0)})]
     }
@@ -26,13 +27,13 @@ def test_plan_json_round_trip() -> None:
 @pytest.mark.parametrize(
     "change, match",
     [
-        (dict(model="OtherLayer"), "comes from another model"),
+        (dict(model=("OtherLayer",)), "comes from another model"),
         (dict(regions={"DecoderLayer": "def-91"}), "op sequence changed"),
         (dict(regions={"DecoderLayer": "abc-90", "MoE": "x"}), "region set"),
     ],
 )
 def test_a_plan_from_another_model_or_region_set_is_refused(change, match) -> None:
-    kwargs = dict(model="DecoderLayer", regions={"DecoderLayer": "abc-90"}) | change
+    kwargs = dict(model=("DecoderLayer",), regions={"DecoderLayer": "abc-90"}) | change
     with pytest.raises(ValueError, match=match):
         Plan.from_json(sample_plan().to_json(), **kwargs)
 
@@ -68,7 +69,7 @@ def test_explain_keeps_columns_aligned_and_shows_an_ops_time_once() -> None:
     )
     region = RegionPlan(sequence="s", tokens=512, saved=saved, blocks=(frozenset(),))
     plan = Plan(
-        model="m",
+        model=("m",),
         regions={"DecoderLayer": region},
         capacity=GiB,
         base=MiB,
@@ -206,7 +207,7 @@ def test_a_plan_file_written_before_coord_was_a_type_loads_equal_and_writes_the_
         saved=saved,
     )
     expected = Plan(
-        model="DecoderLayer",
+        model=("DecoderLayer",),
         regions={"DecoderLayer": region},
         capacity=20 * GiB,
         base=12 * GiB,
@@ -223,9 +224,12 @@ def test_a_plan_file_written_before_coord_was_a_type_loads_equal_and_writes_the_
     )
     plan = Plan.from_json(PLAN_27189EC)
     # Version 2 plans are used as they are (they have no plain blocks).
-    assert plan == dataclasses.replace(expected, version=2) and PLAN_VERSION == 4
+    assert plan == dataclasses.replace(expected, version=2) and PLAN_VERSION == 5
     loaded = plan.regions["DecoderLayer"]
     assert all(type(c) is Coord for b in loaded.blocks for c in b)
     assert all(type(a) is Anchor for b in loaded.anchors for a in b)
     assert all(type(s.coord) is Coord for s in loaded.saved)
-    assert plan.to_json() == PLAN_27189EC
+    # Written the same, but for the model: its region types as a list since version 5.
+    assert plan.to_json() == PLAN_27189EC.replace(
+        '"DecoderLayer", "notes"', '["DecoderLayer"], "notes"'
+    )

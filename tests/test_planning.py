@@ -208,7 +208,7 @@ def _one_region_plan(tape: tapesac_core.Tape, saved: set[int], **region: object)
     from tapesac_core.plan.plan import Plan, RegionPlan
 
     return Plan(
-        model="m",
+        model=("m",),
         capacity=0,
         base=0,
         saved_bytes=0,

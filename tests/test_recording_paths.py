@@ -60,7 +60,7 @@ def _plan(c: Case, kind: str) -> Any:
     tape = c.must_only
     anchors = frozenset(tape.anchor(tape.find(coord)) for coord in c.coords[1::2])
     return Plan(
-        model="m",
+        model=("m",),
         capacity=0,
         base=0,
         saved_bytes=0,

@@ -145,7 +145,7 @@ def test_a_step_time_shorter_than_the_profiled_replay_gives_a_bounded_speedup():
         plan = solve_plan(
             c.profiles,
             edges,
-            model=c.model_key.fingerprint,
+            model=c.model_key.regions,
             capacity=report.plan.capacity,
             base=report.plan.base,
             config=c.config,

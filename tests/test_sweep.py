@@ -77,7 +77,7 @@ def test_more_memory_never_predicts_a_slower_step(sweep) -> None:
         solve_plan(
             controller.profiles,
             edges,
-            model="m",
+            model=("m",),
             capacity=must_only + extra,
             base=must_only,
             must_only_step_time=1.0,

@@ -23,11 +23,6 @@ class ModelKey:
 
     regions: tuple[str, ...]
 
-    @property
-    def fingerprint(self) -> str:
-        """The form a plan carries it in (``Plan.model``): the region types comma-joined."""
-        return ",".join(self.regions)
-
     def to_state(self) -> list[str]:
         """As a state dict holds it (written as JSON by the HF Trainer)."""
         return list(self.regions)
@@ -36,7 +31,7 @@ class ModelKey:
         """Whether a state's ``"model"`` is this key: its region types, or the comma-joined text
         a state before version 6 held (compared as written, not split)."""
         if isinstance(value, str):
-            return value == self.fingerprint
+            return value == ",".join(self.regions)
         return isinstance(value, (list, tuple)) and tuple(value) == self.regions
 
 
@@ -98,6 +93,5 @@ def plans_state(plans: Mapping[Bucket, Plan]) -> list[tuple[list[int], str]]:
 def plans_from_state(entries: Any, model: ModelKey) -> dict[Bucket, Plan]:
     """The plans ``plans_state`` wrote (or a state's from before version 5), for ``model``."""
     return {
-        k: Plan.from_json(v, model=model.fingerprint)
-        for k, v in from_bucket_entries(entries).items()
+        k: Plan.from_json(v, model=model.regions) for k, v in from_bucket_entries(entries).items()
     }

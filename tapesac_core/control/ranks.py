@@ -98,7 +98,7 @@ class RankAgreement:
         )
         if isinstance(payload[0], dict):
             raise TapeSACError(f"TapeSAC: solving the plan failed on rank 0: {payload[0]['error']}")
-        return Plan.from_json(payload[0], model=model.fingerprint)
+        return Plan.from_json(payload[0], model=model.regions)
 
     def _collective_device(self) -> torch.device:
         """Where this group's collectives take their tensors: the CPU for gloo, else the

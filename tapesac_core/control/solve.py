@@ -79,7 +79,7 @@ def solve_plan(
     profiles: Mapping[str, RegionProfile],
     tokens: Mapping[str, int],
     *,
-    model: str,
+    model: tuple[str, ...],
     capacity: int,
     base: int,
     must_only_step_time: float,

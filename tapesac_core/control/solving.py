@@ -73,7 +73,7 @@ class BucketSolver:
         plan = solve_plan(
             profiles,
             edges,
-            model=self.model_key.fingerprint,
+            model=self.model_key.regions,
             capacity=capacity,
             base=base,
             must_only_step_time=must_only_seconds,

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from ..units import format_bytes
 from .coords import Anchor, Coord
 
-PLAN_VERSION = 4  # 2: the predicted peak and the memory model that predicted it; 3: plain blocks;
-# 4: a kind per block (recorded, plain or under torch.utils.checkpoint).
-# Version 1 plans (Eq. 8, no predicted peak) are read for reports; versions 2 and 3 are used as they
+PLAN_VERSION = 5  # 2: the predicted peak and the memory model that predicted it; 3: plain blocks;
+# 4: a kind per block (recorded, plain or under torch.utils.checkpoint); 5: the model as a list of
+# its region types (was their comma-joined text).
+# Version 1 plans (Eq. 8, no predicted peak) are read for reports; versions 2 to 4 are used as they
 # are (2 has no plain blocks, 3 names them with a flag per block).
-_READABLE = (1, 2, 3, 4)
+_READABLE = (1, 2, 3, 4, 5)
 
 
 class BlockKind(Enum):
@@ -68,7 +69,7 @@ class RegionPlan:
 class Plan:
     """A plan for one token bucket, with its predictions."""
 
-    model: str  # fingerprint of the model's region types
+    model: tuple[str, ...]  # the model's region types, sorted
     regions: Mapping[str, RegionPlan]
     capacity: int  # bytes the step may use (Eq. 9)
     base: int  # must-only step peak at the bucket's tokens
@@ -133,7 +134,7 @@ class Plan:
         return json.dumps(
             {
                 "version": self.version,
-                "model": self.model,
+                "model": list(self.model),
                 "capacity": self.capacity,
                 "base": self.base,
                 "saved_bytes": self.saved_bytes,
@@ -174,22 +175,28 @@ class Plan:
 
     @classmethod
     def from_json(
-        cls, text: str, *, model: str | None = None, regions: Mapping[str, str] | None = None
+        cls,
+        text: str,
+        *,
+        model: Sequence[str] | None = None,
+        regions: Mapping[str, str] | None = None,
     ) -> Plan:
-        """Read a plan; ``model``/``regions`` (name -> op-sequence fingerprint) check it fits."""
+        """Read a plan; ``model`` (region types) and ``regions`` (name -> op-sequence fingerprint)
+        check it fits."""
         data = json.loads(text)
         if data.get("version") not in _READABLE:
             raise ValueError(
                 f"plan file has version {data.get('version')!r}; this TapeSAC reads "
                 f"version {PLAN_VERSION}. Solve the plan again (delete the plan cache)"
             )
-        if model is not None and data["model"] != model:
+        solved_for = _model(data["model"])
+        if model is not None and solved_for != tuple(model):
             raise ValueError(
-                f"plan was solved for model {data['model']!r}, not {model!r}: it "
-                "comes from another model. Solve the plan again"
+                f"plan was solved for a model of region types {', '.join(solved_for)}, not "
+                f"{', '.join(model)}: it comes from another model. Solve the plan again"
             )
         plan = cls(
-            model=data["model"],
+            model=solved_for,
             capacity=data["capacity"],
             base=data["base"],
             saved_bytes=data["saved_bytes"],
@@ -317,6 +324,12 @@ def _kinds(region: Mapping) -> tuple[BlockKind, ...]:
 
 def _anchor(a: list) -> Anchor:
     return Anchor(str(a[0]), str(a[1]), int(a[2]), int(a[3]))
+
+
+def _model(value: str | list[str]) -> tuple[str, ...]:
+    """A plan's region types. Versions before 5 wrote them comma-joined: read so that plan files
+    already on disk keep loading."""
+    return tuple(value.split(",")) if isinstance(value, str) else tuple(value)
 
 
 def _coord(c: list) -> Coord:
