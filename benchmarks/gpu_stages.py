@@ -66,7 +66,7 @@ def versions(args: argparse.Namespace) -> dict[str, Any]:
         "accelerate",
         "matplotlib",
         "tapesac_core",
-        "tapesac_lightning",
+        "tapesac_integrations",
         "examples.models",
     ):
         try:

@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     # What __getattr__ loads, spelled out for type checkers: keep in step with _EXPORTS.
     from .accelerate import TapeSACAccelerator, TapeSACPlugin
-    from .callback import TapeSACCallback
-    from .strategy import TapeSACFSDPStrategy
-    from .trainer import TapeSACTrainerCallback
+    from .hf_trainer import TapeSACTrainerCallback
+    from .lightning_callback import TapeSACCallback
+    from .lightning_strategy import TapeSACFSDPStrategy
 
 # Public name: its module, the extra that installs what it needs, and those libraries (an extra
 # named after its library needs no list).
 _EXPORTS = {
     "TapeSACAccelerator": (".accelerate", "accelerate"),
     "TapeSACPlugin": (".accelerate", "accelerate"),
-    "TapeSACCallback": (".callback", "lightning"),
-    "TapeSACFSDPStrategy": (".strategy", "lightning"),
-    "TapeSACTrainerCallback": (".trainer", "hf", "transformers", "accelerate"),
+    "TapeSACCallback": (".lightning_callback", "lightning"),
+    "TapeSACFSDPStrategy": (".lightning_strategy", "lightning"),
+    "TapeSACTrainerCallback": (".hf_trainer", "hf", "transformers", "accelerate"),
 }
 
 __all__ = [
@@ -57,7 +57,7 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module, extra, *libraries = _EXPORTS[name]
-    with needs_extra(extra, f"tapesac_lightning.{name}", *libraries):
+    with needs_extra(extra, f"tapesac_integrations.{name}", *libraries):
         value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value

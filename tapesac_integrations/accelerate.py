@@ -38,7 +38,7 @@ from tapesac_core.blocks.wrapping import (
 )
 
 from .driver import StepDiscarded, StepDriver, TokenCounter, open_at_forward, tokens_in
-from .logging import Publisher
+from .tracking import Publisher
 
 SETTINGS_ENV = "TAPESAC_ACCELERATE_SETTINGS"
 PREFIX = "tapesac_"

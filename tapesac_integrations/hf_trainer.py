@@ -31,7 +31,7 @@ from tapesac_core.metric_names import STATE_KEY
 
 from .accelerate import TapeSACPlugin, named_blocks
 from .driver import StepDiscarded, StepDriver, TokenCounter, open_at_forward, tokens_in
-from .logging import Publisher, step_metrics
+from .tracking import Publisher, step_metrics
 
 logger = logging.getLogger(__name__)
 

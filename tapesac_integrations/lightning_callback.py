@@ -11,12 +11,12 @@ from typing_extensions import override
 from tapesac_core.metric_names import STATE_KEY
 
 from .driver import StepDiscarded, StepDriver
-from .logging import Publisher
+from .tracking import Publisher
 
 if TYPE_CHECKING:
     from tapesac_core import Controller
 
-    from .strategy import TapeSACFSDPStrategy
+    from .lightning_strategy import TapeSACFSDPStrategy
 
 
 class TapeSACCallback(Callback):

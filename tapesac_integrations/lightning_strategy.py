@@ -25,8 +25,8 @@ from tapesac_core.blocks.wrapping import (
     repeated_blocks,
 )
 
-from .callback import TapeSACCallback
 from .driver import StepDriver, TokenCounter, tokens_in
+from .lightning_callback import TapeSACCallback
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
