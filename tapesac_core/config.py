@@ -217,8 +217,9 @@ class TapeSACConfig:
     knapsack_resolution: int = field(
         default=4096,
         metadata={
-            "help": "Capacity units of the dynamic program that picks one frontier point per "
-            "block; it should well exceed the number of blocks"
+            "help": "Units of the dynamic programs that pick one option per block (the peak "
+            "model's span the most bytes a plan can keep, Eq. 8's the capacity); it should well "
+            "exceed the number of blocks"
         },
     )
     memory_model: str = field(

@@ -144,7 +144,7 @@ def test_solve_peak_is_exact_against_brute_force() -> None:
                 )
             menus.append(opts)
         capacity = max(peaks) + rng.randint(0, 60)
-        picks = solve_peak(t, menus, capacity, resolution=capacity)  # 1-byte units: exact
+        picks = solve_peak(t, menus, capacity, resolution=_span(menus))  # 1-byte units: exact
         best = max(
             (sum(menus[i][c].gain for i, c in enumerate(combo)), combo)
             for combo in itertools.product(*[range(len(m)) for m in menus])
@@ -206,7 +206,7 @@ def test_solve_peak_is_exact_with_replay_deltas_and_micro_batches() -> None:
                 )
             menus.append(opts)
         capacity = max(s.peak for s in t.segments) + rng.randint(-30, 60)
-        picks = solve_peak(t, menus, capacity, resolution=max(1, capacity))  # 1-byte units: exact
+        picks = solve_peak(t, menus, capacity, resolution=_span(menus))  # 1-byte units: exact
         fits = [
             (sum(menus[i][c].gain for i, c in enumerate(combo)), combo)
             for combo in itertools.product(*[range(len(m)) for m in menus])
@@ -256,16 +256,52 @@ def test_when_no_plan_fits_the_plan_of_the_lowest_predicted_peak_runs() -> None:
     assert picks == (0, 1) and predict(t, [m[c] for m, c in zip(menus, picks)]).peak == 120
 
 
+def _span(menus) -> int:
+    """The resolution of 1-byte units: the most bytes the menus can keep."""
+    return max(1, sum(max(o.bytes for o in m) for m in menus))
+
+
 def test_solve_peak_rounds_bytes_up_so_the_plan_fits() -> None:
     t = _timeline([100, 100], [(0, 0), (0, 1)])
     menus = [[Option(bytes=0, gain=0.0, point=0), Option(bytes=7, gain=1.0, point=1)]] * 2
     assert solve_peak(t, menus, 114, resolution=4096) == (1, 1)
     assert solve_peak(t, menus, 113, resolution=4096) in ((0, 1), (1, 0))
-    # 13 bytes of room in 2 units of 7 bytes: 8 bytes round up to 2 units and no longer fit.
-    eight = [[Option(bytes=0, gain=0.0, point=0), Option(bytes=8, gain=1.0, point=1)]] * 2
-    assert solve_peak(t, eight, 113, resolution=2) == (0, 0)
-    assert solve_peak(t, eight, 113, resolution=13) in ((0, 1), (1, 0))
+    # One unit of 10 bytes: 5 bytes round up to it, and 13 bytes of room hold one unit.
+    five = [[Option(bytes=0, gain=0.0, point=0), Option(bytes=5, gain=1.0, point=1)]] * 2
+    assert solve_peak(t, five, 113, resolution=1) in ((0, 1), (1, 0))
+    assert solve_peak(t, five, 113, resolution=10) == (1, 1)
     assert solve_peak(_timeline([120, 100], [(1, 0), (0, 1)]), menus, 110) is None
+
+
+def test_a_larger_capacity_never_picks_a_plan_of_less_gain() -> None:
+    """The DP's unit comes from the menus, not the capacity: with units of the room above the
+    lowest peak (before), 114 fit both 7-byte options in units of 7 and 115 only one, in units
+    of 8. Over random timelines and capacities the best gain rises with the capacity."""
+    t = _timeline([100, 100], [(0, 0), (0, 1)])
+    sevens = [[Option(bytes=0, gain=0.0, point=0), Option(bytes=7, gain=1.0, point=1)]] * 2
+    assert solve_peak(t, sevens, 114, resolution=2) == solve_peak(t, sevens, 115, resolution=2)
+    assert solve_peak(t, sevens, 115, resolution=2) == (1, 1)
+    rng = random.Random(5)
+    for trial in range(40):
+        t = _windows_timeline(rng, rng.randint(1, 2), rng.randint(1, 3), rng.randint(1, 2))
+        menus = []
+        for _ in t.blocks:
+            opts = [Option(bytes=0, gain=0.0, point=0)]
+            for p in range(1, rng.randint(2, 5)):
+                opts.append(
+                    Option(
+                        bytes=opts[-1].bytes + rng.randint(1, 3000),
+                        gain=opts[-1].gain + rng.randint(1, 9),
+                        point=p,
+                        replay=(rng.randint(-40, 5),),
+                    )
+                )
+            menus.append(opts)
+        gains = []
+        for capacity in range(100, 100 + 12000, 97):
+            picks = solve_peak(t, menus, capacity, resolution=64)
+            gains.append(-1.0 if picks is None else sum(m[c].gain for m, c in zip(menus, picks)))
+        assert gains == sorted(gains), trial
 
 
 def test_a_second_micro_batch_starts_from_freed_memory() -> None:

@@ -105,3 +105,14 @@ def test_region_frontier_validation(points, blocks, message):
 def test_resolution_must_be_positive():
     with pytest.raises(ValueError, match="resolution"):
         solve_knapsack({"attn": ATTN}, capacity=10, resolution=0)
+
+
+@settings(max_examples=200, derandomize=True, deadline=None, database=None)
+@given(instances(), st.integers(1, 60))
+def test_a_larger_capacity_never_gains_less(instance, more):
+    """Weights round up in units of capacity / resolution, so each falls as the capacity rises:
+    a larger capacity admits every choice a smaller one did (monotone by construction)."""
+    regions, capacity, resolution = instance
+    smaller = solve_knapsack(regions, capacity, resolution)
+    larger = solve_knapsack(regions, capacity + more, resolution)
+    assert larger.gain >= smaller.gain

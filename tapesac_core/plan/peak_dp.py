@@ -28,8 +28,12 @@ def solve_peak(
 
     Exact dynamic program over blocks in forward order. Blocks whose alive ranges overlap form a
     group (a micro-batch); the state is the bytes kept by the group's blocks so far, in units of
-    ``(capacity - lowest segment peak) / resolution`` with each option's bytes rounded up, so the
-    result fits in true bytes. A segment is checked at its last alive block, with that block's own
+    ``span / resolution`` (``span``: the most bytes the menus can keep, every block's largest
+    option) with each option's bytes rounded up, so the result fits in true bytes. The unit does
+    not depend on ``capacity``, so a larger capacity only admits more plans: the best gain never
+    falls as the capacity rises, and among equal gains the fewest units win (monotone in the
+    limit by construction; a capacity-relative unit rounded the same option differently at
+    different limits). A segment is checked at its last alive block, with that block's own
     option; it counts the whole group up to there (a narrower range only has fewer bytes), and a
     segment replaying a block other than its last alive one takes that block's worst delta.
     Segments are handled as arrays: a timeline has one per unpack and phase of every block.
@@ -58,8 +62,11 @@ def solve_peak(
     )
     joined = opens[:n] > 0  # block i shares a segment with block i - 1
     lowest = int(seg.peak[alive].min()) if alive.any() else capacity
-    unit = max(1, -(-max(1, capacity - lowest) // resolution))
-    units = max(0, capacity - lowest) // unit + 1
+    unit = _unit(menus, resolution)
+    # No state above what every block's largest option keeps is reachable: a generous capacity
+    # costs no more states than that.
+    most = sum(-(-max(o.bytes for o in m) // unit) for m in menus)
+    units = min(max(0, capacity - lowest) // unit, most) + 1
     order = np.flatnonzero(alive)
     order = order[np.argsort(seg.last[order], kind="stable")]
     bounds = np.searchsorted(seg.last[order], np.arange(n + 1))
@@ -106,6 +113,12 @@ def solve_peak(
         if reset is not None:
             state = reset
     return tuple(picks)
+
+
+def _unit(menus: Sequence[Sequence[Option]], resolution: int) -> int:
+    """Bytes per DP state: ``resolution`` units span the most bytes the menus can keep."""
+    span = sum(max(o.bytes for o in m) for m in menus)
+    return max(1, -(-span // resolution))
 
 
 def _own_lingering(timeline: Timeline) -> dict[int, dict[int, list[int]]]:
