@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 
 from .units import MiB, format_bytes
@@ -288,6 +289,7 @@ class TapeSACConfig:
             raise ValueError("reprofile_factor must be > 1 and resample_tolerance in (0, 1)")
         if not 0.0 < self.near_limit <= 1.0:
             raise ValueError(f"near_limit must lie in (0, 1], got {self.near_limit}")
+        _warn_if_plans_reach_near_limit(self.parsed_memory_limit, self.margin, self.near_limit)
         if self.replay_tolerance <= 0 or self.speedup_band <= 0 or self.mismatch_windows < 1:
             raise ValueError("replay_tolerance and speedup_band must be > 0, mismatch_windows >= 1")
         if self.memory_model not in ("peak", "sum"):
@@ -299,3 +301,22 @@ class TapeSACConfig:
             )
         if self.beam_width < 1 or self.max_set_size < 1 or self.knapsack_resolution < 1:
             raise ValueError("beam_width, max_set_size and knapsack_resolution must be >= 1")
+
+
+def _warn_if_plans_reach_near_limit(limit: MemoryLimit, margin: float, near_limit: float) -> None:
+    """Plans fill the capacity the margin leaves, a share ``1 - margin`` of an absolute limit
+    (``1 - margin / fraction`` of a fractional one). Above ``near_limit``, every metered step of
+    a plan that fills it raises the fragmentation estimate and plans shrink for no reason."""
+    if limit.must_only:
+        return
+    share = limit.fraction if limit.fraction is not None else 1.0  # margin's unit, in limits
+    filled = 1 - margin / share
+    if filled > near_limit:
+        warnings.warn(
+            f"TapeSACConfig: margin={margin:g} lets plans fill {filled:.1%} of the limit, above "
+            f"near_limit={near_limit:g}: every metered step of such a plan would raise the "
+            f"fragmentation estimate and shrink the plans. Fix: near_limit=1.0, or "
+            f"margin={(1 - near_limit) * share:g} or more",
+            UserWarning,
+            stacklevel=4,
+        )

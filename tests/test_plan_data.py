@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import warnings
 
 import pytest
 from support import sample_plan
@@ -233,3 +234,16 @@ def test_a_plan_file_written_before_coord_was_a_type_loads_equal_and_writes_the_
     assert plan.to_json() == PLAN_27189EC.replace(
         '"DecoderLayer", "notes"', '["DecoderLayer"], "notes"'
     )
+
+
+def test_a_margin_that_lets_plans_reach_near_limit_is_told_once_with_the_fix() -> None:
+    with pytest.warns(UserWarning, match=r"fill 100\.0% of the limit.*Fix: near_limit=1\.0"):
+        TapeSACConfig(memory_limit="1GiB", margin=0.0)
+    # A fractional limit's margin is a share of device memory: 0.004 of it is 0.8% of 0.5.
+    with pytest.warns(UserWarning, match=r"fill 99\.2% .* margin=0\.005 or more"):
+        TapeSACConfig(memory_limit=0.5, margin=0.004)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TapeSACConfig(memory_limit="1GiB", margin=0.0, near_limit=1.0)
+        TapeSACConfig(memory_limit=0.9)  # the defaults: plans fill 97.8%, below 0.99
+        TapeSACConfig(memory_limit=0.0, margin=0.0)  # must-only: nothing is planned to fill
