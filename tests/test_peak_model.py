@@ -10,7 +10,7 @@ import pytest
 from tapesac_core.plan import Graph
 from tapesac_core.plan.menus import RegionMenu
 from tapesac_core.plan.peak import Option, predict
-from tapesac_core.plan.peak_dp import solve_peak
+from tapesac_core.plan.peak_dp import lowest_peak, solve_peak
 from tapesac_core.plan.peak_timeline import (
     FORWARD_END,
     FORWARD_START,
@@ -224,8 +224,6 @@ def test_when_no_plan_fits_the_plan_of_the_lowest_predicted_peak_runs() -> None:
     """Block 1's window sets the must-only peak (150). Saving 10 bytes there removes 40 of its
     replay temporaries (120); saving 30 removes 45 (135); block 0's 5 bytes are alive in that
     window too (+5). Under a capacity of 100 nothing fits: the lowest peak, 120, runs."""
-    from tapesac_core.control.solve import _lowest_peak
-
     t = _windows_timeline(random.Random(0), 1, 2, 1)
     t = Timeline(
         tokens=1,
@@ -251,7 +249,7 @@ def test_when_no_plan_fits_the_plan_of_the_lowest_predicted_peak_runs() -> None:
     ]
     assert predict(t, [zero, zero]).peak == 150
     assert solve_peak(t, menus, 100) is None  # below every plan's peak
-    picks = _lowest_peak(t, menus, 100, resolution=4096)
+    picks = lowest_peak(t, menus, 100, resolution=4096)
     # Block 1 saves 10 (its window 150 + 10 - 40 = 120); block 0's 5 more would make it 125.
     assert picks == (0, 1) and predict(t, [m[c] for m, c in zip(menus, picks)]).peak == 120
 

@@ -373,7 +373,8 @@ class Controller:
     def _plan(self, key: Bucket) -> Plan:
         if key not in self.plans:
             edges = self.buckets.edges(key)
-            plan = self.solver.plan(key, edges, self.memory, self.budget)
+            previous = self.plan_cache.previous.get(key)
+            plan = self.solver.plan(key, edges, self.memory, self.budget, previous)
             self.plan_cache.store(key, plan, edges)
         return self.plans[key]
 

@@ -47,12 +47,16 @@ class PlanCache:
 
     def __init__(self, schedule: StepSchedule, times: StepTimes) -> None:
         self.plans: dict[Bucket, Plan] = {}
+        # Each forgotten bucket's last plan, until it is solved again: the choices the new
+        # solve keeps unless a change clearly gains (``plan.hysteresis``).
+        self.previous: dict[Bucket, Plan] = {}
         self.schedule = schedule
         self.times = times
 
     def store(self, key: Bucket, plan: Plan, edges: Mapping[str, int]) -> None:
         """Bucket ``key``'s plan, just solved for token counts ``edges``."""
         self.plans[key] = plan
+        self.previous.pop(key, None)
         logger.info("TapeSAC solved bucket %s (tokens %s):\n%s", key, edges, plan.explain())
 
     def outgrown(self, key: Bucket, tokens: Mapping[str, int]) -> Plan | None:
@@ -67,19 +71,20 @@ class PlanCache:
         """Bucket ``key`` is solved again at its next planned step, for ``why``; its planned
         steps' times, of the old plan, are dropped."""
         logger.info("TapeSAC: bucket %s is solved again: %s", key, why)
-        del self.plans[key]
+        self.previous[key] = self.plans.pop(key)
         self.schedule.forget_plan(key)
         self.times.forget_planned(key)
 
     def forget(self) -> None:
         """Every bucket is solved again (and its first planned step metered again on CPU)."""
+        self.previous.update(self.plans)
         self.plans.clear()
         self.schedule.forget_plans()
 
     def restore(self, plans: dict[Bucket, Plan], buckets: TokenBuckets) -> None:
         """The plans of a resumed run (``saved_plans``): the bucket of each plan of every
         region has seen the tokens it was solved for."""
-        self.plans = plans
+        self.plans, self.previous = plans, {}
         for key, plan in plans.items():
             if set(plan.regions) == set(buckets.regions):
                 buckets.restore(key, solved_for(plan))

@@ -9,11 +9,12 @@ import logging
 import math
 import statistics
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..measure.timing import seconds
 from ..plan import Point, replay_time, saved_bytes, solve_frontier
+from ..plan.coords import ValueName
 from ..plan.tape_graph import TapeGraph, graph_of
 from ..tape.block import BlockTrace
 from ..tape.steady import savable_values
@@ -46,6 +47,9 @@ class RegionProfile:
     # Values of the reference block backward took alive when profiled (``BlockTrace.alive_taken``):
     # alive at its backward whatever the plan, so running the block plain keeps them at no cost.
     alive: frozenset[int] = frozenset()
+    # How far the blocks that timed the op sequence disagree on its must-only replay time
+    # (``_spread``): the noise in this profile's estimates, which a plan change must beat.
+    replay_spread: float = 0.0
 
     @property
     def forward_overhead(self) -> float:
@@ -105,6 +109,19 @@ class RegionProfile:
         fixed = tape.saved_bytes(self.graph.value_ids(point.saved) & tape.token_independent)
         return fixed + math.ceil((point.bytes - fixed) * factor)
 
+    def pricer(self, tokens: int) -> Callable[[frozenset[ValueName]], Point | None]:
+        """A save set's point at ``tokens`` (None where the tape lacks one of its values)."""
+        graph, factor = self.graph, tokens / self.tokens
+
+        def point(saved: frozenset[ValueName]) -> Point | None:
+            if not saved <= graph.ids.keys():
+                return None
+            ids = graph.value_ids(saved)
+            raw = Point(bytes=saved_bytes(graph, ids), time=replay_time(graph, ids), saved=saved)
+            return Point(bytes=self.bytes_at(raw, factor), time=raw.time * factor, saved=saved)
+
+        return point
+
     @functools.cached_property
     def _frontiers(self) -> dict[tuple[int, int], tuple[Point, ...]]:
         return {}
@@ -143,7 +160,7 @@ def plain_bytes(tape: Tape, alive: Iterable[int] = ()) -> int:
     return saved_bytes(graph, plain_demand(graph, tape, alive))
 
 
-def _repeated(samples: list[Mapping[int, float]]) -> dict[int, float]:
+def _repeated(samples: Sequence[Mapping[int, float]]) -> dict[int, float]:
     """Per node, the median over the blocks that timed it (one run each): with three or more
     blocks a single disturbed run cannot set a node's time; with two, the minimum keeps the
     undisturbed one (a busy host only ever adds time)."""
@@ -153,6 +170,18 @@ def _repeated(samples: list[Mapping[int, float]]) -> dict[int, float]:
         times = [s[i] for s in samples if i in s]
         out[i] = statistics.median(times) if len(times) > 2 else min(times)
     return out
+
+
+def _spread(samples: Sequence[Mapping[int, float]]) -> float:
+    """The median absolute deviation of the blocks' replay times over their median, each block's
+    the sum over the nodes every block timed; 0 with fewer than two blocks (no second estimate).
+    The median deviation, not the range: one disturbed block does not set it."""
+    common = set.intersection(*(set(s) for s in samples)) if samples else set()
+    totals = [math.fsum(s[i] for i in common) for s in samples]
+    middle = statistics.median(totals) if len(totals) > 1 else 0.0
+    if middle <= 0:
+        return 0.0
+    return statistics.median(abs(t - middle) for t in totals) / middle
 
 
 def region_profiles(
@@ -168,13 +197,12 @@ def region_profiles(
         common, _ = Counter(b.tape.fingerprint for b in traces).most_common(1)[0]
         reference = next(b for b in traces if b.tape.fingerprint == common)
         same = [b for b in traces if b.tape.fingerprint == common]
+        replayed = [{i: min(map(seconds, s)) for i, s in b.node_times.items()} for b in same]
         profiles[region] = RegionProfile(
             region=region,
             tape=reference.tape,
             tokens=tokens[region],
-            node_time=_repeated(
-                [{i: min(map(seconds, s)) for i, s in b.node_times.items()} for b in same]
-            ),
+            node_time=_repeated(replayed),
             forward_time=_repeated(
                 [{i: seconds(s) for i, s in b.forward_times.items()} for b in same]
             ),
@@ -182,6 +210,7 @@ def region_profiles(
             recording_overhead=_recording_overhead(same),
             plain_worst=max(plain_bytes(b.tape, b.alive_taken) for b in traces),
             alive=frozenset(reference.alive_taken),
+            replay_spread=_spread(replayed),
         )
     return profiles
 
@@ -219,6 +248,8 @@ def merged(old: RegionProfile | None, new: RegionProfile) -> RegionProfile:
         # The worst block over every profiling step, not the last step's alone.
         plain_worst=max(new.plain_worst, math.ceil(old.plain_worst * f)),
         alive=new.alive,
+        # Either step's disagreement: the times kept are the shorter of two noisy estimates.
+        replay_spread=max(old.replay_spread, new.replay_spread),
     )
 
 

@@ -10,9 +10,10 @@ from typing import NamedTuple
 from ..config import TapeSACConfig
 from ..measure.step_time import StepTime
 from ..plan import Point, RegionFrontier, replay_time, saved_bytes, solve_knapsack
+from ..plan.hysteresis import favour_previous, previous_points, with_previous_sets
 from ..plan.menus import RegionMenu, menus_of
-from ..plan.peak import Option, predict
-from ..plan.peak_dp import solve_peak
+from ..plan.peak import predict
+from ..plan.peak_dp import lowest_peak, solve_peak
 from ..plan.peak_timeline import Timeline
 from ..plan.plan import BlockKind, Plan, RegionPlan, Saved
 from ..tape.steady import tape_blocker
@@ -86,6 +87,7 @@ def solve_plan(
     config: TapeSACConfig,
     timeline: Timeline | None = None,
     torch_checkpoint_gains: Mapping[str, float] | None = None,
+    previous: Plan | None = None,
 ) -> Plan:
     """The plan maximising replay time removed with its predicted step peak ≤ capacity.
 
@@ -100,16 +102,28 @@ def solve_plan(
     torch.utils.checkpoint where ``torch_checkpoint_gains`` names a region: the seconds per block
     that running so saves against must-only, positive (``torch_checkpoint_gains``).
 
+    A bucket solved again (``previous``: its plan until now) keeps each block's previous option
+    unless another gains clearly more, beyond the spread of the region's profiled replay times
+    (``plan.hysteresis``; the timeline model only).
+
     Its predicted speedup comes from ``StepTime``: ``must_only_step_time`` minus the modelled
     must-only replay is the time outside replay (floored, see ``StepTime.model``), so the
     prediction is finite and at most must-only / outside, whatever the profiled times were.
     """
     frontiers = _frontiers(profiles, tokens, config)
+    if previous is not None and config.memory_model == "peak" and timeline is not None:
+        if _matches(timeline, profiles):  # the peak model's menus, not Eq. 8's frontiers
+            frontiers = {
+                r: with_previous_sets(f, previous.regions.get(r), profiles[r].pricer(tokens[r]))
+                for r, f in frontiers.items()
+            }
     budget = capacity - base
     gains = torch_checkpoint_gains or {}
     extras = {r: _extra_kinds(config, gains.get(r, 0.0)) for r in profiles}
     peak = (
-        _peak_choice(profiles, frontiers, tokens, timeline, capacity, base, config, extras, gains)
+        _peak_choice(
+            profiles, frontiers, tokens, timeline, capacity, base, config, extras, gains, previous
+        )
         if config.memory_model == "peak" and timeline is not None
         else None
     )
@@ -306,22 +320,29 @@ def _peak_choice(
     config: TapeSACConfig,
     extras: Mapping[str, tuple[BlockKind, ...]],
     torch_checkpoint_gains: Mapping[str, float],
+    previous: Plan | None,
 ) -> PeakChoice | None:
     """The plan under the timeline model; None when the timeline's blocks do not match the
     profiles (the caller falls back to Eq. 8)."""
     if not _matches(timeline, profiles):
         return None
     scaled_timeline = timeline.scaled(base)
-    menus = menus_of(
-        scaled_timeline,
-        region_menus(profiles, frontiers, tokens, extras, torch_checkpoint_gains),
-    )
-    picks = solve_peak(scaled_timeline, menus, capacity, resolution=config.knapsack_resolution)
+    regions = region_menus(profiles, frontiers, tokens, extras, torch_checkpoint_gains)
+    menus = menus_of(scaled_timeline, regions)
+    biased = menus
+    if previous is not None:  # solved again: a change must beat the profiles' noise
+        spreads = [
+            profiles[b.region].replay_spread if b.region in profiles else 0.0
+            for b in timeline.blocks
+        ]
+        points = previous_points(scaled_timeline, regions, previous)
+        biased = favour_previous(menus, points, spreads)
+    picks = solve_peak(scaled_timeline, biased, capacity, resolution=config.knapsack_resolution)
     if picks is None:  # a limit of 0 asks for must-only, any other for the least memory
         picks = (
             (0,) * len(menus)
             if config.parsed_memory_limit.must_only
-            else _lowest_peak(scaled_timeline, menus, capacity, config.knapsack_resolution)
+            else lowest_peak(scaled_timeline, menus, capacity, config.knapsack_resolution)
         )
     options = [m[c] for m, c in zip(menus, picks)]
     prediction = predict(scaled_timeline, options)
@@ -336,25 +357,6 @@ def _peak_choice(
         predicted=prediction.peak,
         peak_at=prediction.label,
     )
-
-
-def _lowest_peak(
-    timeline: Timeline, menus: list[list[Option]], capacity: int, resolution: int
-) -> tuple[int, ...]:
-    """When no plan fits ``capacity``: the fastest plan among those of the lowest predicted peak
-    (to 0.1% of the step's peak), by bisection on the capacity. Saving removes replay
-    temporaries, so that is often well below must-only's peak, the upper end."""
-    must_only = (0,) * len(menus)
-    high = predict(timeline, [m[0] for m in menus]).peak
-    low, best = capacity, must_only
-    while high - low > max(1, high // 1000):
-        middle = (low + high) // 2
-        picks = solve_peak(timeline, menus, middle, resolution=resolution)
-        if picks is None:
-            low = middle
-        else:
-            high, best = middle, picks
-    return best
 
 
 def _region_plan(

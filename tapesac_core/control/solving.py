@@ -43,14 +43,21 @@ class BucketSolver:
         self.on_cpu = device_type == "cpu"
 
     def plan(
-        self, key: Bucket, edges: dict[str, int], memory: MemoryModel, budget: MemoryBudget
+        self,
+        key: Bucket,
+        edges: dict[str, int],
+        memory: MemoryModel,
+        budget: MemoryBudget,
+        previous: Plan | None = None,
     ) -> Plan:
         """Bucket ``key``'s plan at token counts ``edges``, the same on every rank: rank 0 solves
-        (``solve``) with the smallest budget any rank has."""
+        (``solve``) with the smallest budget any rank has; ``previous``, the bucket's plan until
+        it was to be solved again, is kept where a change would not clearly gain."""
         base = memory.base(self.buckets.primary(edges))
         agreed = self.ranks.smallest(budget.capacity(memory) - base)
         plan = self.ranks.plan_of_rank_0(
-            lambda: self.solve(edges, agreed + base, base, key, memory, budget), self.model_key
+            lambda: self.solve(edges, agreed + base, base, key, memory, budget, previous),
+            self.model_key,
         )
         self.pricing.priced(key)
         return plan
@@ -63,9 +70,10 @@ class BucketSolver:
         key: Bucket,
         memory: MemoryModel,
         budget: MemoryBudget,
+        previous: Plan | None = None,
     ) -> Plan:
         """What rank 0 runs: bucket ``key``'s plan at token counts ``edges`` within ``capacity``,
-        from a must-only step peak of ``base``."""
+        from a must-only step peak of ``base`` (``previous``: see ``plan``)."""
         if self.on_cpu:
             self.profiling.calibrate(edges)
         profiles = self.profiling.of(edges)
@@ -80,6 +88,7 @@ class BucketSolver:
             config=budget.config,
             timeline=memory.timeline(self.buckets.primary(edges)),
             torch_checkpoint_gains=self.pricing.gains(key, profiles, edges, must_only_seconds),
+            previous=previous,
         )
         # Under the peak-aware model a must-only peak above the capacity is not the end: saving
         # removes replay temporaries, so only a plan predicted above it means nothing fits.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .peak import Option
+from .peak import Option, predict
 from .peak_timeline import COMPUTE, FORWARD, RELEASING, REPLAY, Timeline
 
 
@@ -119,6 +119,25 @@ def _unit(menus: Sequence[Sequence[Option]], resolution: int) -> int:
     """Bytes per DP state: ``resolution`` units span the most bytes the menus can keep."""
     span = sum(max(o.bytes for o in m) for m in menus)
     return max(1, -(-span // resolution))
+
+
+def lowest_peak(
+    timeline: Timeline, menus: list[list[Option]], capacity: int, resolution: int
+) -> tuple[int, ...]:
+    """When no plan fits ``capacity``: the fastest plan among those of the lowest predicted peak
+    (to 0.1% of the step's peak), by bisection on the capacity. Saving removes replay
+    temporaries, so that is often well below must-only's peak, the upper end."""
+    must_only = (0,) * len(menus)
+    high = predict(timeline, [m[0] for m in menus]).peak
+    low, best = capacity, must_only
+    while high - low > max(1, high // 1000):
+        middle = (low + high) // 2
+        picks = solve_peak(timeline, menus, middle, resolution=resolution)
+        if picks is None:
+            low = middle
+        else:
+            high, best = middle, picks
+    return best
 
 
 def _own_lingering(timeline: Timeline) -> dict[int, dict[int, list[int]]]:
