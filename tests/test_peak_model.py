@@ -279,22 +279,21 @@ def test_a_larger_capacity_never_picks_a_plan_of_less_gain() -> None:
     sevens = [[Option(bytes=0, gain=0.0, point=0), Option(bytes=7, gain=1.0, point=1)]] * 2
     assert solve_peak(t, sevens, 114, resolution=2) == solve_peak(t, sevens, 115, resolution=2)
     assert solve_peak(t, sevens, 115, resolution=2) == (1, 1)
-    rng = random.Random(5)
+    rng = random.Random(7)  # trials 0-39 include two the capacity-relative unit failed
     for trial in range(40):
         t = _windows_timeline(rng, rng.randint(1, 2), rng.randint(1, 3), rng.randint(1, 2))
         menus = []
         for _ in t.blocks:
-            opts = [Option(bytes=0, gain=0.0, point=0)]
-            for p in range(1, rng.randint(2, 5)):
-                opts.append(
-                    Option(
-                        bytes=opts[-1].bytes + rng.randint(1, 3000),
-                        gain=opts[-1].gain + rng.randint(1, 9),
-                        point=p,
-                        replay=(rng.randint(-40, 5),),
-                    )
-                )
-            menus.append(opts)
+            more = range(rng.randint(1, 4))
+            sizes = [0, *itertools.accumulate(rng.randint(1, 3000) for _ in more)]
+            gained = [0, *itertools.accumulate(rng.randint(1, 9) for _ in more)]
+            deltas = [()] + [(rng.randint(-40, 5),) for _ in more]
+            menus.append(
+                [
+                    Option(bytes=b, gain=float(g), point=i, replay=d)
+                    for i, (b, g, d) in enumerate(zip(sizes, gained, deltas))
+                ]
+            )
         gains = []
         for capacity in range(100, 100 + 12000, 97):
             picks = solve_peak(t, menus, capacity, resolution=64)
