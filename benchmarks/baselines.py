@@ -210,7 +210,11 @@ def policy_replay_methods(
     tape: tapesac_core.Tape, model: torch.nn.Module, region: str
 ) -> list[Method]:
     """The hand-written policies' saved sets as TapeSAC coordinates (named on ``tape``, a
-    recorded block), replayed by TapeSAC on ``model``'s blocks of ``region``."""
+    recorded block), replayed by TapeSAC on a copy each of ``model``'s blocks of ``region``.
+
+    Each TapeSAC row runs its own copy of the model, as a training run does: a block caches the
+    tapes of a few signatures, its plan entry among them, and twenty rows sharing one model
+    would evict each other's every step, so that every call recorded."""
     methods = []
     for which, label in POLICIES.items():
         plan = {region: policy_coordinates(tape, which)}
@@ -218,7 +222,7 @@ def policy_replay_methods(
             Method(
                 f"{which}_tapesac",
                 "tapesac_policy",
-                model,
+                copy.deepcopy(model),
                 context=partial(tapesac_core.use_plan, plan),
                 plan=plan,
                 note=f"{label}'s saved set as TapeSAC coordinates, replayed",

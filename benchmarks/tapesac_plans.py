@@ -196,7 +196,9 @@ def planned_methods(
             continue
         m = planned_method(
             name,
-            model,
+            copy.deepcopy(
+                model
+            ),  # its own steady-state tapes (see policy_replay_methods in baselines.py)
             plan,
             f"Controller plan: saves {plan.saved_bytes} B beyond S0, predicted "
             f"{plan.predicted_speedup:.3f}x vs must-only; per block: "
