@@ -5,6 +5,7 @@ no curve of the length, or stop following it, its calls record and no gradient i
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 
 import pytest
@@ -134,3 +135,38 @@ def test_a_clamp_past_the_lengths_seen_is_caught_and_recorded_again(caplog) -> N
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     assert "other ops than its tape that calls at other sizes predicted" in warnings[0]
+
+
+def test_a_module_caches_a_bounded_number_of_signatures_and_kinds() -> None:
+    """More plan entries than the cache holds, cycled: each call records (the oldest entry was
+    evicted), and the cache never holds more than its bound; as many as it holds, cycled, run in
+    steady state from the second round on."""
+    from tapesac_core.tape.steady_cache import CACHED_KINDS, CACHED_SIGNATURES, steady_cache
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    tapesac_core.checkpoint_module(block)
+    x = torch.randn(4, 8, requires_grad=True)
+    with tapesac_core.trace() as traced:
+        block(x).sum().backward()
+    tape = traced[0].tape
+    coords = [(n.name, n.k, j) for n in tape.nodes for j in range(len(n.outs) - len(n.extra))]
+    sets = [frozenset(c) for r in (1, 2, 3) for c in itertools.combinations(coords, r)]
+
+    def steady_calls(plans: list, rounds: int) -> list[int]:
+        out = []
+        for _ in range(rounds):
+            calls = 0
+            for plan in plans:
+                with tapesac_core.use_plan(plan), tapesac_core.trace() as traced:
+                    block(x).sum().backward()
+                calls += traced[0].steady
+            out.append(calls)
+        return out
+
+    plans = [{"Sequential": saved} for saved in sets][: CACHED_SIGNATURES + 2]
+    assert len(plans) == CACHED_SIGNATURES + 2
+    assert steady_calls(plans, 2) == [0, 0]  # cycled past the bound: evicted before reuse
+    assert len(steady_cache(block).tapes()) <= CACHED_SIGNATURES
+    held = plans[: min(CACHED_SIGNATURES, CACHED_KINDS) - 1]
+    assert steady_calls(held, 2) == [0, len(held)]
