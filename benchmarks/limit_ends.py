@@ -34,7 +34,7 @@ import tapesac_core
 from benchmarks.baselines import wrap_torch
 from benchmarks.common import quartiles
 from benchmarks.measure import live_bytes
-from benchmarks.plan_stability import _fresh, _step
+from benchmarks.plan_stability import _fresh, _step, plan_entries
 from benchmarks.steady_state import hf_stack
 from tapesac_core.control.controller import PLANNED
 from tapesac_core.measure.memory import LiveTensorMeter
@@ -115,17 +115,6 @@ def ratio(ours: Callable[[], None], theirs: Callable[[], None], rounds: int, rep
     return f"{mid:.3f}x (IQR {lo:.3f}-{hi:.3f}, {rounds} rounds)"
 
 
-def entries(plan: Plan) -> str:
-    names = {"plain": "P", "torch checkpoint": "T"}
-    return (
-        "["
-        + ",".join(
-            names.get(str(e), str(e)) for r in plan.regions.values() for e in r.block_entries()
-        )
-        + "]"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.limit_ends", description=__doc__.split("\n")[0]
@@ -156,7 +145,7 @@ def main() -> None:
             p = planned(hidden, ids, peaks[name])
             against = ratio(p.run, lambda r=reference: _step(r, ids), args.rounds, args.reps)
             print(
-                f"| {hidden} | {name}'s peak, {peaks[name] / MiB:.2f} | {entries(p.plan)} | "
+                f"| {hidden} | {name}'s peak, {peaks[name] / MiB:.2f} | {plan_entries(p.plan)} | "
                 f"{p.metered / MiB:.2f} / {p.predicted / MiB:.2f} | {against} vs {name} |"
             )
         low, high = peaks["must-only"], peaks["none"]
@@ -166,7 +155,7 @@ def main() -> None:
         above = (p.predicted - p.metered) / p.metered
         print(
             f"| {hidden} | must-only + {args.share:.0%} of the gap, {limit / MiB:.2f} "
-            f"(must-only {low / MiB:.2f}, none {high / MiB:.2f}) | {entries(p.plan)} | "
+            f"(must-only {low / MiB:.2f}, none {high / MiB:.2f}) | {plan_entries(p.plan)} | "
             f"{p.metered / MiB:.2f} / {p.predicted / MiB:.2f}: headroom used {used:.1%}, "
             f"predicted {above:+.2%} | |"
         )

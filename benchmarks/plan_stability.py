@@ -26,6 +26,7 @@ import tapesac_core
 from benchmarks.steady_state import hf_stack
 from tapesac_core.control.controller import PLANNED
 from tapesac_core.measure.memory import LiveTensorMeter
+from tapesac_core.plan.plan import Plan
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor) -> None:
@@ -73,12 +74,14 @@ def first_plan(hidden: int, ids: torch.Tensor, limit: int) -> tuple[int, str, fl
     assert plan is not None
     with controller.step(tokens=ids.numel()), FlopCounterMode(display=False) as counter:
         _step(model, ids)
-    entries = [
-        {"plain": "P", "torch checkpoint": "T"}.get(str(e), str(e))
-        for region in plan.regions.values()
-        for e in region.block_entries()
-    ]
-    return counter.get_total_flops(), "[" + ",".join(entries) + "]", plan.predicted_speedup
+    return counter.get_total_flops(), plan_entries(plan), plan.predicted_speedup
+
+
+def plan_entries(plan: Plan) -> str:
+    """One entry per block, in brackets: values saved, or P for plain, T for torch checkpoint."""
+    names = {"plain": "P", "torch checkpoint": "T"}
+    blocks = [names.get(str(e), str(e)) for r in plan.regions.values() for e in r.block_entries()]
+    return "[" + ",".join(blocks) + "]"
 
 
 def main() -> None:

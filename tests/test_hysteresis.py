@@ -8,9 +8,10 @@ import pytest
 import torch
 from support import SHORT_SCHEDULE, WIDE, checkpointed_lm, token_ids
 
+from benchmarks.limit_ends import rise
+from benchmarks.measure import live_bytes
 from tapesac_core.control.controller import PLANNED, Controller
 from tapesac_core.control.profile import _spread
-from tapesac_core.measure.memory import LiveTensorMeter
 from tapesac_core.plan.hysteresis import favour_previous
 from tapesac_core.plan.peak import Option, predict
 from tapesac_core.plan.peak_dp import solve_peak
@@ -54,13 +55,6 @@ def test_the_spread_is_how_far_the_blocks_disagree_on_replay_time() -> None:
     assert _spread([{0: 1.0}]) == 0.0  # one block: no second estimate
 
 
-def _rise(run) -> int:
-    with LiveTensorMeter() as meter:
-        start = meter.reading().current
-        run()
-    return meter.reading().peak - start
-
-
 def test_noise_within_the_spread_leaves_a_re_solved_plan_as_it_was() -> None:
     """Profiles perturbed by up to 4% per node until a fresh solve picks another plan (most do:
     the wide decoder's blocks have many near-equal save sets); solved again with the bucket's
@@ -74,9 +68,8 @@ def test_noise_within_the_spread_leaves_a_re_solved_plan_as_it_was() -> None:
         model.zero_grad(set_to_none=True)
 
     step()
-    must = _rise(step)
-    with LiveTensorMeter() as meter:
-        static = meter.reading().current
+    must = rise(step)
+    static = live_bytes(torch.device("cpu"))
     controller = Controller(model, static + must * 13 // 10, margin=0.0, **SHORT_SCHEDULE)
     report = None
     while report is None or report.mode != PLANNED:

@@ -111,20 +111,23 @@ def solve_plan(
     prediction is finite and at most must-only / outside, whatever the profiled times were.
     """
     frontiers = _frontiers(profiles, tokens, config)
-    if previous is not None and config.memory_model == "peak" and timeline is not None:
-        if _matches(timeline, profiles):  # the peak model's menus, not Eq. 8's frontiers
-            frontiers = {
-                r: with_previous_sets(f, previous.regions.get(r), profiles[r].pricer(tokens[r]))
-                for r, f in frontiers.items()
-            }
+    # The timeline model where its blocks match the profiles; else Eq. 8.
+    timed = timeline if config.memory_model == "peak" and timeline is not None else None
+    if timed is not None and not _matches(timed, profiles):
+        timed = None
+    if previous is not None and timed is not None:  # its menus take any points, not a frontier
+        frontiers = {
+            r: with_previous_sets(f, previous.regions.get(r), profiles[r].pricer(tokens[r]))
+            for r, f in frontiers.items()
+        }
     budget = capacity - base
     gains = torch_checkpoint_gains or {}
     extras = {r: _extra_kinds(config, gains.get(r, 0.0)) for r in profiles}
     peak = (
         _peak_choice(
-            profiles, frontiers, tokens, timeline, capacity, base, config, extras, gains, previous
+            profiles, frontiers, tokens, timed, capacity, base, config, extras, gains, previous
         )
-        if config.memory_model == "peak" and timeline is not None
+        if timed is not None
         else None
     )
     choices: Mapping[str, tuple[int, ...]]
@@ -321,11 +324,8 @@ def _peak_choice(
     extras: Mapping[str, tuple[BlockKind, ...]],
     torch_checkpoint_gains: Mapping[str, float],
     previous: Plan | None,
-) -> PeakChoice | None:
-    """The plan under the timeline model; None when the timeline's blocks do not match the
-    profiles (the caller falls back to Eq. 8)."""
-    if not _matches(timeline, profiles):
-        return None
+) -> PeakChoice:
+    """The plan under the timeline model, whose blocks match the profiles (``_matches``)."""
     scaled_timeline = timeline.scaled(base)
     regions = region_menus(profiles, frontiers, tokens, extras, torch_checkpoint_gains)
     menus = menus_of(scaled_timeline, regions)
