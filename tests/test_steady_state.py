@@ -107,6 +107,50 @@ def test_a_bare_checkpoint_module_runs_in_steady_state_on_its_second_call() -> N
         assert blocks[0].replayed  # a must-only block of in-place ops replays from its tape
 
 
+class SavesItsOutput(torch.nn.Module):
+    """A block whose output autograd saves inside it (``sigmoid`` keeps its result): backward
+    takes the output alive where the caller's graph keeps it, and replays it where it does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.lin(x).relu())
+
+
+def test_steady_state_replays_by_what_each_call_has_at_hand() -> None:
+    """Replay remembers a cached tape's read counts and closures (``ReplayMemo``) by the values
+    at hand. Calls alternate between a caller that holds the block's output through backward
+    (backward takes it alive) and one that drops it: each replays what it lacks, bitwise."""
+    torch.manual_seed(0)
+    block = SavesItsOutput()
+    reference = copy.deepcopy(block)
+    tapesac_core.checkpoint_module(block)
+    x = torch.randn(8, 16, requires_grad=True)
+    held: list[torch.Tensor] = []
+    ref = step(reference, lambda: reference(x).pow(2).sum())
+    replayed: dict[bool, list[list[int]]] = {False: [], True: []}
+    for i in range(6):
+        holds = i % 2 == 1
+        with tapesac_core.trace() as blocks:
+            got = step(block, lambda: (_keep(held, block(x)) if holds else block(x)).pow(2).sum())
+        held.clear()
+        assert_bitwise(ref, got)
+        assert blocks[0].steady == (i > 0)
+        assert bool(blocks[0].alive_taken) == holds
+        replayed[holds].append(list(blocks[0].replayed))
+    # Every call of a kind replays the same nodes; the output taken alive is not replayed.
+    assert all(r == replayed[False][0] for r in replayed[False])
+    assert all(r == replayed[True][0] for r in replayed[True])
+    assert len(replayed[True][0]) < len(replayed[False][0])
+
+
+def _keep(held: list[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    held.append(t)
+    return t
+
+
 class TwoDraws(torch.nn.Module):
     """Two dropouts on two branches: backward reaches the second branch first, so replaying its
     mask needs the generator state after the first dropout, whose mask is not replayed yet."""

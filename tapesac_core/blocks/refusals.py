@@ -5,6 +5,8 @@ Face's checkpointing flag on a block, and a reentrant recompute of its submodule
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .._compat import graph_task_id, saved_tensors_hooks_on_top
@@ -112,13 +114,19 @@ def _refuse_nesting(module: torch.nn.Module, name: str) -> None:
         )
 
 
-def refuse_sharded_inside(module: torch.nn.Module, name: str) -> None:
+def refuse_sharded_inside(
+    module: torch.nn.Module, name: str, submodules: Sequence[torch.nn.Module] | None = None
+) -> None:
     """``fully_shard`` on a module inside a block: an error naming it (FSDP would gather and free
-    its parameters inside the block's forward, which replay cannot repeat)."""
+    its parameters inside the block's forward, which replay cannot repeat). ``submodules``:
+    ``list(module.modules())`` where the caller has it (every call of a block checks)."""
     if not torch.distributed.is_available():
         return
     from torch.distributed.fsdp import FSDPModule
 
+    inside = module.modules() if submodules is None else submodules
+    if not any(isinstance(sub, FSDPModule) for sub in inside if sub is not module):
+        return
     inner = next(
         (
             f"{name}.{sub_name}"

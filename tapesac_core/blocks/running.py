@@ -109,8 +109,9 @@ def run_block(
         if scope is not None:
             scope.torch_checkpointed.append(name)
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    submodules = list(module.modules()) if module is not None else []
     if module is not None:
-        refuse_sharded_inside(module, name)
+        refuse_sharded_inside(module, name, submodules)
     if scope is not None:
         scope.check_micro_batch(name)
     config = block_config(module) if module is not None else None
@@ -127,9 +128,7 @@ def run_block(
     inputs = _tensors_in(args, kwargs)
     cache = steady_cache(module) if module is not None else None
     signature = (
-        block_signature(
-            fn, args, kwargs, inputs, list(module.modules()), _plan_key(block_plan), block.forced
-        )
+        block_signature(fn, args, kwargs, inputs, submodules, _plan_key(block_plan), block.forced)
         if module is not None
         else None
     )

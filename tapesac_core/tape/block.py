@@ -20,7 +20,7 @@ from ..plan.plan import BlockKind
 from ..tensors import is_subclass_with_dispatch
 from .lifetimes import StorageLifetimes
 from .replay import Replay
-from .tape import BUFFER, OP, PARAM, Mandatory, Node, Tape, Value
+from .tape import BUFFER, OP, PARAM, Mandatory, Node, ReplayMemo, Tape, Value
 from .verify import HiddenWrites
 
 if TYPE_CHECKING:
@@ -150,6 +150,7 @@ class Block:
         self.recording = True
         self._active_recording = recording
         self._replay: tuple[int, Replay] | None = None
+        self.memo: ReplayMemo | None = None  # a steady-state call's: its cached tape's closures
         # Some node writes in place: only then must replay guard what it must not write into.
         self.writes_in_place = False
         self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
@@ -300,6 +301,7 @@ class Block:
         self.handles, self.pack_count, self.kept = entry.handles, entry.pack_count, entry.kept
         self.writes_in_place, self.device_types = entry.writes_in_place, set(entry.device_types)
         self.trace.tape, self.trace.saved, self.trace.steady = tape, entry.saved, True
+        self.memo = entry.memo
 
     def _drop_unread(self, tape: Tape, available: frozenset[int]) -> None:
         """Release held tensors one backward never reads: a kept value is demanded or read by a

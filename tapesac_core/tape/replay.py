@@ -160,9 +160,10 @@ class Replay:
         # Verifying only: values not compared, since they derive from an op whose bits vary or
         # from a value that already mismatched (only the first mismatch names the hidden write).
         self.uncomparable: set[int] = set()
+        self.memo = block.memo
         self._take_alive_values(block)
         # Counted here, not at the end of forward: values taken alive cut the closure.
-        self.reads = read_counts(self.nodes, block.demand, block.pack_count, self._available)
+        self.reads = self._read_counts(block)
         # Autograd reads a taken value once per pack too: released at its first unpack, a
         # value packed twice would be replayed at the second, from producers nobody counted.
         for vid in self.env:
@@ -178,6 +179,27 @@ class Replay:
                     self.not_ours.add(t)
                 block.alive_taken.add(vid)
 
+    def _read_counts(self, block: Block) -> dict[int, int]:
+        def count() -> dict[int, int]:
+            return read_counts(self.nodes, block.demand, block.pack_count, self._available)
+
+        if self.memo is None:
+            return count()
+        return self.memo.reads(frozenset(self.env), count)
+
+    def _closure(self, vid: int) -> list[int]:
+        """The indices of the nodes to run for ``vid``, in tape order."""
+        env = self.env
+        # With nothing replayed or taken alive yet, availability is a set lookup (no frame).
+        available = self._available if env else self.kept.__contains__
+
+        def walk() -> list[int]:
+            return sorted(producer_closure(self.nodes, self.values, [vid], available))
+
+        if self.memo is None:
+            return walk()
+        return self.memo.closure(vid, frozenset(env), walk)
+
     def _available(self, vid: int) -> bool:
         return vid in self.env or vid in self.kept
 
@@ -190,10 +212,8 @@ class Replay:
             # on accelerators it is launch time until the GPU-readiness work gives it events.
             start = time.perf_counter()
             nodes = self.nodes
-            # With nothing replayed or taken alive yet, availability is a set lookup (no frame).
-            available = self._available if env else self.kept.__contains__
             with replay_mode(self.device_types):
-                for index in sorted(producer_closure(nodes, self.values, [vid], available)):
+                for index in self._closure(vid):
                     self._run(nodes[index])
             self.trace.replay_seconds += time.perf_counter() - start
         t = env[vid]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -45,7 +45,7 @@ from ..tensors import (
     view_on,
 )
 from .draws import Draws, draws_by_layout
-from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, OP, Node, Tape, Value
+from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, OP, Node, ReplayMemo, Tape, Value
 
 if TYPE_CHECKING:
     from .block import Block
@@ -109,6 +109,8 @@ class SteadyTape:
     random: tuple[Node, ...]  # the random ops, in order: their states are derived (``draws.py``)
     confirmed: bool = False  # a steady-state call of it made the same autograd nodes
     template: SizeTemplate | None = None  # what made it at a size not recorded
+    # Its calls' replay closures (a copy at another size, ``dataclasses.replace``, starts afresh).
+    memo: ReplayMemo = field(default_factory=ReplayMemo, init=False)
 
 
 def steady_tape(
@@ -239,23 +241,24 @@ def autograd_nodes(
     """The kinds of the autograd nodes between ``outputs`` and ``inputs``, in a fixed walk
     order (``node_kind``); None when the walk passes ``limit`` nodes (the graph reaches tensors
     made before the block that are not its inputs: a walk would cross the whole model)."""
-    stop = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
-    stack = [t.grad_fn for t in reversed(outputs) if t.grad_fn is not None]
-    seen: set[int] = set()
-    kinds: list[str] = []
+    # Nodes, not their ids: the seen set keeps each Python wrapper alive, so that a freed one's
+    # id cannot come back as another node's. The stack holds ``next_functions``' (node, input)
+    # pairs as they come: no per-node unpacking on the way in.
+    stop = {t.grad_fn for t in inputs}
+    stack = [(t.grad_fn, 0) for t in reversed(outputs)]
+    seen: set[Any] = set()
+    kinds: list[type] = []
+    pop, push, see, add = stack.pop, stack.extend, seen.add, kinds.append
     while stack:
-        fn = stack.pop()
-        key = id(fn)
-        if key in seen or key in stop:
+        fn = pop()[0]
+        if fn is None or fn in seen or fn in stop:
             continue
-        seen.add(key)
-        kinds.append(node_kind(type(fn)))
+        see(fn)
+        add(type(fn))
         if len(kinds) > limit:
             return None
-        for nxt, _ in reversed(fn.next_functions):
-            if nxt is not None:
-                stack.append(nxt)
-    return tuple(kinds)
+        push(reversed(fn.next_functions))
+    return tuple(map(node_kind, kinds))
 
 
 # Autograd nodes a composite op makes without a dispatch mode, and the one it makes under any

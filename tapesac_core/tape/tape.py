@@ -314,3 +314,39 @@ def read_counts(
             if not available(d):
                 needed.add(d)
     return reads
+
+
+class ReplayMemo:
+    """The read counts and producer closures replay computed for one cached tape, by what was
+    available then: steady-state calls of a tape replay the same closures every step, and
+    walking the tape again costs a tenth of a millisecond a block. Keys are the values replay
+    had at hand beyond the tape's kept ones (which a cached tape fixes); at most ``size`` of
+    each are kept, the oldest dropped first."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._reads: dict[frozenset[int], dict[int, int]] = {}
+        self._closures: dict[tuple[int, frozenset[int]], list[int]] = {}
+
+    def reads(self, at_hand: frozenset[int], count: Callable[[], dict[int, int]]) -> dict[int, int]:
+        """``count()``'s read counts with ``at_hand`` available, as a copy replay may spend."""
+        counts = self._reads.get(at_hand)
+        if counts is None:
+            counts = self._remember(self._reads, at_hand, count())
+        return dict(counts)
+
+    def closure(
+        self, vid: int, at_hand: frozenset[int], walk: Callable[[], list[int]]
+    ) -> list[int]:
+        """``walk()``'s node indices to run for ``vid`` with ``at_hand`` available, in order."""
+        key = (vid, at_hand)
+        indices = self._closures.get(key)
+        if indices is None:
+            indices = self._remember(self._closures, key, walk())
+        return indices
+
+    def _remember(self, memo: dict[Any, Any], key: Any, value: Any) -> Any:
+        if len(memo) >= self.size:
+            del memo[next(iter(memo))]
+        memo[key] = value
+        return value
