@@ -373,6 +373,36 @@ def test_region_menu_options_carry_replay_deltas_scaled_to_tokens() -> None:
         RegionMenu(sequence="s", graph=g, bytes=(5,), gains=(0.0,), saved=(frozenset(),))
 
 
+def test_where_sizes_depend_on_data_recorded_options_are_credited_no_replay_bytes_removed() -> None:
+    """The reference block's tape says saving b removes 60 B of replay at c's and b's unpacks;
+    another block's expert may have had fewer tokens, so a region of data-dependent sizes is
+    credited none of it. Its plain option keeps autograd's freeing (the worst bytes are held)."""
+    g = _chain()
+    every = frozenset(g.ids[n] for n in "abc")
+
+    def options(data_factor):
+        return RegionMenu(
+            sequence="s",
+            graph=g,
+            bytes=(0, 40, 140),
+            gains=(0.0, 3.0, 7.0),
+            saved=(frozenset(), frozenset({g.ids["b"]}), every),
+            kinds=(BlockKind.TAPE, BlockKind.TAPE, BlockKind.PLAIN),
+            plain_bytes=140,
+            scale=2.0,
+            data_factor=data_factor,
+        ).options([2, 1, 0])
+
+    _, saved, plain = options(None)
+    assert saved.replay == (-60, -60, 0)
+    _, saved_worst, plain_worst = options(1.5)
+    assert saved_worst.replay == saved_worst.compute == (0, 0, 0)
+    assert (saved_worst.bytes, saved_worst.gain) == (saved.bytes, saved.gain)
+    assert plain_worst == plain
+    with pytest.raises(ValueError, match="data_factor"):
+        options(0.5)
+
+
 def test_a_torch_checkpoint_option_keeps_nothing_and_holds_the_plain_bytes_from_its_first_unpack():
     g = _chain()
     every = frozenset(g.ids[n] for n in "abc")

@@ -1,6 +1,8 @@
 """Plain blocks in a plan: run as without checkpointing (not recorded, nothing replayed), mixed
 with TapeSAC blocks of the same region type; loss and gradients bitwise those of no checkpointing."""
 
+import copy
+
 import pytest
 import torch
 from support import (
@@ -15,6 +17,8 @@ from support import (
 )
 
 import tapesac_core
+from benchmarks.limit_ends import rise
+from benchmarks.measure import live_bytes
 from examples.models import DecoderLM
 from tapesac_core import PLAIN, TORCH_CHECKPOINT
 from tapesac_core.blocks.trace_scope import trace
@@ -233,3 +237,37 @@ def test_plain_blocks_of_data_dependent_sizes_are_given_the_worst_blocks_bytes()
             r.peak,
             r.predicted_peak,
         )
+
+
+def test_recorded_blocks_of_data_dependent_sizes_are_planned_at_the_worst_sizes() -> None:
+    """The reference block (the first) keeps the most, the others fewer: a save set's replay
+    bytes on the reference tape are not what it moves on the others. The plan says so, and the
+    first planned step meters under its prediction and the limit."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(*(Masked(t) for t in (-1.5, -0.5, 0.5, 1.5)))
+    x = torch.randn(512, 64, requires_grad=True)
+    rises = {}
+    for name in ("none", "must_only"):
+        model = copy.deepcopy(base)
+        if name == "must_only":
+            tapesac_core.checkpoint_modules(model, {Masked})
+        model(x).sum().backward()
+        rises[name] = rise(lambda m=model: m(x).sum().backward())
+    model = copy.deepcopy(base)
+    tapesac_core.checkpoint_modules(model, {Masked})
+    allowed = rises["must_only"] + (rises["none"] - rises["must_only"]) * 3 // 10
+    static = live_bytes(torch.device("cpu"))
+    limit = static + allowed
+    controller = tapesac_core.Controller(
+        model, limit, margin=0.0, near_limit=1.0, **SHORT_SCHEDULE | dict(control_steps=0)
+    )
+    report = None
+    while report is None or report.mode != "planned":
+        with controller.step(tokens=512) as report:
+            model(x).sum().backward()
+    plan = report.plan
+    assert plan is not None and any(plan.regions["Masked"].blocks)  # recorded, saving
+    assert "replay sizes depend on data" in plan.explain()
+    assert controller.profiles["Masked"].data_factor > 1
+    assert report.peak is not None and report.predicted_peak is not None
+    assert report.peak <= report.predicted_peak <= limit

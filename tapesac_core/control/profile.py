@@ -66,6 +66,16 @@ class RegionProfile:
         return not all(self.shares_reference) or DYNAMIC_SHAPE in self.tape.mandatory.values()
 
     @functools.cached_property
+    def data_factor(self) -> float | None:
+        """Where sizes depend on data (``data_dependent``), how far a block's may exceed the
+        reference's: the worst profiled block's plain bytes over the reference's, at least 1.
+        None where the reference's tape predicts every block."""
+        if not self.data_dependent:
+            return None
+        reference = saved_bytes(self.graph, plain_demand(self.graph, self.tape, self.alive))
+        return max(1.0, self.plain_worst / reference) if reference else 1.0
+
+    @functools.cached_property
     def plain_point(self) -> Point:
         """Running a block plain as a save set: everything autograd saves (``plain_demand``), no
         replay left, and the bytes of the region's worst block (``plain_worst``): what a block

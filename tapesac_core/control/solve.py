@@ -234,6 +234,7 @@ def region_menus(
             gains=tuple(points[0].time - pt.time for pt in points),
             saved=tuple(p.graph.value_ids(pt.saved) for pt in points),
             scale=tokens[r] / p.tokens,
+            data_factor=p.data_factor,
         )
         kinds = (extras or {}).get(r, ())
         gain = (torch_checkpoint_gains or {}).get(r, 0.0)
@@ -386,6 +387,12 @@ def _region_plan(
         notes.append(
             "saved sizes depend on data: a plain block is given the bytes of the most any block "
             "of the region kept when profiled"
+        )
+    if any(recorded) and profile.data_factor is not None:
+        notes.append(
+            "replay sizes depend on data: its recorded blocks are credited none of the replay "
+            "bytes their saved values remove on the reference block, and charged what they add "
+            f"at {profile.data_factor:.2f}x its sizes (the largest block profiled)"
         )
     blocker = tape_blocker(profile.tape)
     if any(recorded) and blocker is not None:

@@ -58,6 +58,11 @@ class RegionMenu:
     # point's set is everything autograd saves (``plain_demand``), ``plain_bytes`` its bytes.
     kinds: tuple[BlockKind, ...] = ()
     plain_bytes: int = 0
+    # Where sizes depend on data (tokens routed to an expert), the replay bytes a save set moves
+    # on the reference block need not be what it moves on another: a recorded block is credited
+    # none of what its set removes, and charged what it adds at ``data_factor`` times the
+    # reference's sizes (the worst profiled block's). None: the tape predicts its blocks.
+    data_factor: float | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -71,6 +76,8 @@ class RegionMenu:
                 "a region menu needs one bytes, gain, set (and kind, if any) per point, the "
                 "first at 0 bytes"
             )
+        if self.data_factor is not None and self.data_factor < 1:
+            raise ValueError(f"data_factor bounds sizes from above: >= 1, got {self.data_factor}")
 
     def kind(self, point: int) -> BlockKind:
         return self.kinds[point] if self.kinds else BlockKind.TAPE
@@ -134,6 +141,8 @@ class RegionMenu:
                 )
                 if self.kind(i) is not BlockKind.TAPE:
                     option = _freed_by_autograd(option, graph, s, unpacks, groups, self.scale)
+                elif self.data_factor is not None:
+                    option = _at_worst_sizes(option, self.data_factor)
                 if self.kind(i) is BlockKind.TORCH_CHECKPOINT:
                     option = self._recomputed_at_first_unpack(option, s, base)
             elif self.kind(i) is BlockKind.TORCH_CHECKPOINT:
@@ -183,6 +192,16 @@ class RegionMenu:
             compute=tuple(x + held for x in plain.compute),
             release=plain.release + held,
         )
+
+
+def _at_worst_sizes(option: Option, factor: float) -> Option:
+    """A recorded ``option`` of a block whose sizes depend on data: no replay bytes removed,
+    those added at ``factor`` times the simulated ones."""
+
+    def worst(deltas: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(math.ceil(x * factor) if x > 0 else 0 for x in deltas)
+
+    return dataclasses.replace(option, replay=worst(option.replay), compute=worst(option.compute))
 
 
 def _freed_by_autograd(
