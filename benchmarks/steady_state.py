@@ -19,6 +19,14 @@ peaks (torch's profiler, ``profile_memory=True``).
 Models: the frontier harness's (``--model dense|moe|qwen3 --size small|example``) or a Hugging
 Face ``Qwen3ForCausalLM`` stack (``--model hf_stack --hidden 128``: 4 layers, 4 x 256 tokens).
 
+With stock ATen ops must-only and ``full`` run the same kernels: autograd saves an ATen op's
+inputs before its kernel runs, so torch's ``early_stop`` ends the recomputation inside the last
+GEMM's call, before the GEMM. ``--down function`` makes each MLP's down projection an
+``autograd.Function`` (as TransformerEngine's or an FP8 linear), whose ``save_for_backward``
+comes after its GEMM: torch's recomputation runs that GEMM and discards it, replay does not
+(the paper's Table 4). TapeSAC's blocks call it as a registered kernel (``register_kernel``),
+declared deterministic.
+
 Run: python -m benchmarks.steady_state --model hf_stack --hidden 256 [--rounds 20] [--reps 3]
 """
 
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -33,7 +42,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 import tapesac_core
 from benchmarks.baselines import wrap_torch
@@ -41,6 +50,67 @@ from benchmarks.common import quartiles
 from benchmarks.workload import HFCausalLM, build_model
 
 METHODS = ("none", "full", "tapesac_recorded", "tapesac_steady")
+LINEAR_OP = "tapesac_bench::linear"
+
+
+class LinearFunction(torch.autograd.Function):
+    """``x @ w.T``, saving ``x`` and ``w`` after the GEMM (as a fused or FP8 linear does)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = x @ w.t()
+        ctx.save_for_backward(x, w)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return grad @ w, (grad.flatten(0, -2).t() @ x.flatten(0, -2))
+
+
+_registered: list[Callable[..., torch.Tensor]] = []
+
+
+def _linear_kernel() -> Callable[..., torch.Tensor]:
+    """``LinearFunction`` as a registered kernel (op names are per process: registered once),
+    with its GEMM's FLOPs for ``FlopCounterMode``, which does not look inside a custom op."""
+    if not _registered:
+        _registered.append(
+            tapesac_core.register_kernel(
+                LINEAR_OP,
+                LinearFunction,
+                schema="(Tensor x, Tensor w) -> Tensor",
+                fake=lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0]),
+            )
+        )
+        namespace, name = LINEAR_OP.split("::")
+        register_flop_formula(getattr(getattr(torch.ops, namespace), name))(_linear_flops)
+    return _registered[0]
+
+
+def _linear_flops(x_shape: Any, w_shape: Any, *args: Any, **kwargs: Any) -> int:
+    return 2 * math.prod(x_shape) * w_shape[0]
+
+
+class FunctionLinear(torch.nn.Module):
+    """A bias-free linear layer run by ``LinearFunction``: ``.apply``, or the registered kernel."""
+
+    def __init__(self, linear: torch.nn.Linear, registered: bool) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.call = _linear_kernel() if registered else LinearFunction.apply
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call(x, self.weight)
+
+
+def with_function_down(model: torch.nn.Module, registered: bool) -> torch.nn.Module:
+    """``model`` with every ``mlp.down_proj`` a ``FunctionLinear`` (in place)."""
+    for module in list(model.modules()):
+        down = getattr(module, "down_proj", None)
+        if isinstance(down, torch.nn.Linear) and down.bias is None:
+            module.down_proj = FunctionLinear(down, registered)
+    return model
 
 
 def hf_stack(
@@ -69,15 +139,22 @@ def hf_stack(
 
 
 def methods(
-    base: torch.nn.Module, block: type
+    base: torch.nn.Module, block: type, function_down: bool = False
 ) -> dict[str, tuple[torch.nn.Module, Callable[[], Any]]]:
-    """Each method's model copy and the context its steps run in."""
-    tapesac = copy.deepcopy(base)
-    tapesac_core.checkpoint_modules(tapesac, {block})
+    """Each method's model copy and the context its steps run in (``function_down``: each MLP's
+    down projection an ``autograd.Function``, registered for TapeSAC)."""
+
+    def copied(registered: bool) -> torch.nn.Module:
+        model = copy.deepcopy(base)
+        return with_function_down(model, registered) if function_down else model
+
+    tapesac = copied(registered=True)
+    deterministic = (LINEAR_OP,) if function_down else ()
+    tapesac_core.checkpoint_modules(tapesac, {block}, deterministic_ops=deterministic)
     recorded = copy.deepcopy(tapesac)
     return {
-        "none": (copy.deepcopy(base), nullcontext),
-        "full": (wrap_torch(copy.deepcopy(base), block, early_stop=True), nullcontext),
+        "none": (copied(registered=False), nullcontext),
+        "full": (wrap_torch(copied(registered=False), block, early_stop=True), nullcontext),
         "tapesac_recorded": (recorded, lambda: tapesac_core.trace(record=True)),
         "tapesac_steady": (tapesac, nullcontext),
     }
@@ -160,6 +237,12 @@ def main() -> None:
     parser.add_argument(
         "--dropout", type=float, default=0.0, help="dropout (blocks with random ops)"
     )
+    parser.add_argument(
+        "--down",
+        default="linear",
+        choices=["linear", "function"],
+        help="each MLP's down projection: nn.Linear, or an autograd.Function saving after its GEMM",
+    )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
@@ -171,9 +254,10 @@ def main() -> None:
         base, block, seq, batch = build_model(args.model, args.size, args.dropout)
         title = f"{args.model} {args.size}, {batch}x{seq} tokens"
     title += f", dropout {args.dropout}" if args.dropout else ""
+    title += ", down projection an autograd.Function" if args.down == "function" else ""
     vocab = getattr(base, "vocab_size", None) or base.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
-    runs = methods(base, block)
+    runs = methods(base, block, function_down=args.down == "function")
     times = measure(runs, ids, args.rounds, args.reps)
     flop = {n: flops(m, c, ids) for n, (m, c) in runs.items()}
     peaks = {
