@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -318,5 +321,19 @@ def _warn_if_plans_reach_near_limit(limit: MemoryLimit, margin: float, near_limi
             f"fragmentation estimate and shrink the plans. Fix: near_limit=1.0, or "
             f"margin={(1 - near_limit) * share:g} or more",
             UserWarning,
-            stacklevel=4,
+            stacklevel=_first_frame_outside_library(),
         )
+
+
+def _first_frame_outside_library() -> int:
+    """The ``stacklevel`` of the first caller outside TapeSAC and ``dataclasses`` (``replace``
+    builds a config too): a warning names the user's line whether they built the config, or a
+    ``Controller`` or an integration built it from their keywords. Python 3.12's
+    ``skip_file_prefixes`` does this; 3.11 has no such argument."""
+    library = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # "<string>": the ``__init__`` that ``dataclass`` generates.
+    internal = (os.path.join(library, "tapesac_"), dataclasses.__file__, "<string>")
+    frame, level = sys._getframe(1), 1  # this function's caller is the warning's level 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1
+    return level

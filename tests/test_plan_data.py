@@ -5,8 +5,10 @@ import json
 import warnings
 
 import pytest
+import torch
 from support import sample_plan
 
+import tapesac_core
 from tapesac_core.config import MemoryLimit, TapeSACConfig, parse_memory_limit
 from tapesac_core.plan.coords import Anchor, Coord
 from tapesac_core.plan.plan import PLAN_VERSION, Plan, RegionPlan, Saved
@@ -247,3 +249,18 @@ def test_a_margin_that_lets_plans_reach_near_limit_is_told_once_with_the_fix() -
         TapeSACConfig(memory_limit="1GiB", margin=0.0, near_limit=1.0)
         TapeSACConfig(memory_limit=0.9)  # the defaults: plans fill 97.8%, below 0.99
         TapeSACConfig(memory_limit=0.0, margin=0.0)  # must-only: nothing is planned to fill
+
+
+def test_the_margin_warning_names_the_users_line_whoever_built_the_config() -> None:
+    """Built directly, by a Controller from keyword settings, or by ``dataclasses.replace``."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    tapesac_core.checkpoint_modules(model, {torch.nn.Linear})
+    builders = [
+        lambda: TapeSACConfig(memory_limit="1GiB", margin=0.0),
+        lambda: tapesac_core.Controller(model, "1GiB", margin=0.0),
+        lambda: dataclasses.replace(TapeSACConfig(memory_limit="1GiB"), margin=0.0),
+    ]
+    for build in builders:
+        with pytest.warns(UserWarning, match="lets plans fill") as caught:
+            build()
+        assert [w.filename for w in caught] == [__file__]
