@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import math
 import statistics
 import time
@@ -68,24 +69,19 @@ class LinearFunction(torch.autograd.Function):
         return grad @ w, (grad.flatten(0, -2).t() @ x.flatten(0, -2))
 
 
-_registered: list[Callable[..., torch.Tensor]] = []
-
-
+@functools.cache  # op names are per process: registered once
 def _linear_kernel() -> Callable[..., torch.Tensor]:
-    """``LinearFunction`` as a registered kernel (op names are per process: registered once),
-    with its GEMM's FLOPs for ``FlopCounterMode``, which does not look inside a custom op."""
-    if not _registered:
-        _registered.append(
-            tapesac_core.register_kernel(
-                LINEAR_OP,
-                LinearFunction,
-                schema="(Tensor x, Tensor w) -> Tensor",
-                fake=lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0]),
-            )
-        )
-        namespace, name = LINEAR_OP.split("::")
-        register_flop_formula(getattr(getattr(torch.ops, namespace), name))(_linear_flops)
-    return _registered[0]
+    """``LinearFunction`` as a registered kernel, with its GEMM's FLOPs for
+    ``FlopCounterMode``, which does not look inside a custom op."""
+    kernel = tapesac_core.register_kernel(
+        LINEAR_OP,
+        LinearFunction,
+        schema="(Tensor x, Tensor w) -> Tensor",
+        fake=lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0]),
+    )
+    namespace, name = LINEAR_OP.split("::")
+    register_flop_formula(getattr(getattr(torch.ops, namespace), name))(_linear_flops)
+    return kernel
 
 
 def _linear_flops(x_shape: Any, w_shape: Any, *args: Any, **kwargs: Any) -> int:

@@ -196,9 +196,8 @@ def planned_methods(
             continue
         m = planned_method(
             name,
-            copy.deepcopy(
-                model
-            ),  # its own steady-state tapes (see policy_replay_methods in baselines.py)
+            # Its own copy: its own steady-state tapes (see policy_replay_methods in baselines.py).
+            copy.deepcopy(model),
             plan,
             f"Controller plan: saves {plan.saved_bytes} B beyond S0, predicted "
             f"{plan.predicted_speedup:.3f}x vs must-only; per block: "

@@ -72,17 +72,23 @@ class RegionProfile:
         None where the reference's tape predicts every block."""
         if not self.data_dependent:
             return None
-        reference = saved_bytes(self.graph, plain_demand(self.graph, self.tape, self.alive))
+        reference = self._reference_plain[1]
         return max(1.0, self.plain_worst / reference) if reference else 1.0
+
+    @functools.cached_property
+    def _reference_plain(self) -> tuple[set[int], int]:
+        """What the reference block saves run plain (``plain_demand``), and its bytes."""
+        demand = plain_demand(self.graph, self.tape, self.alive)
+        return demand, saved_bytes(self.graph, demand)
 
     @functools.cached_property
     def plain_point(self) -> Point:
         """Running a block plain as a save set: everything autograd saves (``plain_demand``), no
         replay left, and the bytes of the region's worst block (``plain_worst``): what a block
         of data-dependent sizes may keep is bounded by the most any block kept when profiled."""
-        demand = plain_demand(self.graph, self.tape, self.alive)
+        demand, reference = self._reference_plain
         return Point(
-            bytes=max(saved_bytes(self.graph, demand), self.plain_worst),
+            bytes=max(reference, self.plain_worst),
             time=0.0,
             saved=frozenset(self.graph.value_names[v] for v in demand),
         )
