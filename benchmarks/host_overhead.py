@@ -1,7 +1,14 @@
-"""Per-op host cost of checkpointing a block of tiny elementwise ops, in one process.
+"""Per-op host cost of checkpointing a block, in one process.
 
-A block of 200 elementwise ops on 16 elements (kernels take well under a microsecond, so what is
-measured is the host: Python, the dispatcher and autograd), one thread, under:
+Blocks (``--block``):
+
+* ``tiny``          200 elementwise ops on 16 elements: kernels take well under a microsecond,
+                    so what is measured is the host (Python, the dispatcher and autograd)
+* ``qwen3_layer``   a Hugging Face ``Qwen3DecoderLayer`` (hidden 64, 1 x 32 tokens, called with
+                    keyword arguments as the model calls it): real submodules and argument lists,
+                    kernels still small next to the host's work
+
+Each runs on one thread, under:
 
 * ``eager``        no checkpointing (the reference every excess is taken against)
 * ``noop_mode``    a TorchDispatchMode whose ``__torch_dispatch__`` only calls the op, around the
@@ -24,7 +31,9 @@ median and IQR over the rounds; then TapeSAC's excesses over torch checkpoint's,
 whole step, in steady state and recorded, and recorded's forward over the no-op mode's (ratios
 of the medians).
 
-Run: python -m benchmarks.host_overhead [--rounds 35] [--reps 10]
+Ops are the block's aten ops in one forward (counted by a dispatch mode).
+
+Run: python -m benchmarks.host_overhead [--block tiny|qwen3_layer] [--rounds 35] [--reps 10]
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import argparse
 import copy
 import statistics
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -69,41 +79,107 @@ def _save_nothing(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def configurations() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Each configuration's forward of the same block (one copy per configuration)."""
-    torch.manual_seed(0)
-    block = TinyOps()
+@dataclass(frozen=True)
+class Workload:
+    """A block and how the model calls it: ``block(x, **kwargs)``, ``x`` requiring grad."""
 
-    def under(mode: type[TorchDispatchMode]) -> Callable[[torch.Tensor], torch.Tensor]:
-        def forward(x: torch.Tensor) -> torch.Tensor:
+    block: torch.nn.Module
+    x: torch.Tensor
+    kwargs: dict[str, Any]
+    ops: int  # aten ops in one forward
+
+
+def tiny_ops() -> Workload:
+    torch.manual_seed(0)
+    return Workload(TinyOps(), torch.randn(SIZE, requires_grad=True), {}, OPS)
+
+
+def qwen3_layer() -> Workload:
+    """A Qwen3 decoder layer with the rotary embeddings and position ids the model passes."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    layer = Qwen3DecoderLayer(config, layer_idx=0)
+    x = torch.randn(1, 32, 64, requires_grad=True)
+    position_ids = torch.arange(32)[None]
+    with torch.no_grad():
+        position_embeddings = Qwen3RotaryEmbedding(config)(x, position_ids)
+    kwargs = {"position_ids": position_ids, "position_embeddings": position_embeddings}
+    return Workload(layer, x, kwargs, count_ops(layer, x, kwargs))
+
+
+BLOCKS = {"tiny": tiny_ops, "qwen3_layer": qwen3_layer}
+
+
+class _Counting(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(block: torch.nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> int:
+    """The aten ops of one forward of ``block``."""
+    with _Counting() as counting:
+        block(x, **kwargs)
+    return counting.ops
+
+
+def configurations(work: Workload) -> dict[str, Callable[[torch.Tensor], Any]]:
+    """Each configuration's forward of the same block (one copy per configuration)."""
+    block, kwargs = work.block, work.kwargs
+
+    def under(mode: type[TorchDispatchMode]) -> Callable[[torch.Tensor], Any]:
+        def forward(x: torch.Tensor) -> Any:
             with mode():
-                return block(x)
+                return block(x, **kwargs)
 
         return forward
 
+    def wrapped(module: torch.nn.Module) -> Callable[[torch.Tensor], Any]:
+        return lambda x: module(x, **kwargs)
+
     sac_context = partial(create_selective_checkpoint_contexts, _save_nothing)
     return {
-        "eager": block,
+        "eager": wrapped(block),
         "noop_mode": under(NoOpMode),
         "noop_bare": under(BareNoOpMode),
-        "torch_ckpt": lambda x: checkpoint(block, x, use_reentrant=False),
-        "torch_sac": lambda x: checkpoint(block, x, use_reentrant=False, context_fn=sac_context),
-        "tapesac_recorded": recorded(tapesac_core.checkpoint_module(copy.deepcopy(block))),
-        "tapesac_steady": tapesac_core.checkpoint_module(copy.deepcopy(block)),
+        "torch_ckpt": lambda x: checkpoint(block, x, use_reentrant=False, **kwargs),
+        "torch_sac": lambda x: checkpoint(
+            block, x, use_reentrant=False, context_fn=sac_context, **kwargs
+        ),
+        "tapesac_recorded": recorded(wrapped(tapesac_core.checkpoint_module(copy.deepcopy(block)))),
+        "tapesac_steady": wrapped(tapesac_core.checkpoint_module(copy.deepcopy(block))),
     }
 
 
-def recorded(block: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``block``'s forward with every call recorded (no steady state)."""
+def recorded(forward: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """``forward`` with every call of its blocks recorded (no steady state)."""
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def run(x: torch.Tensor) -> Any:
         with tapesac_core.trace(record=True):
-            return block(x)
+            return forward(x)
 
-    return forward
+    return run
 
 
-def timed_step(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tuple:
+def timed_step(forward: Callable[[torch.Tensor], Any], x: torch.Tensor) -> tuple:
     """CPU seconds of the forward and of the whole step (forward, loss, backward).
 
     The calling thread's CPU time, not wall time: on a shared machine wall time also counts the
@@ -112,17 +188,19 @@ def timed_step(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor)
     start = time.thread_time()
     out = forward(x)
     mid = time.thread_time()
-    out.sum().backward()
+    (out[0] if isinstance(out, tuple) else out).sum().backward()  # older HF layers: a tuple
     end = time.thread_time()
     x.grad = None
     return mid - start, end - start
 
 
-def measure(rounds: int, reps: int, warmup: int = 2) -> dict[str, dict[str, list[float]]]:
+def measure(
+    work: Workload, rounds: int, reps: int, warmup: int = 2
+) -> dict[str, dict[str, list[float]]]:
     """Per configuration and phase, each round's excess over eager in µs per op."""
-    configs = configurations()
+    configs = configurations(work)
     names = list(configs)
-    x = torch.randn(SIZE, requires_grad=True)
+    x = work.x
     excess: dict[str, dict[str, list[float]]] = {
         name: {"forward": [], "step": []} for name in names
     }
@@ -139,7 +217,7 @@ def measure(rounds: int, reps: int, warmup: int = 2) -> dict[str, dict[str, list
         for name in names:
             for i, phase in enumerate(("forward", "step")):
                 over = medians[name][i] - medians["eager"][i]
-                excess[name][phase].append(1e6 * over / OPS)
+                excess[name][phase].append(1e6 * over / work.ops)
     return excess
 
 
@@ -171,16 +249,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.host_overhead", description=__doc__.split("\n")[0]
     )
+    parser.add_argument("--block", choices=sorted(BLOCKS), default="tiny", help="the block")
     parser.add_argument("--rounds", type=int, default=35, help="measured interleaved rounds")
     parser.add_argument("--reps", type=int, default=10, help="steps per configuration per round")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    work = BLOCKS[args.block]()
     print(
-        f"host overhead: {OPS} elementwise ops on {SIZE} elements, torch {torch.__version__}, "
-        f"1 thread, {args.rounds} rounds x {args.reps} steps; µs per op over eager, "
-        "median [IQR] over rounds"
+        f"host overhead: {args.block} block, {work.ops} aten ops a forward, torch "
+        f"{torch.__version__}, 1 thread, {args.rounds} rounds x {args.reps} steps; µs per op "
+        "over eager, median [IQR] over rounds"
     )
-    print(report(measure(args.rounds, args.reps)))
+    print(report(measure(work, args.rounds, args.reps)))
 
 
 if __name__ == "__main__":

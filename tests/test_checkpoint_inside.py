@@ -2,6 +2,9 @@
 fix: autograd would hand what it saves there to those hooks, and the block would save and replay
 nothing of it, silently. Without the checks each case below trains without error."""
 
+import copy
+import logging
+
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -75,16 +78,51 @@ def test_checkpoint_wrapper_on_a_submodule_of_a_block_is_an_error() -> None:
         layer(_x())
 
 
-def test_a_reentrant_checkpoint_inside_a_block_is_an_error_at_its_recompute() -> None:
-    def reentrant(mlp, h):
-        return torch_checkpoint.checkpoint(mlp, h, use_reentrant=True)
+def _reentrant(mlp, h):
+    return torch_checkpoint.checkpoint(mlp, h, use_reentrant=True)
 
-    layer = tapesac_core.checkpoint_module(Layer(reentrant))
-    out = layer(_x())  # its forward ran under no_grad: no hooks show it
+
+def test_a_reentrant_checkpoint_inside_a_block_is_an_error_at_its_first_forward() -> None:
+    # Its forward runs under no_grad, where no saved-tensor hook shows it: the graph does.
+    layer = tapesac_core.checkpoint_module(Layer(_reentrant))
     with pytest.raises(
-        TapeSACError, match=r"Layer.mlp ran during backward: a reentrant checkpoint"
+        TapeSACError, match=r"a reentrant checkpoint \(.*\) runs inside TapeSAC block 'Layer'"
     ):
-        out.sum().backward()
+        layer(_x())
+
+
+@pytest.mark.parametrize(
+    "call_mlp", [_non_reentrant, _reentrant], ids=["non_reentrant", "reentrant"]
+)
+def test_a_checkpoint_put_inside_a_steady_state_block_gets_no_wrong_gradient(
+    call_mlp, caplog
+) -> None:
+    """Steady-state calls run without the submodule hooks that refuse it: the call diverges
+    from its tape (a warning), recomputes in backward, and the next call, recorded, refuses it."""
+    torch.manual_seed(0)
+    layer = Layer()
+    reference = copy.deepcopy(layer)
+    tapesac_core.checkpoint_module(layer)
+    x = _x()
+    for _ in range(2):  # recorded, then steady
+        layer(x).sum().backward()
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    layer.call_mlp = call_mlp
+    with caplog.at_level(logging.WARNING, logger="tapesac_core"):
+        with tapesac_core.trace() as blocks:
+            layer(x).sum().backward()
+    got = {n: p.grad for n, p in layer.named_parameters()}, x.grad
+    x.grad = None
+    reference(x).sum().backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}, x.grad
+    assert blocks[0].diverged
+    assert torch.equal(got[1], want[1])
+    assert all(torch.equal(got[0][n], want[0][n]) for n in want[0])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "'Layer'" in warnings[0], warnings
+    with pytest.raises(TapeSACError, match="Fix: remove that checkpoint"):
+        layer(x)
 
 
 def test_full_checkpointing_steps_and_plain_blocks_raise_nothing() -> None:

@@ -22,15 +22,30 @@ CONFIGS = (
 
 
 @pytest.mark.bench
-def test_host_overhead_prints_every_configuration_and_every_ratio() -> None:
+@pytest.mark.parametrize("block", ["tiny", "qwen3_layer"])
+def test_host_overhead_prints_every_configuration_and_every_ratio(block: str) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.host_overhead", "--rounds", "2", "--reps", "2"],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.host_overhead",
+            "--block",
+            block,
+            "--rounds",
+            "2",
+            "--reps",
+            "2",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     )
+    counted = re.search(r"(\d+) aten ops a forward", run.stdout)
+    assert counted, run.stdout
+    ops = int(counted.group(1))
+    assert ops == 200 if block == "tiny" else ops > 50, ops  # a Qwen3 layer's: 87 in 5.25
     rows = {line.split()[0]: line.split()[1:] for line in run.stdout.splitlines() if line}
     number = r"-?\d+\.\d+"
     for name in CONFIGS:

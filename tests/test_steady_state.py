@@ -688,3 +688,48 @@ def test_a_divergence_under_autocast_recomputes_under_the_forwards_autocast() ->
         assert blocks[0].diverged
     finally:
         SWITCH["op"] = "relu"
+
+
+class HookCounting(torch.nn.Linear):
+    """A linear layer that notes how many forward hooks it carries at each call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hooks.append(len(self._forward_pre_hooks) + len(self._forward_hooks))
+        return super().forward(x)
+
+
+class TwoLinears(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = HookCounting(8, 8)
+        self.b = HookCounting(8, 8)
+        self.a.hooks, self.b.hooks = [], []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a(x) + self.b(x)).sin()
+
+
+@pytest.mark.parametrize("hold_returned", [False, True], ids=["must_only", "holds_returned"])
+def test_steady_state_calls_hook_submodules_only_to_hold_what_they_return(
+    hold_returned: bool,
+) -> None:
+    """Any forward hook sends a module down nn.Module's slower path: a recorded call hooks the
+    block's submodules (names, exits), a steady-state call only when it holds a value a
+    submodule returns (``a``'s output, read by an add alone, is never packed)."""
+    torch.manual_seed(0)
+    block = TwoLinears()
+    reference = copy.deepcopy(block)
+    tapesac_core.checkpoint_module(block)
+    x = torch.randn(4, 8, requires_grad=True)
+    plan = {"TwoLinears": {("aten.addmm.default", 0, 0)}} if hold_returned else {}
+    ref = step(reference, lambda: reference(x).sum())
+    with tapesac_core.use_plan(plan):
+        for i in range(3):
+            with tapesac_core.trace() as blocks:
+                got = step(block, lambda: block(x).sum())
+            assert_bitwise(ref, got)
+            assert blocks[0].steady == (i > 0)
+            assert (len(blocks[0].saved) == 1) == hold_returned
+    expected = [2, 2, 2] if hold_returned else [2, 0, 0]
+    assert block.a.hooks == expected and block.b.hooks == expected
+    assert not block.a._forward_pre_hooks and not block.a._forward_hooks  # none left behind

@@ -1,7 +1,7 @@
 """Setups a block cannot run in, each refused with a ``TapeSACError`` naming the fix: a block
 inside a block and ``fully_shard`` on a module inside one (when a module is wrapped, and again at
 its forward), torch.utils.checkpoint around a block or saved-tensor hooks inside one, Hugging
-Face's checkpointing flag on a block, and a reentrant recompute of its submodules in backward."""
+Face's checkpointing flag on a block, and a reentrant checkpoint inside one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .._compat import graph_task_id, saved_tensors_hooks_on_top
+from .._compat import saved_tensors_hooks_on_top
 from ..errors import TapeSACError
 from ..tape.block import Block
 from ..tape.recompute import Recompute
@@ -68,20 +68,21 @@ def refuse_inner_saved_tensor_hooks(block: Block, submodule: str) -> None:
     )
 
 
-def refuse_recompute_in_backward(submodule: str, module: torch.nn.Module) -> None:
-    """A submodule of a block running with grad during backward: a reentrant checkpoint inside
-    the block recomputes it (its forward ran under no_grad, where no saved-tensor hooks show).
-    torch's non-reentrant recompute (full-checkpointing control steps) runs under its hooks."""
-    if not torch.is_grad_enabled() or graph_task_id() == -1:
-        return
-    hooks = saved_tensors_hooks_on_top()
-    if hooks is None or getattr(hooks[0], "__module__", "") != "torch.utils.checkpoint":
+def refuse_reentrant_checkpoint_inside(name: str, autograd: Sequence[str] | None) -> None:
+    """A reentrant checkpoint inside a block (``autograd``: the kinds of the autograd nodes its
+    recorded forward made, ``steady.autograd_nodes``): its forward runs under no_grad, where no
+    saved-tensor hook shows it, and its backward runs its part of the block again, outside the
+    tape. Seen at the block's first forward, in its graph."""
+    if autograd is not None and _REENTRANT_NODE in autograd:
         raise TapeSACError(
-            f"{module._tapesac_inside}.{submodule} ran during backward: a reentrant checkpoint "
-            "(torch.utils.checkpoint(use_reentrant=True)) inside TapeSAC block "
-            f"{module._tapesac_inside!r} recomputes it. Fix: remove that checkpoint; TapeSAC "
-            "already checkpoints the block"
+            f"a reentrant checkpoint (torch.utils.checkpoint(use_reentrant=True)) runs inside "
+            f"TapeSAC block {name!r}: it would run its part of the block again in backward. "
+            "Fix: remove that checkpoint; TapeSAC already checkpoints the block"
         )
+
+
+# The autograd node of torch.utils.checkpoint(use_reentrant=True) (and DeepSpeed's checkpoint).
+_REENTRANT_NODE = "CheckpointFunctionBackward"
 
 
 def refuse_wrapping(module: torch.nn.Module, name: str) -> None:

@@ -9,8 +9,9 @@ When grad is disabled a block runs plainly. In eval mode with grad enabled it is
 checkpointed. Raises ``TapeSACError`` for a block nested in another (at wrap time when a module is
 wrapped inside or around a wrapped one, else at its forward), a block run during a backward
 pass (reentrant checkpointing), ``torch.utils.checkpoint`` around a block or inside one (Hugging
-Face's ``gradient_checkpointing`` flag on a block, a wrapper on a submodule, saved-tensor hooks
-pushed inside: checked as each submodule is entered), ``fully_shard`` on a
+Face's ``gradient_checkpointing`` flag on a block; a wrapper on a submodule or saved-tensor hooks
+pushed inside, checked as each submodule is entered in a recorded call; a reentrant checkpoint,
+seen in the graph a recorded call made), ``fully_shard`` on a
 module inside a block (at wrap time or at its forward), double backward, and in-place writes into
 block inputs, parameters or buffers.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any
 
@@ -40,7 +41,7 @@ from ..tape.block import Block, BlockPlan
 from ..tape.recompute import Recompute
 from ..tape.recorder import Recorder
 from ..tape.signature import Signature, block_signature
-from ..tape.steady import Recorded, SteadyForward, SteadyTape, steady_tape
+from ..tape.steady import Recorded, SteadyForward, SteadyTape, autograd_nodes, steady_tape
 from ..tape.steady_cache import SteadyCache, steady_cache
 from ..tape.tape import Tape
 from ..tape.verify import HiddenWrites
@@ -50,8 +51,10 @@ from .plan_scope import PLAN
 from .refusals import (
     refuse_hf_checkpointing,
     refuse_outer_torch_checkpoint,
+    refuse_reentrant_checkpoint_inside,
     refuse_sharded_inside,
 )
+from .submodule_hooks import submodules_tracked
 from .trace_scope import TORCH_CHECKPOINTING, TRACE, trace
 
 RECORDING: ContextVar[Block | None] = ContextVar("tapesac_recording", default=None)
@@ -164,12 +167,15 @@ def run_block(
             _autocast_weight_cache_disabled(),
             torch.autograd.graph.saved_tensors_hooks(recorder.pack, block.unpack),
             recorder,
+            _submodules_tracked(module, block, True),
         ):
             out = fn(*args, **kwargs)
     finally:
         RECORDING.reset(token)
         block.on_exit = None  # the recorder holds the block: no cycle outlives the forward
     outputs = _tensors_in((out,), {})
+    autograd = autograd_nodes(outputs, inputs, limit=2 * len(block.nodes) + 64)
+    refuse_reentrant_checkpoint_inside(name, autograd)
     output_vids = [recorder.vid_of(t) for t in outputs]
     block.finish(frozenset(output_vids), recorder.alive)
     if timed:
@@ -177,7 +183,7 @@ def run_block(
     if block.probe is not None:
         block.probe.forward_end(block.outliving(recorder.alive))
     if cache is not None and signature is not None:
-        cache.put(signature, steady_tape(block, inputs, outputs, output_vids), name)
+        cache.put(signature, steady_tape(block, inputs, outputs, output_vids, autograd), name)
     recorder.forget()
     return out
 
@@ -207,6 +213,7 @@ def _run_steady(
         with (
             _autocast_weight_cache_disabled(),
             torch.autograd.graph.saved_tensors_hooks(forward.pack, block.unpack),
+            _submodules_tracked(block.module, block, bool(entry.exit_hold)),
         ):
             out = fn(*args, **kwargs)
     finally:
@@ -233,10 +240,19 @@ def _run_steady(
     return out
 
 
+def _submodules_tracked(
+    module: torch.nn.Module | None, block: Block, needed: bool
+) -> AbstractContextManager[None]:
+    """The submodule hooks for a call that needs them (``submodule_hooks.py``)."""
+    if module is None or not needed:
+        return nullcontext()
+    return submodules_tracked(module, block)
+
+
 @contextmanager
 def _recording(block: Block) -> Iterator[None]:
-    """``block`` is the one running (a recomputation in its backward): its submodules' checks
-    see their block."""
+    """``block`` is the one running (a recomputation in its backward): a saved tensor unpacked
+    inside it, or a block called inside it, is refused as during its forward."""
     token = RECORDING.set(block)
     try:
         yield

@@ -1,29 +1,23 @@
 """Checkpointing modules: ``checkpoint_module`` and ``checkpoint_modules`` make a module's forward
-run as a block (hooks on its submodules name the submodule of each op and refuse what cannot run
-inside), ``restore_modules`` undoes that; and the policy helpers the integrations share: which
-modules become blocks, their region names."""
+run as a block (its submodules are marked as inside it, so that wrapping one later is refused),
+``restore_modules`` undoes that; and the policy helpers the integrations share: which modules
+become blocks, their region names."""
 
 from __future__ import annotations
 
-import functools
 import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from ..errors import TapeSACError
 from ..tape.steady_cache import forget_steady_cache
 from ..tape.values import forget_leaves
 from ..tape.verify import HiddenWrites
 from .block_settings import BlockConfig, block_config
-from .refusals import (
-    refuse_inner_saved_tensor_hooks,
-    refuse_recompute_in_backward,
-    refuse_wrapping,
-)
-from .running import RECORDING, outside_compile, run_block
+from .refusals import refuse_wrapping
+from .running import outside_compile, run_block
 
 M = TypeVar("M", bound=torch.nn.Module)
 
@@ -93,9 +87,9 @@ def _wrap(
         deterministic_ops=deterministic_ops,
     )
     module.forward = types.MethodType(_checkpointed_forward, module)
-    # Held on the module, not beside it: a deep copy's handles then remove the copy's own hooks
-    # (a handle's copy names the copied hook dict; one held elsewhere names the original's).
-    vars(module)["_tapesac_hooks"] = _track_submodules(module, name)
+    for sub in module.modules():
+        if sub is not module:
+            vars(sub)["_tapesac_inside"] = name  # wrapping it later is refused (refusals.py)
     return module
 
 
@@ -109,8 +103,6 @@ def _unwrap(module: torch.nn.Module) -> None:
         del state["forward"]
     else:
         state["forward"] = forward
-    for handle in state.pop("_tapesac_hooks"):
-        handle.remove()
     for sub in module.modules():
         vars(sub).pop("_tapesac_inside", None)
     del state["_tapesac"]
@@ -131,35 +123,6 @@ def restore_modules(model: torch.nn.Module) -> list[str]:
     for _, module in blocks:
         _unwrap(module)
     return [path for path, _ in blocks]
-
-
-def _track_submodules(module: torch.nn.Module, name: str) -> list[RemovableHandle]:
-    """Name the submodule that issues each recorded op (module paths in plans and explain()),
-    and mark each as inside block ``name`` so wrapping it later is refused; the hooks' handles."""
-    handles = []
-    for sub_name, sub in module.named_modules():
-        if sub is not module:
-            sub._tapesac_inside = name
-            handles.append(
-                sub.register_forward_pre_hook(functools.partial(_enter_submodule, sub_name))
-            )
-            handles.append(sub.register_forward_hook(_exit_submodule))
-    return handles
-
-
-def _enter_submodule(name: str, module: torch.nn.Module, args: Any) -> None:
-    block = RECORDING.get()
-    if block is not None:
-        refuse_inner_saved_tensor_hooks(block, name)
-        block.enter_module(name)
-    else:
-        refuse_recompute_in_backward(name, module)
-
-
-def _exit_submodule(module: torch.nn.Module, args: Any, output: Any) -> None:
-    block = RECORDING.get()
-    if block is not None:
-        block.exit_module(output)
 
 
 Policy = set[type[torch.nn.Module]] | Callable[[torch.nn.Module], bool]

@@ -180,6 +180,10 @@ class Block:
     def alive_taken(self) -> set[int]:
         return self.trace.alive_taken
 
+    def is_running(self) -> bool:
+        """This block's forward (or its recomputation) is the one running in this context."""
+        return self._active_recording() is self
+
     def enter_module(self, path: str) -> None:
         """A submodule's forward starts: ops recorded now are issued by ``path``."""
         self._module_stack.append(path)

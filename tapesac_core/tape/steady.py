@@ -118,8 +118,10 @@ def steady_tape(
     inputs: Sequence[Tensor],
     outputs: Sequence[Tensor],
     output_vids: Sequence[int],
+    autograd: tuple[str, ...] | None,
 ) -> SteadyTape | Recorded:
-    """The finished recorded ``block`` as a steady-state entry, or why later calls must record."""
+    """The finished recorded ``block`` as a steady-state entry, or why later calls must record.
+    ``autograd``: the kinds of the autograd nodes its forward made (``autograd_nodes``)."""
     tape: Tape = block.trace.tape
     blocked = tape_blocker(tape)
     if blocked is not None:
@@ -173,7 +175,6 @@ def steady_tape(
         assert exit_vid is not None, "only returned values were held at an exit"
         copy = written_later(exit_vid)
         exit_hold[j] = (*exit_hold.get(j, ()), (i, layout, Holds(copy, tuple(held))))
-    autograd = autograd_nodes(outputs, inputs, limit=2 * len(tape.nodes) + 64)
     if autograd is None:
         return Recorded.OUTSIDE_GRAPH
     alive = block.refs
@@ -348,7 +349,9 @@ class SteadyForward:
         entry, block = self.entry, self.block
         if self.diverged is None and self.count != len(entry.packs):
             self.diverged = f"{self.count} tensors saved, the tape has {len(entry.packs)}"
-        if self.diverged is None and self.exits != entry.exits:
+        # Exits are counted only where the call holds values a submodule returns (only then
+        # are its submodules hooked, ``submodule_hooks.py``).
+        if self.diverged is None and entry.exit_hold and self.exits != entry.exits:
             self.diverged = f"{self.exits} submodule calls, the tape has {entry.exits}"
         if self.diverged is None:
             made = autograd_nodes(outputs, inputs, limit=len(entry.autograd))
