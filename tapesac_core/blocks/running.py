@@ -40,7 +40,7 @@ from ..plan.plan import BlockKind
 from ..tape.block import Block, BlockPlan
 from ..tape.recompute import Recompute
 from ..tape.recorder import Recorder
-from ..tape.signature import Signature, block_signature
+from ..tape.signature import Signature, block_signature, call_arguments
 from ..tape.steady import Recorded, SteadyForward, SteadyTape, autograd_nodes, steady_tape
 from ..tape.steady_cache import SteadyCache, steady_cache
 from ..tape.tape import Tape
@@ -128,10 +128,11 @@ def run_block(
     )
     if scope is not None:
         scope.blocks.append(block.trace)
-    inputs = _tensors_in(args, kwargs)
+    call = call_arguments(args, kwargs)
+    inputs = call.tensors
     cache = steady_cache(module) if module is not None else None
     signature = (
-        block_signature(fn, args, kwargs, inputs, submodules, _plan_key(block_plan), block.forced)
+        block_signature(fn, call, inputs, submodules, _plan_key(block_plan), block.forced)
         if module is not None
         else None
     )
@@ -173,7 +174,7 @@ def run_block(
     finally:
         RECORDING.reset(token)
         block.on_exit = None  # the recorder holds the block: no cycle outlives the forward
-    outputs = _tensors_in((out,), {})
+    outputs = _tensors_out(out)
     autograd = autograd_nodes(outputs, inputs, limit=2 * len(block.nodes) + 64)
     refuse_reentrant_checkpoint_inside(name, autograd)
     output_vids = [recorder.vid_of(t) for t in outputs]
@@ -222,7 +223,7 @@ def _run_steady(
     block.recording = False
     if timed:
         block.trace.forward_seconds = time.perf_counter() - start
-    diverged = forward.finish(_tensors_in((out,), {}), inputs)
+    diverged = forward.finish(_tensors_out(out), inputs)
     if diverged is not None:
         cache.diverged(signature, entry, block.name, diverged)
         block.held.clear()
@@ -260,14 +261,9 @@ def _recording(block: Block) -> Iterator[None]:
         RECORDING.reset(token)
 
 
-def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors among a call's arguments (or a block's outputs), in pytree order. Flat
-    arguments, the common case, skip pytree's walk, which costs tens of microseconds a block."""
-    if kwargs or not all(
-        isinstance(a, torch.Tensor) or a is None or type(a) in (int, float, bool) for a in args
-    ):
-        return tensor_leaves((args, kwargs))
-    return [a for a in args if isinstance(a, torch.Tensor)]
+def _tensors_out(out: Any) -> list[torch.Tensor]:
+    """The tensors a block returned, in pytree order (a lone tensor skips pytree's walk)."""
+    return [out] if isinstance(out, torch.Tensor) else tensor_leaves(out)
 
 
 @torch.compiler.disable

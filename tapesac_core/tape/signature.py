@@ -94,22 +94,40 @@ def _autocast(device_types: set[str]) -> tuple[tuple[str, torch.dtype], ...]:
     )
 
 
+class CallArguments(NamedTuple):
+    """A call's arguments flattened once, for its tensors and its signature: the leaves in
+    pytree order and the pytree's spec (None: positional tensors and scalars, which need no walk;
+    pytree's walk costs tens of microseconds a block)."""
+
+    leaves: list[Any]
+    spec: Hashable | None
+
+    @property
+    def tensors(self) -> list[Tensor]:
+        return [x for x in self.leaves if isinstance(x, Tensor)]
+
+
+def call_arguments(args: tuple, kwargs: dict) -> CallArguments:
+    """``args`` and ``kwargs`` flattened (lists, tuples, dicts and containers registered with
+    torch's pytree)."""
+    if not kwargs and all(isinstance(a, Tensor) or isinstance(a, _SCALARS) for a in args):
+        return CallArguments(list(args), None)
+    leaves, spec = tree_flatten((args, kwargs))
+    return CallArguments(leaves, spec)
+
+
 def block_signature(
     fn: Any,
-    args: tuple,
-    kwargs: dict,
+    call: CallArguments,
     inputs: Sequence[Tensor],
     submodules: Sequence[torch.nn.Module],
     plan_key: Hashable,
     forced: frozenset[Coord],
 ) -> Signature:
-    """The signature of one call of a block (``inputs``: its tensors, as ``_tensors_in`` found
-    them; ``submodules``: the module's own and its submodules', whose ``training`` flags count)."""
-    if not kwargs and all(isinstance(a, Tensor) or isinstance(a, _SCALARS) for a in args):
-        arguments: Hashable = tuple(_leaf_key(a) for a in args)
-    else:
-        leaves, spec = tree_flatten((args, kwargs))
-        arguments = (spec, tuple(_leaf_key(x) for x in leaves))
+    """The signature of one call of a block (``inputs``: ``call``'s tensors; ``submodules``: the
+    module's own and its submodules', whose ``training`` flags count)."""
+    keys = tuple(_leaf_key(x) for x in call.leaves)
+    arguments: Hashable = keys if call.spec is None else (call.spec, keys)
     return Signature(
         # The function, not a module passed as one: the module holds this signature in its cache.
         getattr(fn, "__func__", None) or (type(fn) if isinstance(fn, torch.nn.Module) else fn),
