@@ -38,6 +38,7 @@ _VALUES = (
     torch.layout,
     torch.memory_format,
 )
+_LEAVES = (Tensor, *_VALUES)  # what call_arguments reads as a leaf without pytree
 
 
 def tensor_key(t: Tensor) -> tuple:
@@ -96,11 +97,10 @@ def _autocast(device_types: set[str]) -> tuple[tuple[str, torch.dtype], ...]:
 
 class CallArguments(NamedTuple):
     """A call's arguments flattened once, for its tensors and its signature: the leaves in
-    pytree order and the pytree's spec (None: positional tensors and scalars, which need no walk;
-    pytree's walk costs tens of microseconds a block)."""
+    pytree order and what holds them (None: positional tensors and scalars only)."""
 
     leaves: list[Any]
-    spec: Hashable | None
+    structure: Hashable | None
 
     @property
     def tensors(self) -> list[Tensor]:
@@ -109,11 +109,36 @@ class CallArguments(NamedTuple):
 
 def call_arguments(args: tuple, kwargs: dict) -> CallArguments:
     """``args`` and ``kwargs`` flattened (lists, tuples, dicts and containers registered with
-    torch's pytree)."""
+    torch's pytree). Python's own containers holding tensors and values (a Hugging Face layer's
+    keyword arguments) are read here: pytree's walk of them costs tens of microseconds a call,
+    and its spec hashes in Python."""
     if not kwargs and all(isinstance(a, Tensor) or isinstance(a, _SCALARS) for a in args):
         return CallArguments(list(args), None)
-    leaves, spec = tree_flatten((args, kwargs))
-    return CallArguments(leaves, spec)
+    leaves: list[Any] = []
+    try:
+        return CallArguments(leaves, _structure((args, kwargs), leaves))
+    except _OtherContainer:
+        leaves, spec = tree_flatten((args, kwargs))
+        return CallArguments(leaves, spec)
+
+
+class _OtherContainer(Exception):
+    """An argument that is neither a tensor, a value, nor a tuple, list or dict (a namedtuple,
+    a container registered with pytree, another object): pytree flattens the call."""
+
+
+def _structure(x: Any, leaves: list[Any]) -> Hashable:
+    """What holds ``x``'s leaves (appended to ``leaves`` in pytree's order): the exact types of
+    its tuples, lists and dicts, their lengths and keys."""
+    kind = type(x)
+    if kind is tuple or kind is list:
+        return (kind, tuple([_structure(v, leaves) for v in x]))
+    if kind is dict:
+        return (kind, tuple([(k, _structure(v, leaves)) for k, v in x.items()]))
+    if isinstance(x, _LEAVES):
+        leaves.append(x)
+        return None
+    raise _OtherContainer
 
 
 def block_signature(
@@ -127,7 +152,7 @@ def block_signature(
     """The signature of one call of a block (``inputs``: ``call``'s tensors; ``submodules``: the
     module's own and its submodules', whose ``training`` flags count)."""
     keys = tuple(_leaf_key(x) for x in call.leaves)
-    arguments: Hashable = keys if call.spec is None else (call.spec, keys)
+    arguments: Hashable = keys if call.structure is None else (call.structure, keys)
     return Signature(
         # The function, not a module passed as one: the module holds this signature in its cache.
         getattr(fn, "__func__", None) or (type(fn) if isinstance(fn, torch.nn.Module) else fn),
