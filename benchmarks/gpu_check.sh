@@ -7,6 +7,8 @@
 #                replays bitwise, reserved memory raises the fragmentation estimate at most
 #                once, the MoE example bitwise under deterministic algorithms
 #   3 timing     CUDA-event node times against the wall time of the same forward
+#   3b host      host time per op (no checkpointing, torch checkpoint, TapeSAC recorded and
+#                steady state) beside the blocks' kernel time per op, on the ~1B model (bf16)
 #   4 limit      allocator peaks of planned steps against the Controller's limit
 #   4b mixed     a plan mixing plain, torch-checkpoint, attention-saving and must-only blocks (~1B)
 #                (bf16): bitwise with dropout, timed against no checkpointing and torch checkpoint
@@ -66,6 +68,7 @@ fi
 stage 2_correctness "$PY" -m benchmarks.gpu_stages correctness --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/2_correctness.json"
 stage 2b_readiness "$PY" -m benchmarks.gpu_stages readiness --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/2b_readiness.json"
 stage 3_timing "$PY" -m benchmarks.gpu_stages timing --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/3_timing.json"
+stage 3b_host "$PY" -m benchmarks.gpu_stages host --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/3b_host.json"
 stage 4_limit "$PY" -m benchmarks.gpu_stages limit --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/4_limit.json"
 stage 4b_mixed "$PY" -m benchmarks.gpu_stages mixed --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/4b_mixed.json"
 stage 5_frontier "$PY" -m benchmarks.frontier --device "$DEVICE" "${FRONTIER[@]}" \

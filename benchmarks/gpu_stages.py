@@ -14,6 +14,10 @@ Stages (``--device cuda`` on a GPU, ``cpu`` to test the script here):
                    no checkpointing: planned steps' metered peaks (allocator on GPU) stay under it.
 * ``mixed``        a plan mixing plain, torch-checkpoint, attention-saving and must-only blocks (~1B)
                    (bf16): bitwise, and timed against no checkpointing and torch's checkpoint.
+* ``host``         host time per op of the ~1B model's forward (bf16) without checkpointing,
+                   under torch's checkpoint, TapeSAC recorded and TapeSAC in steady state, beside
+                   the blocks' kernel time per op (CUDA events): where host time per op exceeds
+                   kernel time per op, the step is host-bound.
 
 Run: python -m benchmarks.gpu_stages STAGE --device cuda --size small --out FILE
 """
@@ -439,6 +443,81 @@ def mixed(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def host(args: argparse.Namespace) -> dict[str, Any]:
+    """Host (the calling thread's CPU) time per aten op of a forward, by method, and the recorded
+    blocks' kernel time per op (node times: CUDA events on GPU, each op alone on CPU); medians of
+    interleaved rounds. The frontier's ~1B dense model in bf16 at its sequence length (its tiny
+    size on CPU, fp32)."""
+    import copy
+    import statistics
+
+    import torch
+
+    import tapesac_core
+    from benchmarks.baselines import wrap_torch
+    from benchmarks.host_overhead import count_ops
+    from benchmarks.workload import build_model
+    from tapesac_core.measure.timing import seconds
+
+    device = torch.device(args.device)
+    base, block, seq, batch = build_model("dense", "1b" if args.size == "small" else "tiny", 0.0)
+    base = base.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    ids = torch.randint(
+        0, base.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)
+    ).to(device)
+    sync = (lambda: torch.accelerator.synchronize(device)) if device.type != "cpu" else None
+    ours = copy.deepcopy(base)
+    tapesac_core.checkpoint_modules(ours, {block})
+    recorded = copy.deepcopy(ours)
+    methods = {
+        "none": (base, contextlib.nullcontext),
+        "torch_checkpoint": (
+            wrap_torch(copy.deepcopy(base), block, early_stop=True),
+            contextlib.nullcontext,
+        ),
+        "tapesac_recorded": (recorded, lambda: tapesac_core.trace(record=True)),
+        "tapesac_steady": (ours, tapesac_core.trace),
+    }
+    with torch.no_grad():
+        ops = count_ops(lambda: base.loss(ids))
+    host_s: dict[str, list[float]] = {name: [] for name in methods}
+    paths: dict[str, set[bool]] = {"tapesac_recorded": set(), "tapesac_steady": set()}
+    rounds = 10 if device.type == "cuda" else 5
+    for r in range(2 + rounds):
+        for name in list(methods)[r % 4 :] + list(methods)[: r % 4]:
+            model, context = methods[name]
+            if sync is not None:
+                sync()
+            with context() as blocks:
+                start = time.thread_time()
+                loss = model.loss(ids)
+                spent = time.thread_time() - start
+                loss.backward()
+            if sync is not None:
+                sync()
+            model.zero_grad(set_to_none=True)
+            if r >= 2:  # after two warm-up rounds: the steady calls' tapes are cached
+                host_s[name].append(spent)
+                if name in paths and blocks is not None:
+                    paths[name].update(b.steady for b in blocks)
+    with tapesac_core.trace(time_nodes=True) as timed:
+        copy.deepcopy(recorded).loss(ids).backward()
+    node_s = [seconds(t) for b in timed for t in b.forward_times.values()]
+    out: dict[str, Any] = {
+        "device": args.device,
+        "ops_per_forward": ops,
+        "block_ops_timed": len(node_s),
+        "kernel_us_per_op": 1e6 * sum(node_s) / len(node_s),
+        "host_us_per_op": {n: 1e6 * statistics.median(t) / ops for n, t in host_s.items()},
+        "rounds": rounds,
+        "steady_calls_steady": paths["tapesac_steady"] == {True},
+        "recorded_calls_recorded": paths["tapesac_recorded"] == {False},
+    }
+    out["steady_host_bound"] = out["host_us_per_op"]["tapesac_steady"] > out["kernel_us_per_op"]
+    out["ok"] = out["steady_calls_steady"] and out["recorded_calls_recorded"] and ops > 0
+    return out
+
+
 STAGES = {
     "versions": versions,
     "correctness": correctness,
@@ -446,6 +525,7 @@ STAGES = {
     "limit": limit,
     "readiness": readiness,
     "mixed": mixed,
+    "host": host,
 }
 
 

@@ -116,7 +116,7 @@ def qwen3_layer() -> Workload:
     with torch.no_grad():
         position_embeddings = Qwen3RotaryEmbedding(config)(x, position_ids)
     kwargs = {"position_ids": position_ids, "position_embeddings": position_embeddings}
-    return Workload(layer, x, kwargs, count_ops(layer, x, kwargs))
+    return Workload(layer, x, kwargs, count_ops(lambda: layer(x, **kwargs)))
 
 
 BLOCKS = {"tiny": tiny_ops, "qwen3_layer": qwen3_layer}
@@ -134,10 +134,10 @@ class _Counting(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_ops(block: torch.nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> int:
-    """The aten ops of one forward of ``block``."""
+def count_ops(forward: Callable[[], Any]) -> int:
+    """The aten ops ``forward()`` runs."""
     with _Counting() as counting:
-        block(x, **kwargs)
+        forward()
     return counting.ops
 
 

@@ -317,6 +317,7 @@ def test_gpu_check_script_passes_on_cpu_at_tiny_size(tmp_path: Path) -> None:
         "2_correctness",
         "2b_readiness",
         "3_timing",
+        "3b_host",
         "4_limit",
         "4b_mixed",
         "5_frontier",
@@ -335,6 +336,15 @@ def test_gpu_check_script_passes_on_cpu_at_tiny_size(tmp_path: Path) -> None:
     assert (
         mixed["bitwise_equal"] and mixed["plan"] == ["plain", 2] and mixed["recorded_blocks"] == 1
     )
+    host = json.loads((tmp_path / "check" / "3b_host.json").read_text())
+    assert host["steady_calls_steady"] and host["recorded_calls_recorded"]
+    assert set(host["host_us_per_op"]) == {
+        "none",
+        "torch_checkpoint",
+        "tapesac_recorded",
+        "tapesac_steady",
+    }
+    assert all(v > 0 for v in host["host_us_per_op"].values()) and host["kernel_us_per_op"] > 0
     assert (tmp_path / "check" / "frontier" / "frontier_dense_tiny.json").is_file()
 
 
