@@ -447,7 +447,8 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
     """Host (the calling thread's CPU) time per aten op of a forward, by method, and the recorded
     blocks' kernel time per op (node times: CUDA events on GPU, each op alone on CPU); medians of
     interleaved rounds. The frontier's ~1B dense model in bf16 at its sequence length (its tiny
-    size on CPU, fp32)."""
+    size on CPU, fp32). A launch queue that fills spins the host, which thread time counts: where
+    the GPU is the bottleneck, host time per op reads high, towards kernel time per op."""
     import copy
     import statistics
 
@@ -478,8 +479,7 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
         "tapesac_recorded": (recorded, lambda: tapesac_core.trace(record=True)),
         "tapesac_steady": (ours, tapesac_core.trace),
     }
-    with torch.no_grad():
-        ops = count_ops(lambda: base.loss(ids))
+    ops = count_ops(lambda: base.loss(ids))
     host_s: dict[str, list[float]] = {name: [] for name in methods}
     paths: dict[str, set[bool]] = {"tapesac_recorded": set(), "tapesac_steady": set()}
     rounds = 10 if device.type == "cuda" else 5
@@ -507,14 +507,14 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "ops_per_forward": ops,
         "block_ops_timed": len(node_s),
-        "kernel_us_per_op": 1e6 * sum(node_s) / len(node_s),
+        "kernel_us_per_op": 1e6 * sum(node_s) / max(len(node_s), 1),
         "host_us_per_op": {n: 1e6 * statistics.median(t) / ops for n, t in host_s.items()},
         "rounds": rounds,
         "steady_calls_steady": paths["tapesac_steady"] == {True},
         "recorded_calls_recorded": paths["tapesac_recorded"] == {False},
     }
     out["steady_host_bound"] = out["host_us_per_op"]["tapesac_steady"] > out["kernel_us_per_op"]
-    out["ok"] = out["steady_calls_steady"] and out["recorded_calls_recorded"] and ops > 0
+    out["ok"] = out["steady_calls_steady"] and out["recorded_calls_recorded"] and node_s != []
     return out
 
 

@@ -31,7 +31,8 @@ median and IQR over the rounds; then TapeSAC's excesses over torch checkpoint's,
 whole step, in steady state and recorded, and recorded's forward over the no-op mode's (ratios
 of the medians).
 
-Ops are the block's aten ops in one forward (counted by a dispatch mode).
+Ops are the tiny block's 200 elementwise ops, and the Qwen3 layer's aten ops in one forward
+(counted by a dispatch mode).
 
 Run: python -m benchmarks.host_overhead [--block tiny|qwen3_layer] [--rounds 35] [--reps 10]
 """

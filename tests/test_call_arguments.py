@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 
-from tapesac_core.tape.signature import call_arguments
+from tapesac_core.tape.signature import Signature, block_signature, call_arguments
+from tapesac_core.tape.size_templates import split_signature
 
 Pair = namedtuple("Pair", "a b")
 
@@ -62,3 +63,16 @@ def test_where_a_tensor_sits_changes_the_structure() -> None:
     ]
     structures = [call_arguments(*v).structure for v in variants]
     assert len(set(structures)) == len(variants)
+
+
+def test_integer_keys_are_structure_not_sizes() -> None:
+    """Size templates take the integers out of a signature's arguments (the lengths); a dict's
+    integer keys say where a tensor sits and stay in the structure."""
+    a = _t()
+
+    def call(key: int) -> Signature:
+        arguments = call_arguments((a,), {"extra": {key: a}})
+        return block_signature(_t, arguments, arguments.tensors, [], (), frozenset())
+
+    masked = [split_signature(call(key))[0] for key in (0, 1)]
+    assert masked[0] != masked[1]

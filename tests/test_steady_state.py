@@ -733,3 +733,63 @@ def test_steady_state_calls_hook_submodules_only_to_hold_what_they_return(
     expected = [2, 2, 2] if hold_returned else [2, 0, 0]
     assert block.a.hooks == expected and block.b.hooks == expected
     assert not block.a._forward_pre_hooks and not block.a._forward_hooks  # none left behind
+
+
+class MaybeIdentity(torch.nn.Module):
+    """``a``'s output, read by an add alone, is held from its submodule's exit when a plan keeps
+    it; ``extra`` calls one more submodule (an identity: no op, no saved tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.same = torch.nn.Identity()
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) + self.b(x)
+        return (self.same(h) if self.extra else h).sin()
+
+
+@pytest.mark.parametrize("hold_returned", [False, True], ids=["must_only", "holds_returned"])
+def test_a_call_holding_what_submodules_return_checks_their_calls(hold_returned, caplog) -> None:
+    """Where a steady-state call holds a value a submodule returns, its submodule calls are
+    counted against the tape's (the k-th exit is where that value comes from): one more is a
+    divergence. Without such a value nothing is hooked, and an identity changes nothing replay
+    reads."""
+    torch.manual_seed(0)
+    block = MaybeIdentity()
+    reference = copy.deepcopy(block)
+    tapesac_core.checkpoint_module(block)
+    x = torch.randn(4, 8, requires_grad=True)
+    plan = {"MaybeIdentity": {("aten.addmm.default", 0, 0)}} if hold_returned else {}
+    ref = step(reference, lambda: reference(x).sum())
+    diverged = []
+    with caplog.at_level(logging.WARNING, logger="tapesac_core"), tapesac_core.use_plan(plan):
+        for extra in (False, False, True):
+            block.extra = extra
+            with tapesac_core.trace() as blocks:
+                got = step(block, lambda: block(x).sum())
+            assert_bitwise(ref, got)
+            diverged.append(blocks[0].diverged)
+    assert [bool(d) for d in diverged] == [False, False, hold_returned]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == int(hold_returned)
+    if hold_returned:
+        assert "3 submodule calls, the tape has 2" in warnings[0], warnings
+
+
+def test_a_forward_that_raises_leaves_no_hook_on_its_submodules() -> None:
+    class Raising(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lin(x)
+            raise ValueError("the user's error")
+
+    block = tapesac_core.checkpoint_module(Raising())
+    with pytest.raises(ValueError, match="the user's error"):
+        block(torch.randn(2, 8, requires_grad=True))
+    assert not block.lin._forward_pre_hooks and not block.lin._forward_hooks

@@ -12,7 +12,6 @@ import torch
 from .._compat import saved_tensors_hooks_on_top
 from ..errors import TapeSACError
 from ..tape.block import Block
-from ..tape.recompute import Recompute
 from ..tape.recorder import Recorder
 from ..tape.steady import SteadyForward
 from .block_settings import block_config
@@ -43,14 +42,16 @@ def refuse_hf_checkpointing(module: torch.nn.Module, name: str) -> None:
         )
 
 
-# The pack hooks TapeSAC itself runs a block's forward under.
-_OWN_PACK_HOOKS = (Recorder.pack, SteadyForward.pack, Recompute.pack)
+# The pack hooks of the calls whose submodules are hooked (``submodule_hooks.py``).
+_OWN_PACK_HOOKS = (Recorder.pack, SteadyForward.pack)
 
 
 def refuse_inner_saved_tensor_hooks(block: Block, submodule: str) -> None:
-    """Saved-tensor hooks pushed inside a recording block (torch.utils.checkpoint or a wrapper
-    of it, activation offloading) take every tensor autograd saves there away from the tape's
-    pack hook: the block would silently save and replay nothing of it."""
+    """Saved-tensor hooks pushed inside a block (torch.utils.checkpoint or a wrapper of it,
+    activation offloading) take every tensor autograd saves there away from the tape's pack
+    hook: the block would silently save and replay nothing of it. Checked as each submodule is
+    entered in a call whose submodules are hooked; a steady-state call without hooks sees fewer
+    saved tensors than its tape (a divergence) and records its next call, which refuses."""
     hooks = saved_tensors_hooks_on_top()
     if hooks is None or getattr(hooks[0], "__func__", None) in _OWN_PACK_HOOKS:
         return
@@ -72,7 +73,8 @@ def refuse_reentrant_checkpoint_inside(name: str, autograd: Sequence[str] | None
     """A reentrant checkpoint inside a block (``autograd``: the kinds of the autograd nodes its
     recorded forward made, ``steady.autograd_nodes``): its forward runs under no_grad, where no
     saved-tensor hook shows it, and its backward runs its part of the block again, outside the
-    tape. Seen at the block's first forward, in its graph."""
+    tape. Seen in the graph of a recorded call; where that graph reaches tensors made before the
+    block that are not its inputs, the walk may give up first (None: not checked)."""
     if autograd is not None and _REENTRANT_NODE in autograd:
         raise TapeSACError(
             f"a reentrant checkpoint (torch.utils.checkpoint(use_reentrant=True)) runs inside "

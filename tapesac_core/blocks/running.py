@@ -175,12 +175,13 @@ def run_block(
         RECORDING.reset(token)
         block.on_exit = None  # the recorder holds the block: no cycle outlives the forward
     outputs = _tensors_out(out)
-    autograd = autograd_nodes(outputs, inputs, limit=2 * len(block.nodes) + 64)
-    refuse_reentrant_checkpoint_inside(name, autograd)
     output_vids = [recorder.vid_of(t) for t in outputs]
     block.finish(frozenset(output_vids), recorder.alive)
     if timed:
         block.trace.forward_seconds = time.perf_counter() - start
+    # A steady-state call's walk comes after its timing too (_run_steady).
+    autograd = autograd_nodes(outputs, inputs, limit=2 * len(block.nodes) + 64)
+    refuse_reentrant_checkpoint_inside(name, autograd)
     if block.probe is not None:
         block.probe.forward_end(block.outliving(recorder.alive))
     if cache is not None and signature is not None:

@@ -25,15 +25,16 @@ from .refusals import refuse_inner_saved_tensor_hooks
 def submodules_tracked(module: torch.nn.Module, block: Block) -> Iterator[None]:
     """``block``'s forward runs with hooks on every submodule of ``module``, removed after."""
     handles = []
-    for name, sub in module.named_modules():
-        if sub is not module:
-            # First among their hooks, as when they were installed at wrapping: each op is
-            # named for its own submodule, and the exit sees what its forward returned.
-            enter = functools.partial(_entered, block, name)
-            handles.append(sub.register_forward_pre_hook(enter, prepend=True))
-            exit_ = functools.partial(_exited, block)
-            handles.append(sub.register_forward_hook(exit_, prepend=True))
     try:
+        for name, sub in module.named_modules():
+            if sub is not module:
+                # First among a submodule's hooks: ops a user's pre-hook runs are named for the
+                # submodule, and the exit sees what its forward returned, before a user's hook
+                # may replace it (the same in recorded and steady-state calls).
+                enter = functools.partial(_entered, block, name)
+                handles.append(sub.register_forward_pre_hook(enter, prepend=True))
+                exit_ = functools.partial(_exited, block)
+                handles.append(sub.register_forward_hook(exit_, prepend=True))
         yield
     finally:
         for handle in handles:
@@ -41,8 +42,7 @@ def submodules_tracked(module: torch.nn.Module, block: Block) -> Iterator[None]:
 
 
 def _entered(block: Block, name: str, module: torch.nn.Module, args: Any) -> None:
-    # Another thread's call of a module sharing these hook dicts (nn.DataParallel's replicas)
-    # is not this block's.
+    # Another thread calling the same model meanwhile runs these hooks too: not this block's.
     if block.is_running():
         refuse_inner_saved_tensor_hooks(block, name)
         block.enter_module(name)

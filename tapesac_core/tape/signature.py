@@ -78,6 +78,7 @@ class Signature(NamedTuple):
     """What two calls of one block must share to run the same ops (see the module)."""
 
     function: object
+    structure: Hashable  # what holds the arguments (``CallArguments.structure``): no sizes in it
     arguments: Hashable
     same_objects: tuple[int, ...]
     training: tuple[bool, ...]
@@ -151,12 +152,11 @@ def block_signature(
 ) -> Signature:
     """The signature of one call of a block (``inputs``: ``call``'s tensors; ``submodules``: the
     module's own and its submodules', whose ``training`` flags count)."""
-    keys = tuple(_leaf_key(x) for x in call.leaves)
-    arguments: Hashable = keys if call.structure is None else (call.structure, keys)
     return Signature(
         # The function, not a module passed as one: the module holds this signature in its cache.
         getattr(fn, "__func__", None) or (type(fn) if isinstance(fn, torch.nn.Module) else fn),
-        arguments,
+        call.structure,
+        tuple(_leaf_key(x) for x in call.leaves),
         _same_objects(inputs) if len(inputs) > 1 else (),
         _module_flags(submodules),
         _autocast({"cpu", *(t.device.type for t in inputs)}),

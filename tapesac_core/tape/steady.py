@@ -10,9 +10,10 @@ handed to autograd as a handle; backward replays from the cached tape as for a r
 The block keeps the same values, so it frees what a recorded block frees.
 
 Divergence. A forward may run other ops under one signature (a branch on a global, an attribute
-changed). Each pack is checked against the tape (count, shape, dtype), and at the end of forward
-the types of the autograd nodes the block created (from its outputs back to its inputs) are
-compared with the recorded call's. On a mismatch the cached tape is dropped (the next call is
+changed). Each pack is checked against the tape (count, shape, dtype), where the call holds values
+a submodule returns so is each such submodule call (only such calls hook the submodules), and at
+the end of forward the types of the autograd nodes the block created (from its outputs back to
+its inputs) are compared with the recorded call's. On a mismatch the cached tape is dropped (the next call is
 recorded), one warning names the block and what differed, and this call's backward runs the
 block's forward again as ``torch.utils.checkpoint`` does (from its inputs, with the generator
 states of its start), taking the k-th packed tensor for handle k: nothing comes from the stale
