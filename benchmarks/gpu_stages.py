@@ -368,6 +368,24 @@ def _largest_difference(a: tuple[Any, list], b: tuple[Any, list]) -> float:
     )
 
 
+def _frontier_model(args: argparse.Namespace, dropout: float) -> tuple[Any, type, Any]:
+    """The frontier's ~1B dense model on ``args.device`` in bf16 (its tiny size on CPU, fp32),
+    its block class, and a batch of token ids."""
+    import torch
+
+    from benchmarks.workload import build_model
+
+    device = torch.device(args.device)
+    base, block, seq, batch = build_model(
+        "dense", "1b" if args.size == "small" else "tiny", dropout
+    )
+    base = base.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    ids = torch.randint(
+        0, base.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)
+    ).to(device)
+    return base, block, ids
+
+
 def mixed(args: argparse.Namespace) -> dict[str, Any]:
     """A mixed plan (plain and torch-checkpoint blocks between blocks saving attention and
     must-only blocks; the tiny model's two blocks: plain, attention) on the
@@ -384,14 +402,9 @@ def mixed(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.common import quartiles
     from benchmarks.measure import interleaved_rounds
     from benchmarks.method import Method
-    from benchmarks.workload import build_model
 
     device = torch.device(args.device)
-    base, block, seq, batch = build_model("dense", "1b" if args.size == "small" else "tiny", 0.1)
-    base = base.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    ids = torch.randint(
-        0, base.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)
-    ).to(device)
+    base, block, ids = _frontier_model(args, dropout=0.1)
     ours = copy.deepcopy(base)
     tapesac_core.checkpoint_modules(ours, {block})
     with tapesac_core.trace() as blocks:
@@ -457,15 +470,10 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
     import tapesac_core
     from benchmarks.baselines import wrap_torch
     from benchmarks.host_overhead import count_ops
-    from benchmarks.workload import build_model
     from tapesac_core.measure.timing import seconds
 
     device = torch.device(args.device)
-    base, block, seq, batch = build_model("dense", "1b" if args.size == "small" else "tiny", 0.0)
-    base = base.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    ids = torch.randint(
-        0, base.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)
-    ).to(device)
+    base, block, ids = _frontier_model(args, dropout=0.0)
     sync = (lambda: torch.accelerator.synchronize(device)) if device.type != "cpu" else None
     ours = copy.deepcopy(base)
     tapesac_core.checkpoint_modules(ours, {block})

@@ -709,6 +709,17 @@ class TwoLinears(torch.nn.Module):
         return (self.a(x) + self.b(x)).sin()
 
 
+def _checkpointed_holding_a(block: torch.nn.Module, hold_returned: bool) -> tuple:
+    """``block`` checkpointed, its reference copy, an input, a plan that keeps ``block.a``'s
+    output (or must-only), and the reference's loss and gradients."""
+    reference = copy.deepcopy(block)
+    tapesac_core.checkpoint_module(block)
+    x = torch.randn(4, 8, requires_grad=True)
+    region = type(block).__name__
+    plan = {region: {("aten.addmm.default", 0, 0)}} if hold_returned else {}
+    return reference, x, plan, step(reference, lambda: reference(x).sum())
+
+
 @pytest.mark.parametrize("hold_returned", [False, True], ids=["must_only", "holds_returned"])
 def test_steady_state_calls_hook_submodules_only_to_hold_what_they_return(
     hold_returned: bool,
@@ -718,11 +729,7 @@ def test_steady_state_calls_hook_submodules_only_to_hold_what_they_return(
     submodule returns (``a``'s output, read by an add alone, is never packed)."""
     torch.manual_seed(0)
     block = TwoLinears()
-    reference = copy.deepcopy(block)
-    tapesac_core.checkpoint_module(block)
-    x = torch.randn(4, 8, requires_grad=True)
-    plan = {"TwoLinears": {("aten.addmm.default", 0, 0)}} if hold_returned else {}
-    ref = step(reference, lambda: reference(x).sum())
+    reference, x, plan, ref = _checkpointed_holding_a(block, hold_returned)
     with tapesac_core.use_plan(plan):
         for i in range(3):
             with tapesac_core.trace() as blocks:
@@ -759,11 +766,7 @@ def test_a_call_holding_what_submodules_return_checks_their_calls(hold_returned,
     reads."""
     torch.manual_seed(0)
     block = MaybeIdentity()
-    reference = copy.deepcopy(block)
-    tapesac_core.checkpoint_module(block)
-    x = torch.randn(4, 8, requires_grad=True)
-    plan = {"MaybeIdentity": {("aten.addmm.default", 0, 0)}} if hold_returned else {}
-    ref = step(reference, lambda: reference(x).sum())
+    reference, x, plan, ref = _checkpointed_holding_a(block, hold_returned)
     diverged = []
     with caplog.at_level(logging.WARNING, logger="tapesac_core"), tapesac_core.use_plan(plan):
         for extra in (False, False, True):
