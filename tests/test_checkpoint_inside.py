@@ -177,3 +177,12 @@ def test_hugging_face_activation_checkpointing_in_a_block_is_an_error_naming_the
     with tapesac_core.trace() as blocks:
         model(input_ids=ids, labels=ids).loss.backward()
     assert len(blocks) == 2 and all(b.replayed for b in blocks)
+
+
+def test_a_module_passed_to_checkpoint_unwrapped_names_its_submodules_and_keeps_no_hook() -> None:
+    """``checkpoint(module, x)`` on a module ``checkpoint_module`` never wrapped records as a
+    wrapped one does: each op named for its submodule, the hooks gone after the call."""
+    layer = Layer()
+    tape = tapesac_core.record(layer, _x())
+    assert {"norm", "mlp.up", "mlp.down"} <= {n.module for n in tape.nodes}
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in layer.modules())
