@@ -163,15 +163,13 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import tapesac_core
+    from benchmarks.measure import synchronize
     from examples.models import DecoderLayer
     from tapesac_core.measure.timing import seconds
 
     model, ids = _model(args, dropout=0.0)
     tapesac_core.checkpoint_modules(model, {DecoderLayer})
     device = torch.device(args.device)
-    sync = (
-        (lambda: torch.accelerator.synchronize(device)) if device.type != "cpu" else (lambda: None)
-    )
     hidden = model.embed_tokens(ids).detach()
     cos, sin = _rope(model, ids)
     for _ in range(2):  # warm-up (kernels, allocator)
@@ -179,12 +177,12 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for _ in range(3):
         with tapesac_core.trace(time_nodes=True) as blocks:
-            sync()
+            synchronize(device)
             start = time.perf_counter()
             out = hidden
             for layer in model.layers:
                 out = layer(out, cos, sin)
-            sync()
+            synchronize(device)
             wall = time.perf_counter() - start
             out.sum().backward()
         forward = sum(seconds(s) for b in blocks for s in b.forward_times.values())
@@ -469,12 +467,13 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
 
     import tapesac_core
     from benchmarks.baselines import wrap_torch
+    from benchmarks.common import rotated
     from benchmarks.host_overhead import count_ops
+    from benchmarks.measure import synchronize
     from tapesac_core.measure.timing import seconds
 
     device = torch.device(args.device)
     base, block, ids = _frontier_model(args, dropout=0.0)
-    sync = (lambda: torch.accelerator.synchronize(device)) if device.type != "cpu" else None
     ours = copy.deepcopy(base)
     tapesac_core.checkpoint_modules(ours, {block})
     recorded = copy.deepcopy(ours)
@@ -492,17 +491,15 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
     paths: dict[str, set[bool]] = {"tapesac_recorded": set(), "tapesac_steady": set()}
     rounds = 10 if device.type == "cuda" else 5
     for r in range(2 + rounds):
-        for name in list(methods)[r % 4 :] + list(methods)[: r % 4]:
+        for name in rotated(methods, r):
             model, context = methods[name]
-            if sync is not None:
-                sync()
+            synchronize(device)
             with context() as blocks:
                 start = time.thread_time()
                 loss = model.loss(ids)
                 spent = time.thread_time() - start
                 loss.backward()
-            if sync is not None:
-                sync()
+            synchronize(device)
             model.zero_grad(set_to_none=True)
             if r >= 2:  # after two warm-up rounds: the steady calls' tapes are cached
                 host_s[name].append(spent)

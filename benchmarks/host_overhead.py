@@ -56,7 +56,7 @@ from torch.utils.checkpoint import (
 )
 
 import tapesac_core
-from benchmarks.common import BareNoOpMode, NoOpMode, quartiles
+from benchmarks.common import BareNoOpMode, NoOpMode, quartiles, rotated
 
 OPS = 200
 SIZE = 16
@@ -207,7 +207,7 @@ def measure(
     }
     for r in range(warmup + rounds):
         medians: dict[str, tuple[float, float]] = {}
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rotated(names, r):
             times = [timed_step(configs[name], x) for _ in range(reps)]
             medians[name] = (
                 statistics.median(t[0] for t in times),

@@ -47,7 +47,7 @@ from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 import tapesac_core
 from benchmarks.baselines import wrap_torch
-from benchmarks.common import quartiles
+from benchmarks.common import quartiles, rotated
 from benchmarks.workload import HFCausalLM, build_model
 
 METHODS = ("none", "full", "tapesac_recorded", "tapesac_steady")
@@ -187,7 +187,7 @@ def measure(
             step(model, context, ids)
     out: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rotated(names, r):
             model, context = runs[name]
             out[name].append(statistics.median(step(model, context, ids) for _ in range(reps)))
     return out
