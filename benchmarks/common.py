@@ -105,6 +105,22 @@ def pct(share: float | None) -> str:
     return "-" if share is None else f"{share:.0%}"
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten op calls that reach the dispatcher, except those named in ``skip``."""
+
+    def __init__(self, skip: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.skip = skip
+        self.count = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        if str(func) not in self.skip:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 class NoOpMode(TorchDispatchMode):
     """Only calls the op: what any Python dispatch mode costs, as torch wraps it
     (``torch._disable_dynamo`` around ``__torch_dispatch__``)."""

@@ -56,7 +56,7 @@ from torch.utils.checkpoint import (
 )
 
 import tapesac_core
-from benchmarks.common import BareNoOpMode, NoOpMode, quartiles, rotated
+from benchmarks.common import BareNoOpMode, NoOpMode, OpCounter, quartiles, rotated
 
 OPS = 200
 SIZE = 16
@@ -123,23 +123,11 @@ def qwen3_layer() -> Workload:
 BLOCKS = {"tiny": tiny_ops, "qwen3_layer": qwen3_layer}
 
 
-class _Counting(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
-    ) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def count_ops(forward: Callable[[], Any]) -> int:
     """The aten ops ``forward()`` runs."""
-    with _Counting() as counting:
+    with OpCounter() as counting:
         forward()
-    return counting.ops
+    return counting.count
 
 
 def configurations(work: Workload) -> dict[str, Callable[[torch.Tensor], Any]]:

@@ -38,13 +38,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import tapesac_core
 from benchmarks.common import (
     BareNoOpMode,
     NoOpMode,
+    OpCounter,
     git_commit,
     median_seconds,
     mib,
@@ -178,23 +178,9 @@ def memory(model: DecoderLM, ids: torch.Tensor) -> dict[str, int]:
     return {"step_peak": full.peak, "step_end": full.end, "forward_end": fwd.end}
 
 
+# Not counted: torch's recompute detaches every tensor it saves, autograd detaches unpacked ones;
+# neither computes anything.
 IDENTITY_OPS = frozenset({"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"})
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts aten op calls, except identity ops (detach, alias): torch's recompute detaches
-    every tensor it saves, autograd detaches unpacked ones; neither computes anything."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
-    ) -> Any:
-        if str(func) not in IDENTITY_OPS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def backward_work(model: DecoderLM, ids: torch.Tensor) -> dict[str, Any]:
@@ -204,7 +190,7 @@ def backward_work(model: DecoderLM, ids: torch.Tensor) -> dict[str, Any]:
     with tapesac_core.trace() as blocks:
         with FlopCounterMode(display=False) as fwd_flops:
             loss = model.loss(ids)
-        with FlopCounterMode(display=False) as bwd_flops, OpCounter() as ops:
+        with FlopCounterMode(display=False) as bwd_flops, OpCounter(IDENTITY_OPS) as ops:
             loss.backward()
     model.zero_grad(set_to_none=True)
     out: dict[str, Any] = {
