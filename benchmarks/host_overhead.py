@@ -96,26 +96,16 @@ def tiny_ops() -> Workload:
 
 
 def qwen3_layer() -> Workload:
-    """A Qwen3 decoder layer with the rotary embeddings and position ids the model passes."""
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+    """The first decoder layer of ``steady_state``'s Hugging Face Qwen3 stack at hidden 64, with
+    the rotary embeddings and position ids the model passes it."""
+    from benchmarks.steady_state import hf_stack
 
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    layer = Qwen3DecoderLayer(config, layer_idx=0)
+    stack = hf_stack(hidden=64, layers=1)[0].model.model
+    layer = stack.layers[0]
     x = torch.randn(1, 32, 64, requires_grad=True)
     position_ids = torch.arange(32)[None]
     with torch.no_grad():
-        position_embeddings = Qwen3RotaryEmbedding(config)(x, position_ids)
+        position_embeddings = stack.rotary_emb(x, position_ids)
     kwargs = {"position_ids": position_ids, "position_embeddings": position_embeddings}
     return Workload(layer, x, kwargs, count_ops(lambda: layer(x, **kwargs)))
 
