@@ -137,6 +137,10 @@ def tapesac_launch(
         "launch",
         "--config_file",
         str(yaml_path),
+        # Accelerate's default port is one fixed number: two launches at once (xdist workers)
+        # would both bind it, and the second one's rendezvous fails with EADDRINUSE.
+        "--main_process_port",
+        str(_free_port()),
         *script,
         *args,
     ]
