@@ -1,14 +1,16 @@
 """The mandatory set S0: what is always saved, and why replay never recomputes it."""
 
 import copy
+import dataclasses
 
+import blocks
 import pytest
 import torch
 import torch.distributed as dist
 from support import OpCounter, assert_bitwise, step
 
 import tapesac_core
-from tapesac_core.tape.tape import COLLECTIVE, DYNAMIC_SHAPE, INVISIBLE_WRITE, NO_PRODUCER
+from tapesac_core.tape.tape import COLLECTIVE, DYNAMIC_SHAPE, INVISIBLE_WRITE, NO_PRODUCER, OP
 
 F32 = 4
 
@@ -106,6 +108,36 @@ def test_data_dependent_shapes_are_mandatory_and_backward_never_syncs() -> None:
     assert tape.mandatory_bytes == tape.bytes_of(tape.mandatory) > 0
     got = step(module, lambda: (module(x) ** 2).sum())
     assert_bitwise(ref, got)
+
+
+def test_sizes_that_follow_the_data_are_told_apart_from_those_the_inputs_fix() -> None:
+    """In the MoE block, what each expert computes is sized by the tokens routed to it; the
+    attention, the router, the shared expert, the token-shaped output its experts are added
+    into and everything after it are sized by the block's input alone."""
+    tape = blocks.case("moe").must_only
+    sized = tape.data_sized
+    made = [(tape.nodes[v.node], v.vid) for v in tape.values if v.node >= 0]
+    expert = [v for n, v in made if (n.module or "").startswith("mlp.experts.")]
+    weights = set(tape.token_independent)  # the experts' transposed weights: views of parameters
+    routed = {v for n, v in made if n.name == "aten.nonzero.default"}
+    assert expert and weights & set(expert) and routed
+    assert set(expert) - weights | routed <= sized and not weights & sized
+    fixed = [v for n, v in made if not (n.module or "").startswith("mlp")]
+    shared = [v for n, v in made if (n.module or "").startswith(("mlp.router", "mlp.shared"))]
+    index_put = [v for n, v in made if n.name == "aten.index_put_.default"]
+    assert fixed and shared and index_put
+    assert not sized & {*fixed, *shared, *index_put, *tape.outputs}
+    # The ops between routing and the experts' sum: every one reads a routed index or weight.
+    assert all(
+        v in sized
+        for n, v in made
+        if n.module == "mlp" and n.name in ("aten.index_select.default", "aten.unsqueeze.default")
+    )
+    # After a number read from a tensor (.item()) any size may follow it.
+    synced = dataclasses.replace(tape, host_sync=True)
+    assert synced.data_sized == {v.vid for v in tape.values if v.kind == OP}
+    dense = blocks.case("dense").must_only
+    assert not dense.data_sized
 
 
 def test_tensors_without_a_recorded_producer_are_mandatory() -> None:

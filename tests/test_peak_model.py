@@ -403,6 +403,32 @@ def test_where_sizes_depend_on_data_recorded_options_are_credited_no_replay_byte
         options(0.5)
 
 
+@pytest.mark.parametrize(
+    ("sized", "credited"),
+    [("", (-60, -60, 0)), ("c", (-60, -60, 0)), ("b", (-20, -20, 0)), ("abc", (0, 0, 0))]
+    + [(None, (0, 0, 0))],
+)
+def test_where_sizes_depend_on_data_only_the_data_sized_storages_lose_their_credit(
+    sized, credited
+) -> None:
+    """Saving b spares replaying a (10 B) and b (20 B) at c's and b's unpacks, times 2 for the
+    tokens. Where c alone is sized by the data (an expert's output), c is replayed either way:
+    the whole credit stands. Where b is, only a's 10 B are credited. Where all are, or the menu
+    does not say which (None: every storage), none."""
+    g = _chain()
+    options = RegionMenu(
+        sequence="s",
+        graph=g,
+        bytes=(0, 40),
+        gains=(0.0, 3.0),
+        saved=(frozenset(), frozenset({g.ids["b"]})),
+        scale=2.0,
+        data_factor=1.5,
+        data_sized=None if sized is None else frozenset(g.value_storage[g.ids[n]] for n in sized),
+    ).options([g.ids[n] for n in "cba"])
+    assert options[1].replay == options[1].compute == credited
+
+
 def test_a_torch_checkpoint_option_keeps_nothing_and_holds_the_plain_bytes_from_its_first_unpack():
     g = _chain()
     every = frozenset(g.ids[n] for n in "abc")

@@ -2,6 +2,7 @@
 with TapeSAC blocks of the same region type; loss and gradients bitwise those of no checkpointing."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from benchmarks.measure import live_bytes
 from examples.models import DecoderLM
 from tapesac_core import PLAIN, TORCH_CHECKPOINT
 from tapesac_core.blocks.trace_scope import trace
-from tapesac_core.control.profile import plain_bytes
+from tapesac_core.control.profile import merged, plain_bytes, region_profiles
 from tapesac_core.measure.memory import profile_memory
 from tapesac_core.plan.plan import BlockKind, Plan, RegionPlan
 
@@ -271,3 +272,39 @@ def test_recorded_blocks_of_data_dependent_sizes_are_planned_at_the_worst_sizes(
     assert controller.profiles["Masked"].data_factor > 1
     assert report.peak is not None and report.predicted_peak is not None
     assert report.peak <= report.predicted_peak <= limit
+
+
+class Sliced(Masked):
+    """``Masked``, plus a slice of its input whose length each block sets (``rows``): a size no
+    op computes from the data, which only comparing blocks shows."""
+
+    def __init__(self, threshold: float, rows: int) -> None:
+        super().__init__(threshold)
+        self.rows = rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + x[: self.rows].exp().sum()
+
+
+def test_values_blocks_of_one_op_sequence_size_differently_count_as_sized_by_the_data() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(Sliced(t, r) for t, r in ((1.0, 128), (0.5, 256), (1.0, 128))))
+    tapesac_core.checkpoint_modules(model, {Sliced})
+    x = torch.randn(512, 64, requires_grad=True)
+
+    def profile():
+        with trace() as traces:
+            model(x).sum().backward()
+        assert len({t.tape.fingerprint for t in traces}) == 1
+        return region_profiles(list(traces), {"Sliced": 512})["Sliced"]
+
+    first = profile()
+    tape = first.tape
+    ops = {tape.nodes[v.node].name: v.vid for v in tape.values if v.node >= 0}
+    routed, sliced = ops["aten.index.Tensor"], ops["aten.exp.default"]
+    assert first.data_dependent and routed in tape.data_sized and sliced not in tape.data_sized
+    assert first.varied >= {routed, sliced} and {routed, sliced} <= first.data_sized
+    assert ops["aten.tanh.default"] not in first.data_sized  # the same on every block
+    # What one profiling step saw differ stays sized by the data after the next.
+    second = dataclasses.replace(profile(), varied=frozenset())
+    assert merged(first, second).varied == first.varied

@@ -50,6 +50,9 @@ class RegionProfile:
     # How far the blocks that timed the op sequence disagree on its must-only replay time
     # (``_spread``): the noise in this profile's estimates, which a plan change must beat.
     replay_spread: float = 0.0
+    # Values of the reference tape whose storage bytes differed between blocks that ran its op
+    # sequence in one profiling step (same tokens): sized by the data (``_varied``).
+    varied: frozenset[int] = frozenset()
 
     @property
     def forward_overhead(self) -> float:
@@ -74,6 +77,13 @@ class RegionProfile:
             return None
         reference = self._reference_plain[1]
         return max(1.0, self.plain_worst / reference) if reference else 1.0
+
+    @property
+    def data_sized(self) -> frozenset[int]:
+        """Values of the reference tape whose sizes may differ on another block of the region:
+        those the tape's ops make from data-sized values (``Tape.data_sized``), and those seen
+        to differ (``varied``)."""
+        return self.tape.data_sized | self.varied
 
     @functools.cached_property
     def _reference_plain(self) -> tuple[set[int], int]:
@@ -227,8 +237,22 @@ def region_profiles(
             plain_worst=max(plain_bytes(b.tape, b.alive_taken) for b in traces),
             alive=frozenset(reference.alive_taken),
             replay_spread=_spread(replayed),
+            varied=_varied([b.tape for b in same]),
         )
     return profiles
+
+
+def _varied(tapes: Sequence[Tape]) -> frozenset[int]:
+    """Values whose storage bytes differ between ``tapes`` (one op sequence, one step's tokens):
+    the first tape's value ids."""
+    reference, *others = tapes
+    if any(len(t.values) != len(reference.values) for t in others):
+        return frozenset(v.vid for v in reference.values)  # no value-by-value comparison
+    return frozenset(
+        v.vid
+        for v in reference.values
+        if any(reference.storage_bytes[v.sid] != t.storage_bytes[t.values[v.vid].sid] for t in others)
+    )
 
 
 def _recording_overhead(traces: list[BlockTrace]) -> float:
@@ -266,6 +290,8 @@ def merged(old: RegionProfile | None, new: RegionProfile) -> RegionProfile:
         alive=new.alive,
         # Either step's disagreement: the times kept are the shorter of two noisy estimates.
         replay_spread=max(old.replay_spread, new.replay_spread),
+        # Seen to differ in any profiling step.
+        varied=old.varied | new.varied,
     )
 
 

@@ -59,10 +59,13 @@ class RegionMenu:
     kinds: tuple[BlockKind, ...] = ()
     plain_bytes: int = 0
     # Where sizes depend on data (tokens routed to an expert), the replay bytes a save set moves
-    # on the reference block need not be what it moves on another: a recorded block is credited
-    # none of what its set removes, and charged what it adds at ``data_factor`` times the
-    # reference's sizes (the worst profiled block's). None: the tape predicts its blocks.
+    # on the reference block need not be what it moves on another: on the storages of
+    # ``data_sized`` (None: every storage) a recorded block is credited none of what its set
+    # removes, and charged what it adds at ``data_factor`` times the reference's sizes (the
+    # worst profiled block's); on the others, the tape's own sizes hold (``_at_worst_sizes``).
+    # None: the tape predicts its blocks.
     data_factor: float | None = None
+    data_sized: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -121,6 +124,9 @@ class RegionMenu:
             ]
         graph = self.graph
         base = replay_memory(graph, (), unpacks, taken, groups) if unpacks else None
+        split = None  # must-only on the fixed-size storages alone and on the data-sized alone
+        if base is not None and self.data_factor is not None:
+            split = tuple(replay_memory(g, (), unpacks, taken, groups) for g in self._split)
         out = []
         for i, (b, g, s, forward) in enumerate(
             zip(self.bytes, self.gains, self.saved, self.forward_deltas)
@@ -141,14 +147,75 @@ class RegionMenu:
                 )
                 if self.kind(i) is not BlockKind.TAPE:
                     option = _freed_by_autograd(option, graph, s, unpacks, groups, self.scale)
-                elif self.data_factor is not None:
-                    option = _at_worst_sizes(option, self.data_factor)
+                elif split is not None:
+                    option = self._at_worst_sizes(option, s, unpacks, taken, groups, split)
                 if self.kind(i) is BlockKind.TORCH_CHECKPOINT:
                     option = self._recomputed_at_first_unpack(option, s, base)
             elif self.kind(i) is BlockKind.TORCH_CHECKPOINT:
                 option = dataclasses.replace(option, forward=0)
             out.append(option)
         return out
+
+    @functools.cached_property
+    def _split(self) -> tuple[PlanGraph, PlanGraph]:
+        """The graph with its data-sized storages at no bytes, and with the others at none."""
+        sized = self.data_sized
+        sizes = self.graph.storage_bytes
+        if sized is None:
+            sized = frozenset(range(len(sizes)))
+        fixed = tuple(0 if s in sized else b for s, b in enumerate(sizes))
+        data = tuple(b if s in sized else 0 for s, b in enumerate(sizes))
+        return (
+            dataclasses.replace(self.graph, storage_bytes=fixed),
+            dataclasses.replace(self.graph, storage_bytes=data),
+        )
+
+    def _at_worst_sizes(
+        self,
+        option: Option,
+        saved: frozenset[int],
+        unpacks: Sequence[int],
+        taken: Iterable[int],
+        groups: Sequence[int],
+        split: tuple[ReplayMemory, ...],
+    ) -> Option:
+        """A recorded ``option`` of a block whose sizes depend on data. Per unpack, its replay
+        deltas on the fixed-size storages as simulated, plus those on the data-sized storages
+        credited nothing and charged at ``data_factor``; never below its deltas on the
+        reference block itself (those it adds at ``data_factor``)."""
+        factor, scale = self.data_factor, self.scale
+        assert factor is not None
+        fixed, data = (
+            replay_memory(g, saved, unpacks, taken, groups) if saved else m
+            for g, m in zip(self._split, split)
+        )
+
+        def worst(
+            reference: tuple[int, ...], on_fixed: Sequence[int], on_data: Sequence[int]
+        ) -> tuple[int, ...]:
+            return tuple(
+                max(
+                    math.ceil(f * scale) + math.ceil(max(0, d) * scale * factor),
+                    math.ceil(x * factor) if x > 0 else x,
+                )
+                for x, f, d in zip(reference, on_fixed, on_data)
+            )
+
+        def deltas(mem: ReplayMemory, base: ReplayMemory) -> tuple[list[int], list[int]]:
+            return (
+                [x - y for x, y in zip(mem.replay, base.replay)],
+                [x - y for x, y in zip(mem.compute, base.compute)],
+            )
+
+        (fixed_replay, fixed_compute), (data_replay, data_compute) = (
+            deltas(fixed, split[0]),
+            deltas(data, split[1]),
+        )
+        return dataclasses.replace(
+            option,
+            replay=worst(option.replay, fixed_replay, data_replay),
+            compute=worst(option.compute, fixed_compute, data_compute),
+        )
 
     def _kept_of(self, saved: frozenset[int], lingering: Sequence[int]) -> tuple[int, ...]:
         """Per value of ``lingering``, the bytes of its storage that keeping ``saved`` keeps
@@ -192,16 +259,6 @@ class RegionMenu:
             compute=tuple(x + held for x in plain.compute),
             release=plain.release + held,
         )
-
-
-def _at_worst_sizes(option: Option, factor: float) -> Option:
-    """A recorded ``option`` of a block whose sizes depend on data: no replay bytes removed,
-    those added at ``factor`` times the simulated ones."""
-
-    def worst(deltas: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(math.ceil(x * factor) if x > 0 else 0 for x in deltas)
-
-    return dataclasses.replace(option, replay=worst(option.replay), compute=worst(option.compute))
 
 
 def _freed_by_autograd(

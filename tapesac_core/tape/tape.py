@@ -263,6 +263,35 @@ class Tape:
         return frozenset(v for v in fixed if self.values[v].kind == OP)
 
     @functools.cached_property
+    def data_sized(self) -> frozenset[int]:
+        """Op values whose storage's size may depend on the data, not only on the block's input
+        shapes: outputs of ops whose shape depends on values (``DYNAMIC_SHAPE``: the tokens
+        routed to an expert), and every storage an op makes from such a value. A view of, or a
+        write into, an older storage keeps that storage's size (an expert's output added into
+        the token-shaped output). After the first data-sized value, an op reading no tensor
+        (a factory, sized by Python integers that may be such a value's length) makes one too.
+        After a number read from a tensor (``host_sync``) any size may follow it: every op
+        value. Sizes that hang on integers taken from a data-sized tensor's shape by an op that
+        reads other tensors (``x.new_zeros(len(idx))``) are not seen here; the profile adds the
+        values whose sizes differed between blocks (``RegionProfile.data_sized``)."""
+        if self.host_sync:
+            return frozenset(v.vid for v in self.values if v.kind == OP)
+        dynamic = {v for v, why in self.mandatory.items() if why == DYNAMIC_SHAPE}
+        made_by: dict[int, int] = {}  # storage id -> the node that made it (-1: not an op)
+        for v in self.values:
+            made_by.setdefault(v.sid, v.node)
+        sized: set[int] = set()  # storage ids
+        for node in self.nodes:
+            from_data = any(self.values[i].sid in sized for i in node.inputs) or (
+                not node.inputs and bool(sized)
+            )
+            for o in node.outs:
+                sid = self.values[o].sid
+                if made_by[sid] == node.index and (from_data or o in dynamic):
+                    sized.add(sid)
+        return frozenset(v.vid for v in self.values if v.kind == OP and v.sid in sized)
+
+    @functools.cached_property
     def fingerprint(self) -> str:
         """A stable digest of the op sequence (the same in every process, unlike ``hash``)."""
         return f"{zlib.crc32(chr(10).join(self.op_sequence()).encode()):08x}-{len(self.nodes)}"
