@@ -126,7 +126,11 @@ class RegionMenu:
         base = replay_memory(graph, (), unpacks, taken, groups) if unpacks else None
         split = None  # must-only on the fixed-size storages alone and on the data-sized alone
         if base is not None and self.data_factor is not None:
-            split = tuple(replay_memory(g, (), unpacks, taken, groups) for g in self._split)
+            fixed, data = self._split
+            split = (
+                replay_memory(fixed, (), unpacks, taken, groups),
+                replay_memory(data, (), unpacks, taken, groups),
+            )
         out = []
         for i, (b, g, s, forward) in enumerate(
             zip(self.bytes, self.gains, self.saved, self.forward_deltas)
@@ -177,44 +181,43 @@ class RegionMenu:
         unpacks: Sequence[int],
         taken: Iterable[int],
         groups: Sequence[int],
-        split: tuple[ReplayMemory, ...],
+        split: tuple[ReplayMemory, ReplayMemory],
     ) -> Option:
         """A recorded ``option`` of a block whose sizes depend on data. Per unpack, its replay
         deltas on the fixed-size storages as simulated, plus those on the data-sized storages
         credited nothing and charged at ``data_factor``; never below its deltas on the
         reference block itself (those it adds at ``data_factor``)."""
-        factor, scale = self.data_factor, self.scale
+        factor = self.data_factor
         assert factor is not None
         fixed, data = (
             replay_memory(g, saved, unpacks, taken, groups) if saved else m
             for g, m in zip(self._split, split)
         )
+        (fixed_base, data_base), scale = split, self.scale
 
         def worst(
-            reference: tuple[int, ...], on_fixed: Sequence[int], on_data: Sequence[int]
+            reference: Sequence[int],
+            on_fixed: Sequence[int],
+            fixed_must: Sequence[int],
+            on_data: Sequence[int],
+            data_must: Sequence[int],
         ) -> tuple[int, ...]:
             return tuple(
                 max(
-                    math.ceil(f * scale) + math.ceil(max(0, d) * scale * factor),
+                    math.ceil((f - f0) * scale) + math.ceil(max(0, d - d0) * scale * factor),
                     math.ceil(x * factor) if x > 0 else x,
                 )
-                for x, f, d in zip(reference, on_fixed, on_data)
+                for x, f, f0, d, d0 in zip(reference, on_fixed, fixed_must, on_data, data_must)
             )
 
-        def deltas(mem: ReplayMemory, base: ReplayMemory) -> tuple[list[int], list[int]]:
-            return (
-                [x - y for x, y in zip(mem.replay, base.replay)],
-                [x - y for x, y in zip(mem.compute, base.compute)],
-            )
-
-        (fixed_replay, fixed_compute), (data_replay, data_compute) = (
-            deltas(fixed, split[0]),
-            deltas(data, split[1]),
-        )
         return dataclasses.replace(
             option,
-            replay=worst(option.replay, fixed_replay, data_replay),
-            compute=worst(option.compute, fixed_compute, data_compute),
+            replay=worst(
+                option.replay, fixed.replay, fixed_base.replay, data.replay, data_base.replay
+            ),
+            compute=worst(
+                option.compute, fixed.compute, fixed_base.compute, data.compute, data_base.compute
+            ),
         )
 
     def _kept_of(self, saved: frozenset[int], lingering: Sequence[int]) -> tuple[int, ...]:
