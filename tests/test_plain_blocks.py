@@ -308,3 +308,9 @@ def test_values_blocks_of_one_op_sequence_size_differently_count_as_sized_by_the
     # What one profiling step saw differ stays sized by the data after the next.
     second = dataclasses.replace(profile(), varied=frozenset())
     assert merged(first, second).varied == first.varied
+    # A block alone in its op sequence has nothing to compare with: every value may be sized by
+    # the data, and its region is priced as if all were.
+    with trace() as traces:
+        model[0](x).sum().backward()
+    alone = region_profiles(list(traces), {"Sliced": 512})["Sliced"]
+    assert alone.data_sized == {v.vid for v in alone.tape.values}

@@ -244,10 +244,11 @@ def region_profiles(
 
 def _varied(tapes: Sequence[Tape]) -> frozenset[int]:
     """Values whose storage bytes differ between ``tapes`` (one op sequence, one step's tokens):
-    the first tape's value ids."""
+    the first tape's value ids. With one tape, or tapes whose values do not pair up, nothing
+    was compared: every value."""
     reference, *others = tapes
-    if any(len(t.values) != len(reference.values) for t in others):
-        return frozenset(v.vid for v in reference.values)  # no value-by-value comparison
+    if not others or any(len(t.values) != len(reference.values) for t in others):
+        return frozenset(v.vid for v in reference.values)
     return frozenset(
         v.vid
         for v in reference.values
