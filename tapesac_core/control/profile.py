@@ -252,7 +252,9 @@ def _varied(tapes: Sequence[Tape]) -> frozenset[int]:
     return frozenset(
         v.vid
         for v in reference.values
-        if any(reference.storage_bytes[v.sid] != t.storage_bytes[t.values[v.vid].sid] for t in others)
+        if any(
+            reference.storage_bytes[v.sid] != t.storage_bytes[t.values[v.vid].sid] for t in others
+        )
     )
 
 
