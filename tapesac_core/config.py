@@ -330,9 +330,16 @@ def _first_frame_outside_library() -> int:
     builds a config too): a warning names the user's line whether they built the config, or a
     ``Controller`` or an integration built it from their keywords. Python 3.12's
     ``skip_file_prefixes`` does this; 3.11 has no such argument."""
-    library = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # "<string>": the ``__init__`` that ``dataclass`` generates.
-    internal = (os.path.join(library, "tapesac_"), dataclasses.__file__, "<string>")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The packages' folders, not every path under ``root`` that starts "tapesac_": a user's
+    # script beside them (a repository's ``tapesac_job.py``) is the user's line. "<string>": the
+    # ``__init__`` that ``dataclass`` generates.
+    packages = ("tapesac_core", "tapesac_integrations", "tapesac_lightning")
+    internal = (
+        *(os.path.join(root, p) + os.sep for p in packages),
+        dataclasses.__file__,
+        "<string>",
+    )
     frame, level = sys._getframe(1), 1  # this function's caller is the warning's level 1
     while frame.f_back is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1

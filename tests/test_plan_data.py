@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import warnings
 
 import pytest
@@ -264,3 +265,9 @@ def test_the_margin_warning_names_the_users_line_whoever_built_the_config() -> N
         with pytest.warns(UserWarning, match="lets plans fill") as caught:
             build()
         assert [w.filename for w in caught] == [__file__]
+    # A user's script beside the packages, its name starting as theirs do, is the user's line.
+    script = os.path.join(os.path.dirname(os.path.dirname(tapesac_core.__file__)), "tapesac_job.py")
+    code = compile("TapeSACConfig(memory_limit='1GiB', margin=0.0)", script, "exec")
+    with pytest.warns(UserWarning, match="lets plans fill") as caught:
+        exec(code, {"TapeSACConfig": TapeSACConfig})
+    assert [w.filename for w in caught] == [script]
