@@ -60,14 +60,13 @@ def previous_points(
             out.append(None)
             continue
         kind, saved = region.kind(b.index), region.blocks[b.index]
-        names = menu.graph.value_names
         out.append(
             next(
                 (
                     i
                     for i in range(len(menu.bytes))
                     if menu.kind(i) is kind
-                    and (kind is not BlockKind.TAPE or {names[v] for v in menu.saved[i]} == saved)
+                    and (kind is not BlockKind.TAPE or menu.saved_names[i] == saved)
                 ),
                 None,
             )

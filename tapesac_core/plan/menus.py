@@ -86,6 +86,12 @@ class RegionMenu:
         return self.kinds[point] if self.kinds else BlockKind.TAPE
 
     @functools.cached_property
+    def saved_names(self) -> tuple[frozenset, ...]:
+        """Per point, its save set by the graph's value names (as a plan records it)."""
+        names = self.graph.value_names
+        return tuple(frozenset(names[v] for v in s) for s in self.saved)
+
+    @functools.cached_property
     def forward_deltas(self) -> tuple[int, ...]:
         """Per point, how its block's own forward peak moves (<= 0): the set's bytes are counted
         from the forward's start, but at its peak only those made (and not freed anyway) by then
