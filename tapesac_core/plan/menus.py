@@ -62,7 +62,7 @@ class RegionMenu:
     # on the reference block need not be what it moves on another: on the storages of
     # ``data_sized`` (None: every storage) a recorded block is credited none of what its set
     # removes, and charged what it adds at ``data_factor`` times the reference's sizes (the
-    # worst profiled block's); on the others, the tape's own sizes hold (``_at_worst_sizes``).
+    # worst profiled block's); on the others the tape's own sizes hold (``_at_worst_sizes``).
     # None: the tape predicts its blocks.
     data_factor: float | None = None
     data_sized: frozenset[int] | None = None
@@ -130,13 +130,10 @@ class RegionMenu:
             ]
         graph = self.graph
         base = replay_memory(graph, (), unpacks, taken, groups) if unpacks else None
-        split = None  # must-only on the fixed-size storages alone and on the data-sized alone
+        # Must-only with the data-sized storages at no bytes (data-dependent regions only).
+        fixed_base = None
         if base is not None and self.data_factor is not None:
-            fixed, data = self._split
-            split = (
-                replay_memory(fixed, (), unpacks, taken, groups),
-                replay_memory(data, (), unpacks, taken, groups),
-            )
+            fixed_base = replay_memory(self._fixed_sizes, (), unpacks, taken, groups)
         out = []
         for i, (b, g, s, forward) in enumerate(
             zip(self.bytes, self.gains, self.saved, self.forward_deltas)
@@ -157,8 +154,8 @@ class RegionMenu:
                 )
                 if self.kind(i) is not BlockKind.TAPE:
                     option = _freed_by_autograd(option, graph, s, unpacks, groups, self.scale)
-                elif split is not None:
-                    option = self._at_worst_sizes(option, s, unpacks, taken, groups, split)
+                elif fixed_base is not None:
+                    option = self._at_worst_sizes(option, s, unpacks, taken, groups, fixed_base)
                 if self.kind(i) is BlockKind.TORCH_CHECKPOINT:
                     option = self._recomputed_at_first_unpack(option, s, base)
             elif self.kind(i) is BlockKind.TORCH_CHECKPOINT:
@@ -167,18 +164,11 @@ class RegionMenu:
         return out
 
     @functools.cached_property
-    def _split(self) -> tuple[PlanGraph, PlanGraph]:
-        """The graph with its data-sized storages at no bytes, and with the others at none."""
-        sized = self.data_sized
-        sizes = self.graph.storage_bytes
-        if sized is None:
-            sized = frozenset(range(len(sizes)))
-        fixed = tuple(0 if s in sized else b for s, b in enumerate(sizes))
-        data = tuple(b if s in sized else 0 for s, b in enumerate(sizes))
-        return (
-            dataclasses.replace(self.graph, storage_bytes=fixed),
-            dataclasses.replace(self.graph, storage_bytes=data),
-        )
+    def _fixed_sizes(self) -> PlanGraph:
+        """The graph with its data-sized storages (``data_sized``; None: all) at no bytes."""
+        sized, sizes = self.data_sized, self.graph.storage_bytes
+        fixed = tuple(0 if sized is None or s in sized else b for s, b in enumerate(sizes))
+        return dataclasses.replace(self.graph, storage_bytes=fixed)
 
     def _at_worst_sizes(
         self,
@@ -187,43 +177,31 @@ class RegionMenu:
         unpacks: Sequence[int],
         taken: Iterable[int],
         groups: Sequence[int],
-        split: tuple[ReplayMemory, ReplayMemory],
+        fixed_base: ReplayMemory,
     ) -> Option:
         """A recorded ``option`` of a block whose sizes depend on data. Per unpack, its replay
-        deltas on the fixed-size storages as simulated, plus those on the data-sized storages
-        credited nothing and charged at ``data_factor``; never below its deltas on the
-        reference block itself (those it adds at ``data_factor``)."""
-        factor = self.data_factor
+        delta on the storages sized by the inputs alone, as simulated; whatever its delta on
+        the reference block adds beyond that (the data-sized storages' part) charged at
+        ``data_factor``, and never credited. Never below either delta."""
+        factor, scale = self.data_factor, self.scale
         assert factor is not None
-        fixed, data = (
-            replay_memory(g, saved, unpacks, taken, groups) if saved else m
-            for g, m in zip(self._split, split)
+        fixed = (
+            replay_memory(self._fixed_sizes, saved, unpacks, taken, groups) if saved else fixed_base
         )
-        (fixed_base, data_base), scale = split, self.scale
 
         def worst(
-            reference: Sequence[int],
-            on_fixed: Sequence[int],
-            fixed_must: Sequence[int],
-            on_data: Sequence[int],
-            data_must: Sequence[int],
+            reference: Sequence[int], on_fixed: Sequence[int], must: Sequence[int]
         ) -> tuple[int, ...]:
-            return tuple(
-                max(
-                    math.ceil((f - f0) * scale) + math.ceil(max(0, d - d0) * scale * factor),
-                    math.ceil(x * factor) if x > 0 else x,
-                )
-                for x, f, f0, d, d0 in zip(reference, on_fixed, fixed_must, on_data, data_must)
-            )
+            out = []
+            for x, y, y0 in zip(reference, on_fixed, must):
+                f = math.ceil((y - y0) * scale)
+                out.append(f + max(0, math.ceil((x - f) * factor)))
+            return tuple(out)
 
         return dataclasses.replace(
             option,
-            replay=worst(
-                option.replay, fixed.replay, fixed_base.replay, data.replay, data_base.replay
-            ),
-            compute=worst(
-                option.compute, fixed.compute, fixed_base.compute, data.compute, data_base.compute
-            ),
+            replay=worst(option.replay, fixed.replay, fixed_base.replay),
+            compute=worst(option.compute, fixed.compute, fixed_base.compute),
         )
 
     def _kept_of(self, saved: frozenset[int], lingering: Sequence[int]) -> tuple[int, ...]:
