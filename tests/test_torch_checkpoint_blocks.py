@@ -72,6 +72,7 @@ def test_torch_checkpoint_blocks_run_where_measured_faster_under_the_limit(moe) 
     assert BlockKind.TORCH_CHECKPOINT in kinds, report.plan.explain()
     assert report.torch_checkpointed == kinds.count(BlockKind.TORCH_CHECKPOINT)
     assert "torch checkpoint" in report.plan.explain()
+    assert "torch_checkpoint_blocks=True" not in report.plan.explain()  # it is on
     assert report.peak <= limit, (report.peak, limit)
     assert abs(report.peak / report.predicted_peak - 1) < 0.03, (report.peak, report.predicted_peak)
     torch.manual_seed(10)

@@ -142,7 +142,14 @@ def solve_plan(
         choices, saved_bytes, gain = choice.choices, choice.bytes, choice.gain
         predicted, peak_at = base + saved_bytes, "the start of backward (Eq. 8 bound)"
     regions = {
-        r: _region_plan(profiles[r], frontiers[r], choices[r], tokens[r], extras[r])
+        r: _region_plan(
+            profiles[r],
+            frontiers[r],
+            choices[r],
+            tokens[r],
+            extras[r],
+            torch_checkpoint_blocks=config.torch_checkpoint_blocks,
+        )
         for r in sorted(profiles)
     }
     full = full_recompute_extra(profiles, tokens)
@@ -367,6 +374,8 @@ def _region_plan(
     chosen: tuple[int, ...],
     tokens: int,
     extras: tuple[BlockKind, ...],
+    *,
+    torch_checkpoint_blocks: bool,
 ) -> RegionPlan:
     graph = profile.graph
     menu = (BlockKind.TAPE,) * len(points) + extras  # the options after the frontier
@@ -401,6 +410,12 @@ def _region_plan(
     blocker = tape_blocker(profile.tape)
     if any(recorded) and blocker is not None:
         notes.append(f"its recorded blocks record every call, not only the first: {blocker}")
+        if not torch_checkpoint_blocks:
+            # Recording every call costs host time per op that torch's checkpoint does not.
+            notes.append(
+                "torch_checkpoint_blocks=True would measure torch.utils.checkpoint, which records "
+                "nothing, on this region and run its blocks so where faster"
+            )
     if BlockKind.TORCH_CHECKPOINT in kinds:
         notes.append(
             "torch checkpoint: the block runs under torch.utils.checkpoint, which measured "
