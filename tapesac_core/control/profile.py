@@ -86,6 +86,13 @@ class RegionProfile:
         return self.tape.data_sized | self.varied
 
     @functools.cached_property
+    def data_sized_storages(self) -> frozenset[int]:
+        """The storages of ``graph`` that ``data_sized`` values use (what the planner prices
+        at the worst sizes), computed once per profile, not at each solve."""
+        storage = self.graph.value_storage
+        return frozenset(storage[v] for v in self.data_sized)
+
+    @functools.cached_property
     def _reference_plain(self) -> tuple[set[int], int]:
         """What the reference block saves run plain (``plain_demand``), and its bytes."""
         demand = plain_demand(self.graph, self.tape, self.alive)

@@ -242,7 +242,7 @@ def region_menus(
             saved=tuple(p.graph.value_ids(pt.saved) for pt in points),
             scale=tokens[r] / p.tokens,
             data_factor=p.data_factor,
-            data_sized=frozenset(p.graph.value_storage[v] for v in p.data_sized),
+            data_sized=p.data_sized_storages,
         )
         kinds = (extras or {}).get(r, ())
         gain = (torch_checkpoint_gains or {}).get(r, 0.0)
@@ -399,9 +399,8 @@ def _region_plan(
             "of the region kept when profiled"
         )
     if any(recorded) and profile.data_factor is not None:
-        sized = {profile.graph.value_storage[v] for v in profile.data_sized}
         notes.append(
-            f"replay sizes depend on data: on the {len(sized)} of its "
+            f"replay sizes depend on data: on the {len(profile.data_sized_storages)} of its "
             f"{len(profile.graph.storage_bytes)} storages whose sizes follow the data, its "
             "recorded blocks are credited none of the replay bytes their saved values remove on "
             f"the reference block, and charged what they add at {profile.data_factor:.2f}x its "
