@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from support import (
+    OpCounter,
     assert_bitwise,
     assert_replayed_as_predicted,
     block_paths,
@@ -181,6 +182,28 @@ def test_random_ops_replay_from_states_derived_at_each_call(value_dependent) -> 
         assert_bitwise(ref, got)  # every mask replayed as drawn, under a new seed each step
         later = str(Recorded.RANDOM) if value_dependent else "steady"
         assert block_paths(blocks) == [str(Recorded.FIRST_CALL) if i == 0 else later]
+
+
+def test_a_steady_state_backward_draws_each_mask_once() -> None:
+    """Backward reads the second branch's mask first; the generator's state after the first
+    dropout was read in forward, at the first pack after it, so no dropout runs twice in
+    backward (as stand-ins drawing for the second mask's state would make it)."""
+    block = TwoDraws()
+    reference = copy.deepcopy(block)
+    tapesac_core.checkpoint_module(block)
+    x = torch.randn(8, 16, requires_grad=True)
+    for i in range(STEPS):
+        ref = step(reference, lambda: reference(x).pow(2).sum(), seed=i)
+        torch.manual_seed(i)
+        with tapesac_core.trace() as blocks:
+            loss = block(x).pow(2).sum()
+        with OpCounter() as counter:
+            loss.backward()
+        grads = {n: p.grad for n, p in block.named_parameters()}
+        assert_bitwise(ref, (loss.detach(), grads))
+        block.zero_grad(set_to_none=True)
+        assert blocks[0].steady == (i > 0)
+        assert counter.counts["aten.bernoulli_.float"] == 2  # each mask once, in steady state too
 
 
 def _forward_only(model: torch.nn.Module, ids: torch.Tensor, **trace: bool) -> tuple:

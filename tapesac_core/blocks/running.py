@@ -185,7 +185,8 @@ def run_block(
     if block.probe is not None:
         block.probe.forward_end(block.outliving(recorder.alive))
     if cache is not None and signature is not None:
-        cache.put(signature, steady_tape(block, inputs, outputs, output_vids, autograd), name)
+        made = steady_tape(block, inputs, outputs, output_vids, autograd, recorder.draw_packs)
+        cache.put(signature, made, name)
     recorder.forget()
     return out
 

@@ -9,14 +9,17 @@ element on one CPU, one seed on another (MKL), a Philox offset per element on CU
 values. So the state before the k-th random op is its generator's start state advanced by the
 random ops before it that drew from the same generator: replay runs each of those again, on
 zero-filled stand-ins of the recorded layouts where backward does not replay it anyway
-(``Draws.before``), and takes the state after each op it runs for real. Random ops whose draws
+(``Draws.before``), and takes the state after each op it runs for real. Backward reads masks
+last to first, so the stand-ins would draw most masks twice: instead the forward's pack hook
+reads a generator's state at the first pack after each random op that another op on that
+generator follows (``state_packs``), before that next op runs, and no op is run for its draws. Random ops whose draws
 depend on values (``multinomial``, ``poisson``, custom ops) or on a generator passed in keep their
 blocks recorded (``steady.tape_blocker``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -72,11 +75,39 @@ def draws_by_layout(node: Node) -> bool:
     return default_generator(generator.device) is generator
 
 
+def state_packs(random: Sequence[Node], draw_packs: Mapping[int, int]) -> dict[int, int]:
+    """Pack index -> position in ``random`` of the op whose generator's state a steady-state
+    call reads at that pack: the state after the op, for the next random op on its generator.
+    ``draw_packs``: per random node's index, the first pack after it and before the next
+    random op on its generator (``Recorder.draw_packs``)."""
+    followed = _followed(random)
+    return {
+        draw_packs[n.index]: p
+        for p, n in enumerate(random)
+        if p in followed and n.index in draw_packs
+    }
+
+
+def _followed(random: Sequence[Node]) -> set[int]:
+    """The positions in ``random`` of the ops that a later op on the same generator follows."""
+    last: dict[int, int] = {}
+    followed: set[int] = set()
+    for p, n in enumerate(random):
+        key = id(n.rng[0])
+        if key in last:
+            followed.add(last[key])
+        last[key] = p
+    return followed
+
+
 class Draws:
     """The generator states of one steady-state call's random ops, derived from the states at
-    its start as replay asks for them."""
+    its start, and from the states its forward read after some of them (``after``: position in
+    ``random`` -> state), as replay asks for them."""
 
-    def __init__(self, random: Sequence[Node], start: Sequence[State]) -> None:
+    def __init__(
+        self, random: Sequence[Node], start: Sequence[State], after: Mapping[int, Tensor]
+    ) -> None:
         self.order = random
         self._position = {n.index: p for p, n in enumerate(self.order)}
         start_of = {id(g): state for g, state in start}
@@ -84,16 +115,15 @@ class Draws:
         # Per random op: its generator, and the random op before it on that generator (or None).
         self._previous: list[int | None] = []
         self._start: list[Tensor | None] = []
-        self._followed: set[int] = set()  # random ops with a later one on their generator
+        self._followed = _followed(self.order)  # random ops with a later one on their generator
         for p, n in enumerate(self.order):
             key = id(n.rng[0])
             self._previous.append(last.get(key))
             self._start.append(start_of[key] if key not in last else None)
-            if key in last:
-                self._followed.add(last[key])
             last[key] = p
-        self._after: dict[int, Tensor] = {}
-        self.nbytes = sum(state.nbytes for state in start_of.values())
+        self._after: dict[int, Tensor] = dict(after)
+        states = [*start_of.values(), *after.values()]
+        self.nbytes = sum(state.nbytes for state in states)
 
     def run(self, node: Node, call: Callable[[], Any], stand_in: Callable[[Node], Any]) -> Any:
         """``call()`` (``node``, run for real) from the state its op drew from in forward;

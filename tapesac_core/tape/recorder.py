@@ -78,6 +78,11 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         # OpOverload hashes in Python: look ops up by id (they live as long as the process).
         self.infos: dict[int, OpInfo] = {}
         self.hot: dict[int, OpInfo] = {}  # the ops of ``infos`` the fast path records
+        # Per random node, the first pack after it and before the next random op on its
+        # generator: a steady-state call reads the generator's state there, the state the next
+        # op drew from, instead of running the op again in backward (``draws.py``).
+        self.draw_packs: dict[int, int] = {}
+        self._awaiting_pack: dict[int, int] = {}  # id(generator) -> its latest random node
 
     def forget(self) -> None:
         """The forward ended: drop the per-tensor bookkeeping. Autograd keeps the pack hook,
@@ -113,6 +118,11 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         handles: list[int] = block.handles  # type: ignore[assignment]
         handles.append(vid)
         block.pack_layouts.append((t.shape, t.dtype))
+        awaiting = self._awaiting_pack
+        if awaiting:
+            for node in awaiting.values():
+                self.draw_packs[node] = len(handles) - 1
+            awaiting.clear()
         holding = self.holding
         if (block.verify or self.uninitialised) and vid not in holding.first_packed:
             holding.first_pack(vid, t)
@@ -189,6 +199,8 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         if self.uninitialised and not info.metadata_only and not info.aliasing:
             self.holding.check_initialised(args, kwargs, inputs, writes)
         index = self._add_node(func, info, targs, tkwargs, inputs, writes, rng, out, args, kwargs)
+        if rng is not None and index >= 0:
+            self._awaiting_pack[id(rng[0])] = index
         if timer is not None and index >= 0:
             self.block.trace.forward_times[index] = sample
         return out

@@ -277,6 +277,7 @@ def _skeleton(entry: SteadyTape) -> tuple:
         zeroed.writes_in_place,
         zeroed.device_types,
         zeroed.autograd,
+        tuple(sorted(zeroed.draw_packs.items())),
     )
     return nodes, graph, calls, len(tape.storage_bytes)
 

@@ -45,7 +45,7 @@ from ..tensors import (
     on_storage,
     view_on,
 )
-from .draws import Draws, draws_by_layout
+from .draws import Draws, draws_by_layout, state_packs
 from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, OP, Node, ReplayMemo, Tape, Value
 
 if TYPE_CHECKING:
@@ -108,6 +108,9 @@ class SteadyTape:
     device_types: frozenset[str]
     autograd: tuple[str, ...]  # the autograd nodes the forward created (``autograd_nodes``)
     random: tuple[Node, ...]  # the random ops, in order: their states are derived (``draws.py``)
+    # Pack index -> the random op (position in ``random``) whose generator's state at that pack
+    # is the state the next random op on it draws from (``Recorder.draw_packs``).
+    draw_packs: Mapping[int, int]
     confirmed: bool = False  # a steady-state call of it made the same autograd nodes
     template: SizeTemplate | None = None  # what made it at a size not recorded
     # Its calls' replay closures (a copy at another size, ``dataclasses.replace``, starts afresh).
@@ -120,9 +123,11 @@ def steady_tape(
     outputs: Sequence[Tensor],
     output_vids: Sequence[int],
     autograd: tuple[str, ...] | None,
+    draw_packs: Mapping[int, int],
 ) -> SteadyTape | Recorded:
     """The finished recorded ``block`` as a steady-state entry, or why later calls must record.
-    ``autograd``: the kinds of the autograd nodes its forward made (``autograd_nodes``)."""
+    ``autograd``: the kinds of the autograd nodes its forward made (``autograd_nodes``);
+    ``draw_packs``: per random node, the first pack after it (``Recorder.draw_packs``)."""
     tape: Tape = block.trace.tape
     blocked = tape_blocker(tape)
     if blocked is not None:
@@ -180,6 +185,7 @@ def steady_tape(
         return Recorded.OUTSIDE_GRAPH
     alive = block.refs
     stateless = _stateless(tape)  # the cache keeps no state of this recorded call
+    random = tuple(n for n in stateless.nodes if n.rng is not None)
     return SteadyTape(
         tape=stateless,
         handles=handles,
@@ -196,7 +202,8 @@ def steady_tape(
         writes_in_place=block.writes_in_place,
         device_types=frozenset(block.device_types),
         autograd=autograd,
-        random=tuple(n for n in stateless.nodes if n.rng is not None),
+        random=random,
+        draw_packs=state_packs(random, draw_packs),
     )
 
 
@@ -286,6 +293,7 @@ class SteadyForward:
         self.exits = 0
         block.on_exit = self.exited
         self.rng = generator_states(inputs)
+        self.drawn: dict[int, Tensor] = {}  # random op -> its generator's state after it
         block.adopt(entry)
         held = block.held
         for vid, t in zip(entry.inputs, inputs):
@@ -306,6 +314,9 @@ class SteadyForward:
                 holds = self.entry.hold.get(k)
                 if holds is not None:
                     self._hold(t, holds)
+                p = self.entry.draw_packs.get(k)
+                if p is not None:
+                    self.drawn[p] = self.entry.random[p].rng[0].get_state()
                 return k
             expected = f"{tuple(packs[k][0])} {packs[k][1]}" if k < len(packs) else "no pack"
             self.diverged = (
@@ -363,7 +374,7 @@ class SteadyForward:
         if self.diverged is not None:
             return self.diverged
         if entry.random:
-            block.draws = Draws(entry.random, self.rng)
+            block.draws = Draws(entry.random, self.rng, self.drawn)
             block.trace.draws_bytes = block.draws.nbytes
         self.rng = []  # only a recomputation needs it: the pack hook lives as long as the graph
         block.refs = {
