@@ -76,8 +76,9 @@ def _run(model: torch.nn.Module, ids: torch.Tensor, **trace: bool) -> tuple:
         (dict(), "steady"),
         (dict(attention_output_gate=False, num_kv_heads=4), "steady"),
         (dict(dropout=0.1), "steady"),  # dropout draws by layout: its states are derived
-        (dict(moe=True), str(Recorded.DATA_DEPENDENT)),
-        (dict(moe=True, skip_empty_experts=True, dropout=0.1), str(Recorded.DATA_DEPENDENT)),
+        # Sizes that follow the routing: recorded until a template binds them (data_sizes.py).
+        (dict(moe=True), str(Recorded.DATA_SIZES)),
+        (dict(moe=True, skip_empty_experts=True, dropout=0.1), str(Recorded.DATA_SIZES)),
     ],
     ids=["dense", "dense_mha", "dense_dropout", "moe", "moe_skip_dropout"],
 )
@@ -564,16 +565,37 @@ def test_a_dispatch_mode_around_a_steady_state_call_is_not_a_divergence(caplog) 
     assert not caplog.records
 
 
+class ReadsAFloat(torch.nn.Module):
+    """A block that computes with a float it reads from a tensor (``.item()``): a number no
+    steady-state call could check, so its calls record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * x.detach().abs().mean().item()
+
+
 def test_explain_says_when_a_regions_blocks_record_every_call() -> None:
-    for config, says in ((dict(moe=True), True), (dict(dropout=0.1), False)):
-        _, model = reference_and_copy(**config)
+    """A float read from a tensor keeps a region's blocks recorded, and the plan says so; the
+    examples' MoE, whose sizes follow its routing, runs in steady state and says nothing."""
+    for config, says in ((None, True), (dict(moe=True), False), (dict(dropout=0.1), False)):
+        if config is None:
+            model = torch.nn.Sequential(ReadsAFloat(), ReadsAFloat())
+            tapesac_core.checkpoint_modules(model, {ReadsAFloat})
+            x = torch.randn(8, 16, requires_grad=True)
+            loss, tokens = (lambda: model(x).sum()), 8
+        else:
+            _, model = reference_and_copy(**config)
+            ids = token_ids(1, seq=24)
+            loss, tokens = (lambda: model.loss(ids)), ids.numel()
         controller = tapesac_core.Controller(model, 0.0, warmup_steps=1, profile_steps=1)
-        ids = token_ids(1, seq=24)
         for _ in range(4):
-            with controller.step(tokens=ids.numel()) as report:
-                model.loss(ids).backward()
+            with controller.step(tokens=tokens) as report:
+                loss().backward()
         text = report.plan.explain()
-        assert ("record every call, not only the first: data-dependent" in text) == says, text
+        assert ("record every call, not only the first: a host sync" in text) == says, text
 
 
 @pytest.mark.parametrize("dropout", [0.1, 0.0], ids=["dropout", "no_dropout"])

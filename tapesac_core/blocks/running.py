@@ -38,6 +38,7 @@ from .._compat import graph_task_id
 from ..errors import TapeSACError
 from ..plan.plan import BlockKind
 from ..tape.block import Block, BlockPlan
+from ..tape.data_sizes import DataBinding, DataTemplate
 from ..tape.recompute import Recompute
 from ..tape.recorder import Recorder
 from ..tape.signature import Signature, block_signature, call_arguments
@@ -185,7 +186,7 @@ def run_block(
     if block.probe is not None:
         block.probe.forward_end(block.outliving(recorder.alive))
     if cache is not None and signature is not None:
-        made = steady_tape(block, inputs, outputs, output_vids, autograd, recorder.draw_packs)
+        made = steady_tape(block, inputs, outputs, output_vids, autograd, recorder.log)
         cache.put(signature, made, name)
     recorder.forget()
     return out
@@ -206,8 +207,11 @@ def _run_steady(
     cache: SteadyCache,
     signature: Signature,
 ) -> Any:
-    """A call with a cached tape: the forward under the saved-tensor hooks alone (``steady.py``)."""
-    forward = SteadyForward(block, entry, inputs)
+    """A call with a cached tape: the forward under the saved-tensor hooks alone (``steady.py``),
+    binding its sizes as it runs where they follow its data (``data_sizes.py``)."""
+    template = entry.template
+    binding = DataBinding(template, block) if isinstance(template, DataTemplate) else None
+    forward = SteadyForward(block, entry, inputs, binding)
     # On CPU its wall time prices the steady-state path against recording (profile.py).
     timed = all(t.device.type == "cpu" for t in inputs)
     start = time.perf_counter() if timed else 0.0

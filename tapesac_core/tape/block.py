@@ -135,8 +135,8 @@ class Block:
         # Per pack, the value packed: autograd's handle is the pack's index (an int, which the
         # garbage collector does not track), and the block's unpack hook resolves it.
         self.handles: Sequence[int] = []
-        self.pack_layouts: list[tuple[torch.Size, torch.dtype]] = []  # per pack (steady state)
         self.host_sync = False  # an op returned a number: the data may steer the ops
+        self.host_floats = False  # a float among them: it may be a number ops compute with
         # Per submodule exit, in order, each tensor it returned: its value (None: unrecorded)
         # and its shape and dtype.
         self.exits: list[tuple[tuple[int | None, tuple[torch.Size, torch.dtype]], ...]] = []
@@ -247,6 +247,7 @@ class Block:
             frozenset(v for returned in self.exits for v, _ in returned if v is not None),
             self.host_sync,
             self.lifetimes.stop(),
+            self.host_floats,
         )
         self.demand = tape.demand
         if self.plan_sequence is not None and tape.fingerprint != self.plan_sequence:

@@ -42,6 +42,7 @@ from ..tensors import (
 )
 from .holding import Holding
 from .ops import OpInfo, arg, is_random_call, op_info
+from .steady import PackLog
 from .tape import BUFFER, INPUT, OP, PARAM, Node, Value
 from .values import ValueIds
 
@@ -78,10 +79,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         # OpOverload hashes in Python: look ops up by id (they live as long as the process).
         self.infos: dict[int, OpInfo] = {}
         self.hot: dict[int, OpInfo] = {}  # the ops of ``infos`` the fast path records
-        # Per random node, the first pack after it and before the next random op on its
-        # generator: a steady-state call reads the generator's state there, the state the next
-        # op drew from, instead of running the op again in backward (``draws.py``).
-        self.draw_packs: dict[int, int] = {}
+        self.log = PackLog()  # what steady-state calls check and bind at their packs
         self._awaiting_pack: dict[int, int] = {}  # id(generator) -> its latest random node
 
     def forget(self) -> None:
@@ -117,11 +115,15 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         # A recording block's handles are a list (a steady one's a tuple); no cast(): a call.
         handles: list[int] = block.handles  # type: ignore[assignment]
         handles.append(vid)
-        block.pack_layouts.append((t.shape, t.dtype))
+        log = self.log
+        log.layouts.append((t.shape, t.dtype))
+        log.views.append((t.stride(), t.storage_offset()))  # type: ignore[arg-type]  # eager: int
         awaiting = self._awaiting_pack
         if awaiting:
+            # A steady-state call reads the generator's state here: the state the next random
+            # op on it draws from (``draws.state_packs``).
             for node in awaiting.values():
-                self.draw_packs[node] = len(handles) - 1
+                log.draw_packs[node] = len(handles) - 1
             awaiting.clear()
         holding = self.holding
         if (block.verify or self.uninitialised) and vid not in holding.first_packed:
@@ -131,6 +133,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
     def module_exit(self, output: Any) -> None:
         """A submodule returned ``output``: the values of its tensors, where recorded, are what a
         steady-state call can hold from that exit (values on their storages)."""
+        self.log.exit_packs.append(len(self.block.handles))
         self.block.exits.append(
             tuple((self.ids.recorded(t), (t.shape, t.dtype)) for t in flat_tensors(output))
         )
@@ -320,6 +323,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         if not returned:
             if out is not None and not isinstance(out, (list, tuple)):
                 block.host_sync = True  # a number read from a tensor may steer the next ops
+                block.host_floats = block.host_floats or isinstance(out, float)
             return -1
         if writes:
             block.writes_in_place = True

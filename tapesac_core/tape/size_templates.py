@@ -9,7 +9,7 @@ each as a polynomial of the length (attention's scores grow with its square).
 
 Contract. ``FIT_POINTS`` recorded calls of one module whose signatures differ only in integers
 (their inputs' shapes, strides and offsets, integer arguments; ``split_signature``), with the
-same ops, values, packs and holds, differing only in size integers (``_skeleton``), make a
+same ops, values, packs and holds, differing only in size integers (``skeleton``), make a
 template: every size integer as ``c0 + c1 * s + c2 * s * s`` with integer coefficients, ``s``
 the first signature integer that differs. Only integer-typed op arguments may vary (sizes, dims,
 ends; ``_size_arguments``): a number an op computes with must be the same at every size. An
@@ -33,7 +33,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -155,6 +155,10 @@ def _storage_bytes(n: int, f: Callable[[int], int]) -> int:
     return f(n)
 
 
+def _view(view: tuple[tuple[int, ...], int], f: Callable[[int], int]) -> tuple:
+    return (tuple(f(n) for n in view[0]), f(view[1]))
+
+
 # The parts of a steady-state tape that hold size integers, in the order they are visited: per
 # part, how one of its objects is mapped.
 _MAPS: tuple[Callable[[Any, Callable[[int], int]], Any], ...] = (
@@ -162,6 +166,7 @@ _MAPS: tuple[Callable[[Any, Callable[[int], int]], Any], ...] = (
     _value,
     _storage_bytes,
     _layout,
+    _view,
     _holds,
     _exit_held,
     _empty,
@@ -176,6 +181,7 @@ def _parts(entry: SteadyTape) -> list[list[Any]]:
         list(tape.values),
         list(tape.storage_bytes),
         list(entry.packs),
+        list(entry.views),
         list(entry.hold.values()),
         list(entry.exit_hold.values()),
         list(entry.empty),
@@ -183,11 +189,12 @@ def _parts(entry: SteadyTape) -> list[list[Any]]:
 
 
 def _from_parts(entry: SteadyTape, parts: list[list[Any]]) -> SteadyTape:
-    nodes, values, storage_bytes, packs, hold, exit_hold, empty = parts
+    nodes, values, storage_bytes, packs, views, hold, exit_hold, empty = parts
     return replace(
         entry,
         tape=replace(entry.tape, nodes=nodes, values=values, storage_bytes=storage_bytes),
         packs=tuple(packs),
+        views=tuple(views),
         hold=dict(zip(entry.hold, hold)),
         exit_hold=dict(zip(entry.exit_hold, exit_hold)),
         empty=tuple(empty),
@@ -203,12 +210,18 @@ def map_sizes(entry: SteadyTape, f: Callable[[int], int]) -> SteadyTape:
     return _from_parts(entry, parts)
 
 
-class _Cursor:
+class Sized(Protocol):
+    """A size integer as a function of what varies (``Curve``: one size ``s``)."""
+
+    def at(self, s: Any) -> int: ...
+
+
+class Cursor:
     """Maps size integers from ``position`` on, each by its curve at ``s`` (None: as it is)."""
 
     __slots__ = ("curves", "position", "s")
 
-    def __init__(self, curves: Sequence[Curve | None], s: int) -> None:
+    def __init__(self, curves: Sequence[Sized | None], s: Any) -> None:
         self.curves, self.position, self.s = curves, 0, s
 
     def __call__(self, n: int) -> int:
@@ -217,21 +230,53 @@ class _Cursor:
         return n if curve is None else curve.at(self.s)
 
 
-def _changing(entry: SteadyTape, sizes: Sequence[Curve | None]) -> tuple[tuple, ...]:
-    """Per part of ``entry``, its objects with a size integer that changes with ``s``: (index in
-    the part, position of its first size integer)."""
-    changing: list[tuple[tuple[int, int], ...]] = []
+def object_positions(entry: SteadyTape) -> list[list[tuple[int, int]]]:
+    """Per part of ``entry`` (``_MAPS``' order), per object: the position of its first size
+    integer in ``size_integers`` order, and how many it has."""
+    out: list[list[tuple[int, int]]] = []
     position = 0
     for m, objects in zip(_MAPS, _parts(entry)):
         found = []
-        for i, x in enumerate(objects):
+        for x in objects:
             count: list[int] = []
             m(x, _collect(count, None))
-            if any(c is not None for c in sizes[position : position + len(count)]):
-                found.append((i, position))
+            found.append((position, len(count)))
             position += len(count)
-        changing.append(tuple(found))
-    return tuple(changing)
+        out.append(found)
+    return out
+
+
+def changing(entry: SteadyTape, sizes: Sequence[Sized | None]) -> tuple[tuple, ...]:
+    """Per part of ``entry``, its objects with a size integer that ``sizes`` changes: (index in
+    the part, position of its first size integer)."""
+    return tuple(
+        tuple(
+            (i, start)
+            for i, (start, count) in enumerate(objects)
+            if any(c is not None for c in sizes[start : start + count])
+        )
+        for objects in object_positions(entry)
+    )
+
+
+def rebuilt(base: SteadyTape, changed: tuple[tuple, ...], cursor: Cursor) -> SteadyTape:
+    """``base`` with the objects ``changed`` names (``changing``) mapped by ``cursor``."""
+    parts = _parts(base)
+    for m, objects, part in zip(_MAPS, parts, changed):
+        for i, position in part:
+            cursor.position = position
+            objects[i] = m(objects[i], cursor)
+    return _from_parts(base, parts)
+
+
+def map_part(part: int, x: Any, cursor: Cursor, position: int) -> Any:
+    """Object ``x`` of part ``part`` (``_MAPS``' order) mapped by ``cursor`` from ``position``."""
+    cursor.position = position
+    return _MAPS[part](x, cursor)
+
+
+# Parts of a steady-state tape by position in ``_MAPS`` (``object_positions``' lists).
+PACKS, VIEWS, HOLD, EXIT_HOLD, EMPTY = 3, 4, 5, 6, 7
 
 
 def size_integers(entry: SteadyTape) -> list[int]:
@@ -241,7 +286,7 @@ def size_integers(entry: SteadyTape) -> list[int]:
     return found
 
 
-def _skeleton(entry: SteadyTape) -> tuple:
+def skeleton(entry: SteadyTape) -> tuple:
     """Everything of ``entry`` but its size integers, comparable with ``==``."""
     zeroed = map_sizes(entry, lambda n: 0)
     tape = zeroed.tape
@@ -260,11 +305,15 @@ def _skeleton(entry: SteadyTape) -> tuple:
         tape.outputs,
         tape.returned,
         tape.host_sync,
+        tape.host_floats,
         tuple(sorted(tape.freed.items())),
     )
     calls = (
         zeroed.handles,
         zeroed.packs,
+        zeroed.views,
+        tuple(sorted(zeroed.leaf_packs.items())),
+        zeroed.exit_packs,
         tuple(sorted(zeroed.hold.items())),
         tuple(sorted(zeroed.exit_hold.items())),
         zeroed.exits,
@@ -311,8 +360,8 @@ class SizeTemplate:
     def __post_init__(self) -> None:
         # Made once: a tape at a new size rebuilds only the objects whose sizes change, and a
         # recorded tape is checked against the base's skeleton and integers.
-        self._changing = _changing(self.base, self.sizes)
-        self._skeleton = _skeleton(self.base)
+        self._changing = changing(self.base, self.sizes)
+        self._skeleton = skeleton(self.base)
         self._integers = size_integers(self.base)
 
     def size_of(self, ints: Sequence[int]) -> int | None:
@@ -324,26 +373,21 @@ class SizeTemplate:
 
     def at(self, s: int) -> SteadyTape:
         """The tape the template gives at size ``s``."""
-        parts = _parts(self.base)
-        cursor = _Cursor(self.sizes, s)
-        for m, objects, changing in zip(_MAPS, parts, self._changing):
-            for i, position in changing:
-                cursor.position = position
-                objects[i] = m(objects[i], cursor)
-        return replace(_from_parts(self.base, parts), template=self)
+        made = rebuilt(self.base, self._changing, Cursor(self.sizes, s))
+        return replace(made, template=self)
 
     def predicts(self, s: int, entry: SteadyTape) -> bool:
         """Whether the template's tape at ``s`` is ``entry``, integer for integer."""
         expected = [n if c is None else c.at(s) for n, c in zip(self._integers, self.sizes)]
-        return size_integers(entry) == expected and _skeleton(entry) == self._skeleton
+        return size_integers(entry) == expected and skeleton(entry) == self._skeleton
 
 
 def fit(points: Sequence[tuple[Sequence[int], SteadyTape]]) -> SizeTemplate | None:
     """The template ``FIT_POINTS`` recorded calls (signature integers, tape) at distinct sizes
     make, or None if they make none."""
     (ints, base), *others = points
-    skeleton = _skeleton(base)
-    if any(len(i) != len(ints) or _skeleton(e) != skeleton for i, e in others):
+    shape = skeleton(base)
+    if any(len(i) != len(ints) or skeleton(e) != shape for i, e in others):
         return None
     position = next((k for k in range(len(ints)) if any(i[k] != ints[k] for i, _ in others)), None)
     if position is None:

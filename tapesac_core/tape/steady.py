@@ -46,10 +46,23 @@ from ..tensors import (
     view_on,
 )
 from .draws import Draws, draws_by_layout, state_packs
-from .tape import COLLECTIVE, DYNAMIC_SHAPE, EXTERNAL, INPUT, OP, Node, ReplayMemo, Tape, Value
+from .tape import (
+    BUFFER,
+    COLLECTIVE,
+    DYNAMIC_SHAPE,
+    EXTERNAL,
+    INPUT,
+    OP,
+    PARAM,
+    Node,
+    ReplayMemo,
+    Tape,
+    Value,
+)
 
 if TYPE_CHECKING:
     from .block import Block
+    from .data_sizes import DataBinding, DataTemplate
     from .size_templates import SizeTemplate
 
 Tensor = torch.Tensor
@@ -71,9 +84,26 @@ class Recorded(TextEnum):
     OUTSIDE_GRAPH = "its autograd graph reaches tensors that are not its inputs"
     GRAPH_DIFFERS = "its first steady-state call ran other ops than its tape, twice"
     SIZES = "the integers in its ops follow no curve of its input sizes (each new size records)"
+    DATA_SIZES = (
+        "sizes that follow its data: recorded until calls of one op structure make a template "
+        "whose sizes each call binds from what autograd saves"
+    )
 
 
 Layout = tuple[torch.Size, torch.dtype]
+View = tuple[tuple[int, ...], int]  # a packed tensor's strides and storage offset
+
+
+@dataclass
+class PackLog:
+    """What a recording saw at its packs, for steady-state calls: each packed tensor's layout and
+    view (strides, offset); per random node, the first pack after it and before the next random
+    op on its generator (``draws.state_packs``); per submodule exit, the packs before it."""
+
+    layouts: list[Layout] = field(default_factory=list)
+    views: list[View] = field(default_factory=list)
+    draw_packs: dict[int, int] = field(default_factory=dict)
+    exit_packs: list[int] = field(default_factory=list)
 
 
 class Holds(NamedTuple):
@@ -109,10 +139,16 @@ class SteadyTape:
     autograd: tuple[str, ...]  # the autograd nodes the forward created (``autograd_nodes``)
     random: tuple[Node, ...]  # the random ops, in order: their states are derived (``draws.py``)
     # Pack index -> the random op (position in ``random``) whose generator's state at that pack
-    # is the state the next random op on it draws from (``Recorder.draw_packs``).
+    # is the state the next random op on it draws from (``PackLog.draw_packs``).
     draw_packs: Mapping[int, int]
+    # Sizes that follow the data (``data_dependent``), else empty: each pack's view, the
+    # parameter or buffer whose storage a pack is a view of, and the packs before each exit.
+    views: tuple[View, ...] = ()
+    leaf_packs: Mapping[int, int] = field(default_factory=dict)
+    exit_packs: tuple[int, ...] = ()
     confirmed: bool = False  # a steady-state call of it made the same autograd nodes
-    template: SizeTemplate | None = None  # what made it at a size not recorded
+    # What made it at sizes not recorded (a size or a data template), if anything.
+    template: SizeTemplate | DataTemplate | None = None
     # Its calls' replay closures (a copy at another size, ``dataclasses.replace``, starts afresh).
     memo: ReplayMemo = field(default_factory=ReplayMemo, init=False)
 
@@ -123,11 +159,11 @@ def steady_tape(
     outputs: Sequence[Tensor],
     output_vids: Sequence[int],
     autograd: tuple[str, ...] | None,
-    draw_packs: Mapping[int, int],
+    log: PackLog,
 ) -> SteadyTape | Recorded:
     """The finished recorded ``block`` as a steady-state entry, or why later calls must record.
-    ``autograd``: the kinds of the autograd nodes its forward made (``autograd_nodes``);
-    ``draw_packs``: per random node, the first pack after it (``Recorder.draw_packs``)."""
+    ``autograd``: the kinds of the autograd nodes its forward made (``autograd_nodes``); ``log``:
+    what the recording saw at its packs."""
     tape: Tape = block.trace.tape
     blocked = tape_blocker(tape)
     if blocked is not None:
@@ -186,10 +222,12 @@ def steady_tape(
     alive = block.refs
     stateless = _stateless(tape)  # the cache keeps no state of this recorded call
     random = tuple(n for n in stateless.nodes if n.rng is not None)
+    data = data_dependent(tape)
+    leaf_storages = {v.sid: v.vid for v in values if v.kind in (PARAM, BUFFER)}
     return SteadyTape(
         tape=stateless,
         handles=handles,
-        packs=tuple(block.pack_layouts),
+        packs=tuple(log.layouts),
         hold=hold,
         exit_hold=exit_hold,
         exits=len(block.exits),
@@ -203,7 +241,14 @@ def steady_tape(
         device_types=frozenset(block.device_types),
         autograd=autograd,
         random=random,
-        draw_packs=state_packs(random, draw_packs),
+        draw_packs=state_packs(random, log.draw_packs),
+        views=tuple(log.views) if data else (),
+        leaf_packs={
+            k: leaf_storages[values[vid].sid]
+            for k, vid in enumerate(handles)
+            if data and values[vid].sid in leaf_storages
+        },
+        exit_packs=tuple(log.exit_packs) if data else (),
     )
 
 
@@ -211,12 +256,17 @@ def tape_blocker(tape: Tape) -> Recorded | None:
     """Why no call of ``tape``'s kind can run in steady state (None: it may, per call)."""
     if any(n.rng is not None and not draws_by_layout(n) for n in tape.nodes):
         return Recorded.RANDOM
-    if tape.host_sync:
+    if tape.host_floats:
         return Recorded.HOST_SYNC
-    reasons = set(tape.mandatory.values())
-    if COLLECTIVE in reasons or DYNAMIC_SHAPE in reasons:
+    if COLLECTIVE in tape.mandatory.values():
         return Recorded.DATA_DEPENDENT
     return None
+
+
+def data_dependent(tape: Tape) -> bool:
+    """Whether ``tape``'s sizes may follow its data (a shape computed from values, a number
+    read from a tensor): its steady-state calls bind them per call (``data_sizes.py``)."""
+    return tape.host_sync or DYNAMIC_SHAPE in tape.mandatory.values()
 
 
 def _stateless(tape: Tape) -> Tape:
@@ -285,8 +335,15 @@ def node_kind(node_type: type) -> str:
 class SteadyForward:
     """The pack hook of one steady-state call, and its end-of-forward check."""
 
-    def __init__(self, block: Block, entry: SteadyTape, inputs: Sequence[Tensor]) -> None:
+    def __init__(
+        self,
+        block: Block,
+        entry: SteadyTape,
+        inputs: Sequence[Tensor],
+        binding: DataBinding | None = None,
+    ) -> None:
         self.block, self.entry = block, entry
+        self.binding = binding  # sizes that follow the data: bound and checked per pack
         self.count = 0
         self.diverged: str | None = None
         self.later: list[Layout] = []  # packs after a divergence, for the recomputation's check
@@ -308,6 +365,8 @@ class SteadyForward:
         """Autograd saves ``t``: the tape's ``k``-th pack, held if the recorded call held it."""
         k = self.count
         self.count = k + 1
+        if self.diverged is None and self.binding is not None:
+            return self._pack_bound(k, t, self.binding)
         if self.diverged is None:
             packs = self.entry.packs
             if k < len(packs) and packs[k][1] is t.dtype and packs[k][0] == t.shape:
@@ -325,6 +384,20 @@ class SteadyForward:
         self.later.append((t.shape, t.dtype))
         return k
 
+    def _pack_bound(self, k: int, t: Tensor, binding: DataBinding) -> int:
+        """``pack`` where sizes follow the data: ``t`` binds and is checked (``data_sizes.py``)."""
+        self.diverged = binding.check(k, t)
+        if self.diverged is not None:
+            self.later.append((t.shape, t.dtype))
+            return k
+        holds = self.entry.hold.get(k)
+        if holds is not None:
+            self._hold(t, binding.holds(k, holds))
+        p = self.entry.draw_packs.get(k)
+        if p is not None:
+            self.drawn[p] = self.entry.random[p].rng[0].get_state()
+        return k
+
     def exited(self, output: Any) -> None:
         """A submodule returned ``output``: hold what the recorded call held from it."""
         j = self.exits
@@ -332,6 +405,8 @@ class SteadyForward:
         held_here = self.entry.exit_hold.get(j)
         if held_here is None or self.diverged is not None:
             return
+        if self.binding is not None:
+            held_here = self.binding.exit_held(j, held_here)
         returned = flat_tensors(output)
         for i, (shape, dtype), holds in held_here:
             if i < len(returned) and returned[i].dtype is dtype and returned[i].shape == shape:
@@ -353,6 +428,8 @@ class SteadyForward:
 
     def layouts(self) -> list[Layout]:
         """Every pack's layout this forward: the tape's up to a divergence, then its own."""
+        if self.binding is not None:
+            return self.binding.layouts + self.later
         return list(self.entry.packs[: self.count - len(self.later)]) + self.later
 
     def finish(self, outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> str | None:
@@ -365,6 +442,8 @@ class SteadyForward:
         # are its submodules hooked, ``submodule_hooks.py``).
         if self.diverged is None and entry.exit_hold and self.exits != entry.exits:
             self.diverged = f"{self.exits} submodule calls, the tape has {entry.exits}"
+        if self.diverged is None and self.binding is not None:
+            self.diverged = self.binding.finish()
         if self.diverged is None:
             made = autograd_nodes(outputs, inputs, limit=len(entry.autograd))
             same = made == entry.autograd
@@ -373,6 +452,9 @@ class SteadyForward:
                 self.diverged = "autograd recorded other operations than the tape's"
         if self.diverged is not None:
             return self.diverged
+        if self.binding is not None:
+            entry = self.entry = self.binding.tape()
+            block.adopt(entry)
         if entry.random:
             block.draws = Draws(entry.random, self.rng, self.drawn)
             block.trace.draws_bytes = block.draws.nbytes

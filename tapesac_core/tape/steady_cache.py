@@ -3,7 +3,9 @@
 A module block's recorded calls leave their tapes here (``SteadyCache.put``); a later call finds
 the tape of its signature (``get``), or, where its signature differs from recorded ones only in
 one size (the batch's length), the tape a trusted template gives at that size
-(``size_templates.py``). A tape recorded again under a cached signature, or at a size a template
+(``size_templates.py``). Tapes whose sizes follow their data (a MoE's routing) go to their
+signature's family of op structures instead, whose trusted template a call binds its sizes
+into as it runs (``data_sizes.py``). A tape recorded again under a cached signature, or at a size a template
 predicts, is compared with what the cache gave: a difference is said once, at warning level.
 """
 
@@ -16,9 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..tensors import Slot
+from .data_sizes import DataFamily, DataTemplate
 from .signature import Signature
 from .size_templates import FIT_POINTS, SizeTemplate, fit, split_signature
-from .steady import Recorded, SteadyTape
+from .steady import Recorded, SteadyTape, data_dependent
 from .tape import Node, Tape, comparable
 
 logger = logging.getLogger(__name__)
@@ -88,11 +91,20 @@ class SteadyCache:
         # other composite decompositions without the dispatch mode than under it, not a branch.
         self._first_diverged: dict[Signature, int] = {}
         self._sizes: OrderedDict[Signature, _Sizes] = OrderedDict()
+        self._data: OrderedDict[Signature, DataFamily] = OrderedDict()
 
     def diverged(self, signature: Signature, entry: SteadyTape, name: str, what: str) -> None:
         """A steady-state call ran other ops than its tape: its next call records, and a template
         that gave the tape is dropped. Said once per module at warning level (then at debug
-        level): a branch that flips once often flips again."""
+        level): a branch that flips once often flips again. A call whose sizes follow its data
+        ran another op structure (another set of experts hit): said at debug level, as routing
+        changes it."""
+        if isinstance(entry.template, DataTemplate):
+            family = self._data.get(signature)
+            if family is not None:
+                family.diverged(entry.template)
+            logger.debug("TapeSAC block %r ran another op structure than its tape (%s)", name, what)
+            return
         self._entries.pop(signature, None)
         if not entry.confirmed:
             self._first_diverged[signature] = self._first_diverged.get(signature, 0) + 1
@@ -117,7 +129,13 @@ class SteadyCache:
 
     def tapes(self) -> list[Tape]:
         """The tapes cached now."""
-        return [e.tape for e in self._entries.values() if isinstance(e, SteadyTape)]
+        tapes = [e.tape for e in self._entries.values() if isinstance(e, SteadyTape)]
+        for family in self._data.values():
+            for structure in family.structures:
+                tapes.extend(p.tape for p in structure.points)
+                if structure.template is not None:
+                    tapes.append(structure.template.base.tape)
+        return tapes
 
     def get(self, signature: Signature) -> SteadyTape | Recorded:
         """The entry for ``signature`` (made by a trusted template if need be), or why its call
@@ -126,6 +144,10 @@ class SteadyCache:
         if entry is not None:
             self._entries.move_to_end(signature)
             return entry
+        family = self._data.get(signature)
+        if family is not None:
+            self._data.move_to_end(signature)
+            return family.entry() or Recorded.DATA_SIZES
         masked, ints = split_signature(signature)
         sizes = self._sizes.get(masked)
         if sizes is None:
@@ -141,6 +163,16 @@ class SteadyCache:
     def put(self, signature: Signature, entry: SteadyTape | Recorded, name: str) -> None:
         """What a recorded call of ``signature`` gave; a tape that differs from the cached one
         (the forward changed under one signature) is said once, at warning level."""
+        if isinstance(entry, SteadyTape) and data_dependent(entry.tape):
+            self._entries.pop(signature, None)
+            family = self._data.get(signature)
+            if family is None:
+                family = self._data[signature] = DataFamily()
+                while len(self._data) > CACHED_SIGNATURES:
+                    self._data.popitem(last=False)
+            self._data.move_to_end(signature)
+            family.learn(entry)
+            return
         old = self._entries.get(signature)
         changed = None
         if isinstance(old, SteadyTape) and isinstance(entry, SteadyTape):

@@ -128,6 +128,9 @@ class Tape:
     # Per storage an op made, the nodes recorded when Python freed it in the forward (absent:
     # alive at its end); see ``lifetimes.StorageLifetimes``.
     freed: Mapping[int, int] = field(default_factory=dict)
+    # A float read from a tensor: it may be a number later ops compute with, which a
+    # steady-state call could not check (``steady.tape_blocker``).
+    host_floats: bool = False
 
     @functools.cached_property
     def leaves(self) -> frozenset[int]:
