@@ -298,7 +298,9 @@ def skeleton(entry: SteadyTape) -> tuple:
     graph = (
         tape.name,
         tape.region,
-        tuple(tape.values),
+        # Versions count every in-place write a tensor ever had (an optimizer's step into a
+        # parameter): recording reads them, replay does not, and epochs order a call's writes.
+        tuple(v._replace(version=0) for v in tape.values),
         tape.demand,
         tuple(sorted(tape.mandatory.items())),
         tape.planned,
