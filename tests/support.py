@@ -292,8 +292,12 @@ def process_group_of_one() -> Iterator[None]:
 
 
 def block_paths(blocks: list[tapesac_core.BlockTrace]) -> list[str]:
-    """The path each block took: "steady", or why it was recorded."""
-    return ["steady" if b.steady else str(b.recorded_because) for b in blocks]
+    """The path each block took: "steady", "diverged" (from its tape: recomputed), or why it
+    was recorded."""
+    return [
+        "steady" if b.steady else "diverged" if b.diverged else str(b.recorded_because)
+        for b in blocks
+    ]
 
 
 def hf_model(family: str, dropout: float) -> tuple[torch.nn.Module, type]:

@@ -21,6 +21,7 @@ from support import SHORT_SCHEDULE, token_ids
 
 import tapesac_core
 from tapesac_core.control.controller import PLANNED, PROFILE, Controller
+from tapesac_core.tape.steady import Recorded
 
 pytest.importorskip("transformers")
 
@@ -60,11 +61,18 @@ def _must_only_reaches_steady_state(family: str, experts: str) -> None:
     model = copy.deepcopy(reference)
     tapesac_core.checkpoint_modules(model, {layer})
     step = _lockstep(reference, model)
+    reasons = set()
     for i in range(STEPS):
         with tapesac_core.trace() as blocks:
             step(token_ids(i, batch=BATCH, seq=SEQ, vocab=VOCAB), i)
+        assert not any(b.diverged for b in blocks), (i, [b.diverged for b in blocks])
         if i >= WARMUP:
             assert all(b.steady for b in blocks), (i, [b.recorded_because for b in blocks])
+        reasons |= {b.recorded_because for b in blocks if not b.steady}
+    # The eager loop's sizes follow the routing: its warm-up records until a template binds them.
+    if experts == "eager":
+        assert str(Recorded.DATA_SIZES) in reasons, reasons
+    assert reasons <= {str(Recorded.FIRST_CALL), str(Recorded.DATA_SIZES)}, reasons
 
 
 def _planned(base: torch.nn.Module, layer: type, limit: int | str) -> tuple[int, int, int]:

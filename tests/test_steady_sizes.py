@@ -131,7 +131,7 @@ def test_a_clamp_past_the_lengths_seen_is_caught_and_recorded_again(caplog) -> N
     # Trusted at 10; at 16 the clamp makes the slice 12 rows, not 16: the packs differ from the
     # template's tape, so backward recomputes the forward; the next call at 16 records.
     first = str(Recorded.FIRST_CALL)
-    assert paths == [first] * 4 + ["steady", "steady", first]
+    assert paths == [first] * 4 + ["steady", "diverged", first]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     assert "other ops than its tape that calls at other sizes predicted" in warnings[0]

@@ -360,9 +360,10 @@ def test_a_forward_that_diverges_under_one_signature_gets_no_wrong_gradient(
     assert "recomputes its forward" in warnings[0].getMessage()
 
 
-def test_a_recorded_call_that_differs_from_the_cached_tape_is_a_warning(caplog) -> None:
+def test_a_number_read_from_a_global_is_checked_and_a_new_tape_replaces_the_old(caplog) -> None:
     """A Python number read from a global changes no pack and no autograd node: the steady
-    path cannot see it; the next recorded call (a verification step) compares and says so."""
+    call's check of the op's arguments sees it (the call is recomputed, said once), and the
+    next recorded call's tape replaces the cached one, quietly."""
     torch.manual_seed(0)
     scale = {"value": 2.0}
 
@@ -374,17 +375,23 @@ def test_a_recorded_call_that_differs_from_the_cached_tape_is_a_warning(caplog) 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return (self.lin(x) * scale["value"]).sin()
 
-    block = tapesac_core.checkpoint_module(Scaled())
+    reference = Scaled()
+    block = tapesac_core.checkpoint_module(copy.deepcopy(reference))
     x = torch.randn(4, 8, requires_grad=True)
+    paths = []
     with caplog.at_level(logging.WARNING, logger="tapesac_core"):
-        for value, record in ((2.0, False), (2.0, False), (3.0, True)):
+        for value in (2.0, 2.0, 3.0, 3.0, 3.0):
             scale["value"] = value
-            with tapesac_core.trace(record=record):
-                block(x).sum().backward()
+            ref = step(reference, lambda: reference(x).sum())
+            with tapesac_core.trace() as blocks:
+                got = step(block, lambda: block(x).sum())
+            assert_bitwise(ref, got)
+            paths.append(block_paths(blocks)[0])
+    first = str(Recorded.FIRST_CALL)
+    assert paths == [first, "steady", "diverged", first, "steady"]
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(messages) == 1
-    assert "ran other ops than its cached tape" in messages[0]
-    assert "2.0" in messages[0] and "3.0" in messages[0]
+    assert "argument 1 is 3.0, the tape's 2.0" in messages[0]
 
 
 def test_hugging_face_layers_reach_steady_state_bitwise_without_dropout() -> None:

@@ -64,7 +64,10 @@ RECORDING: ContextVar[Block | None] = ContextVar("tapesac_recording", default=No
 @contextmanager
 def _autocast_weight_cache_disabled() -> Iterator[None]:
     """Autocast caches casts of parameters: a cached cast never reaches the dispatcher again, so
-    the tape would see it as an external tensor and keep it. Casting again is cheap."""
+    the tape would see it as an external tensor and keep it. Casting again is cheap. Known cost:
+    a parameter a block uses twice is cast twice, and its two casts' gradients are summed in
+    float32 where without checkpointing one cast's are summed in the autocast dtype (not bitwise
+    then; ``torch.utils.checkpoint`` is)."""
     enabled = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
     try:
@@ -186,7 +189,10 @@ def run_block(
     if block.probe is not None:
         block.probe.forward_end(block.outliving(recorder.alive))
     if cache is not None and signature is not None:
-        made = steady_tape(block, inputs, outputs, output_vids, autograd, recorder.log)
+        assert recorder.ops is not None, "a module block's recorder logs its ops"
+        made = steady_tape(
+            block, inputs, outputs, output_vids, autograd, recorder.log, recorder.ops
+        )
         cache.put(signature, made, name)
     recorder.forget()
     return out
@@ -221,6 +227,7 @@ def _run_steady(
             _autocast_weight_cache_disabled(),
             torch.autograd.graph.saved_tensors_hooks(forward.pack, block.unpack),
             _submodules_tracked(block.module, block, bool(entry.exit_hold)),
+            forward.check,
         ):
             out = fn(*args, **kwargs)
     finally:
@@ -233,7 +240,7 @@ def _run_steady(
     if diverged is not None:
         cache.diverged(signature, entry, block.name, diverged)
         block.held.clear()
-        block.trace.diverged = diverged
+        block.trace.diverged, block.trace.steady = diverged, False
         block.recompute = Recompute(
             block.name,
             fn,

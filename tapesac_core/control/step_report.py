@@ -73,7 +73,8 @@ class StepReport:
     replayed_nodes: int = 0
     over_budget: int = 0  # planned values not kept: over their block's bytes
     blocks: int = 0
-    steady_blocks: int = 0  # blocks run from a cached tape, without the dispatch mode
+    steady_blocks: int = 0  # blocks run from a cached tape, their checks passed
+    diverged_blocks: int = 0  # blocks whose checks failed: their backward ran the forward again
     predicted_speedup: float | None = None
     measured_speedup: float | None = None  # vs must-only control steps of the bucket
     measured_speedup_vs_full: float | None = None  # vs full-checkpointing control steps
@@ -89,6 +90,7 @@ class StepReport:
         self.block_traces = blocks
         self.blocks = len(blocks)
         self.steady_blocks = sum(b.steady for b in blocks)
+        self.diverged_blocks = sum(b.diverged is not None for b in blocks)
         self.replayed_nodes = sum(len(b.replayed) for b in blocks)
         self.over_budget = sum(b.over_budget for b in blocks)
         self.saved_bytes = sum(

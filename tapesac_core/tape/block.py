@@ -49,7 +49,7 @@ class BlockTrace:
     replay_seconds: float = 0.0  # wall time its replays took in backward (host clock)
     forward_seconds: float | None = None  # wall time of its recorded forward (CPU profile steps)
     invisible_writes: list = field(default_factory=list)  # coordinates replay did not reproduce
-    steady: bool = False  # run from a cached tape, without the dispatch mode
+    steady: bool = False  # run from a cached tape (its checks passed: not ``diverged``)
     recorded_because: str | None = None  # why a module block was recorded (``steady.Recorded``)
     diverged: str | None = None  # a steady-state call that ran other ops than its tape: what
     draws_bytes: int = 0  # generator states a steady-state call keeps for its random ops

@@ -50,10 +50,12 @@ from .size_templates import (
     PACKS,
     VIEWS,
     Cursor,
+    argument_sizes,
     changing,
     map_part,
     object_positions,
     rebuilt,
+    size_arguments,
     size_integers,
     skeleton,
 )
@@ -65,6 +67,10 @@ if TYPE_CHECKING:
 
 STRUCTURES = 4  # op structures a signature keeps (sets of experts hit), the most recent
 POINTS = 6  # recorded calls of one structure a template is fitted from, the most recent
+# Recorded calls a template that diverged must predict before calls run from it again: the call
+# that diverged ran unrecorded, and calls like it (other experts at the same counts) must get
+# recorded, so that a template fits them too, rather than calls it predicts re-trusting it.
+DOUBTED_CALLS = 2
 
 
 class Affine(NamedTuple):
@@ -131,6 +137,7 @@ class DataTemplate:
     sizes: tuple[Affine | None, ...]  # per size integer of ``base`` (None: the same in every call)
     sources: tuple[int, ...]  # per symbol, the position of the integer that binds it
     trusted: bool = False  # it predicted a recorded call exactly
+    doubted: int = 0  # recorded calls it must still predict after a divergence (DOUBTED_CALLS)
     # The calls' replay closures, shared: they follow the structure, not the sizes.
     memo: ReplayMemo = field(default_factory=ReplayMemo, init=False)
 
@@ -267,6 +274,7 @@ class DataFamily:
 
     structures: list[_Structure] = field(default_factory=list)
     active: DataTemplate | None = None
+    suspect: DataTemplate | None = None  # the template the last steady-state call diverged from
 
     def learn(self, entry: SteadyTape) -> None:
         """A recorded call: it trusts (and makes active) the template that predicts it, or joins
@@ -278,6 +286,9 @@ class DataFamily:
         else:
             self.structures.remove(found)
         self.structures.append(found)
+        suspect, self.suspect = self.suspect, None
+        if suspect is not None and suspect is not found.template:
+            suspect.doubted = 0  # the call after the divergence ran another structure: it did too
         for gone in self.structures[:-STRUCTURES]:
             if gone.template is not None and gone.template is self.active:
                 self.active = None
@@ -285,7 +296,9 @@ class DataFamily:
         template = found.template
         if template is not None and template.predicts(entry):
             template.trusted = True
-            self.active = template
+            template.doubted = max(template.doubted - 1, 0)
+            if not template.doubted:
+                self.active = template
             return
         found.points.append(entry)
         del found.points[:-POINTS]
@@ -303,6 +316,8 @@ class DataFamily:
     def diverged(self, template: DataTemplate) -> None:
         """A call of ``template`` ran another structure or sizes its symbols do not give: the
         next call records (and finds its structure's template, or learns it)."""
+        template.doubted = DOUBTED_CALLS
+        self.suspect = template
         if self.active is template:
             self.active = None
 
@@ -315,6 +330,7 @@ class DataBinding:
         self.x = [0] * len(template.sources)
         self.layouts: list[Layout] = []  # of the packs that matched, as the call made them
         self._leaf_storage: dict[int, int] = {}
+        self._made: SteadyTape | None = None
 
     def check(self, k: int, t: torch.Tensor) -> str | None:
         """Pack ``k`` is ``t``: bind the symbols it carries; what differs from the tape, if
@@ -371,14 +387,25 @@ class DataBinding:
         mapped: tuple = map_part(EXIT_HOLD, held, Cursor(self.template.sizes, self.x), start)
         return mapped
 
-    def finish(self) -> str | None:
+    # Which of an op's arguments are sizes, gathered by the call's op checks (``op_checks.py``).
+    size_arguments = staticmethod(size_arguments)
+
+    def finish(self, sizes: list[int]) -> str | None:
         """At the end of forward: what the bound sizes do not give, if anything (an index that
-        is an offset over a size its offset is no multiple of)."""
+        is an offset over a size its offset is no multiple of; ``sizes``, the integers in its
+        ops' size arguments, not those of the tape at its bindings)."""
         x = self.x
-        if all(a.exact(x) for a in self.template.rational):
-            return None
-        return "its saved tensors' offsets are no multiples of the sizes its tape divides them by"
+        if not all(a.exact(x) for a in self.template.rational):
+            return (
+                "its saved tensors' offsets are no multiples of the sizes its tape divides them by"
+            )
+        made = self.tape()
+        if sizes != argument_sizes(made.tape.nodes, made.checks):
+            return "its ops' size arguments are not those its saved tensors' sizes give"
+        return None
 
     def tape(self) -> SteadyTape:
-        """The tape at this call's sizes."""
-        return self.template.at(self.x)
+        """The tape at this call's sizes (made once its forward ended)."""
+        if self._made is None:
+            self._made = self.template.at(self.x)
+        return self._made

@@ -41,6 +41,7 @@ from ..tensors import (
     is_subclass_with_dispatch,
 )
 from .holding import Holding
+from .op_checks import OpLog
 from .ops import OpInfo, arg, is_random_call, op_info
 from .steady import PackLog
 from .tape import BUFFER, INPUT, OP, PARAM, Node, Value
@@ -81,6 +82,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         self.hot: dict[int, OpInfo] = {}  # the ops of ``infos`` the fast path records
         self.log = PackLog()  # what steady-state calls check and bind at their packs
         self._awaiting_pack: dict[int, int] = {}  # id(generator) -> its latest random node
+        self.ops: OpLog | None = None  # what a module block's steady-state calls check
 
     def forget(self) -> None:
         """The forward ended: drop the per-tensor bookkeeping. Autograd keeps the pack hook,
@@ -97,6 +99,8 @@ class Recorder(DispatchModeWithoutDynamoGuard):
     def register_inputs(self, tensors: list[Tensor]) -> None:
         """Block inputs are leaves, kept strongly (as torch's checkpoint keeps them)."""
         ids = self.ids
+        if self.block.module is not None:
+            self.ops = OpLog(tensors, self.block.module)
         for i, t in enumerate(tensors):
             ids.refuse_subclass(t)
             entry = ids.by_id.get(id(t))
@@ -171,13 +175,17 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         # number and reads more than metadata.
         targs, tkwargs, inputs = self.ids.arguments(args, kwargs)
         out = info.call(*args, **kwargs)
-        self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
+        index = self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
+        if self.ops is not None:
+            self.ops.op(func, args, kwargs, out, index, self.block.nodes)
         return out
 
     def _record(self, func: Any, info: OpInfo, args: tuple, kwargs: dict) -> Any:
         """Record one op: every op the fast path in ``__torch_dispatch__`` does not take (not
         plain nor a simple view, or any op while timing or while an allocation is pending)."""
         if info.unrecorded or (info.collective and not self._reads_recorded(args, kwargs)):
+            if self.ops is not None:
+                self.ops.pass_over(func)
             return func(*args, **kwargs)
         if info.identity:
             return self._same_value(func, args, kwargs)
@@ -202,6 +210,8 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         if self.uninitialised and not info.metadata_only and not info.aliasing:
             self.holding.check_initialised(args, kwargs, inputs, writes)
         index = self._add_node(func, info, targs, tkwargs, inputs, writes, rng, out, args, kwargs)
+        if self.ops is not None:
+            self.ops.op(func, args, kwargs, out, index, self.block.nodes)
         if rng is not None and index >= 0:
             self._awaiting_pack[id(rng[0])] = index
         if timer is not None and index >= 0:
@@ -218,6 +228,8 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         vid = self.ids.vid_of(args[0])
         out = func(*args, **kwargs)
         self.ids.same_as(out, vid)
+        if self.ops is not None:
+            self.ops.same(func, out, args[0])
         return out
 
     def _info(self, func: Any) -> OpInfo:

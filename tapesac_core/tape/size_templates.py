@@ -12,7 +12,7 @@ Contract. ``FIT_POINTS`` recorded calls of one module whose signatures differ on
 same ops, values, packs and holds, differing only in size integers (``skeleton``), make a
 template: every size integer as ``c0 + c1 * s + c2 * s * s`` with integer coefficients, ``s``
 the first signature integer that differs. Only integer-typed op arguments may vary (sizes, dims,
-ends; ``_size_arguments``): a number an op computes with must be the same at every size. An
+ends; ``size_arguments``): a number an op computes with must be the same at every size. An
 integer on no such curve (half a length) makes no template. A template is trusted once it
 predicts a recorded tape exactly at a size it was not fitted at; from then on a call whose
 signature lies on its curves runs in steady state from the tape the template gives at its size
@@ -39,6 +39,7 @@ import torch
 
 from .._compat import OpOverload, op_schema
 from ..tensors import Meta
+from .op_checks import Check
 from .signature import Signature
 from .steady import Holds, Layout, SteadyTape
 from .tape import Node, Value, comparable
@@ -106,7 +107,7 @@ def _holds(holds: Holds, f: Callable[[int], int]) -> Holds:
 
 
 def _node(node: Node, f: Callable[[int], int]) -> Node:
-    positions, names = _size_arguments(node.op)
+    positions, names = size_arguments(node.op)
     if not positions and not names:
         return node
     args = type(node.args)(
@@ -117,7 +118,7 @@ def _node(node: Node, f: Callable[[int], int]) -> Node:
 
 
 @functools.cache
-def _size_arguments(op: object) -> tuple[frozenset[int], frozenset[str]]:
+def size_arguments(op: object) -> tuple[frozenset[int], frozenset[str]]:
     """The positions and names of ``op``'s integer arguments (sizes, dims, ends): the only
     integers a template lets vary. A number an op computes with (``mul(x, n)``) must be the
     same at every size: off the sizes seen, a clamped one would change values, not shapes,
@@ -129,6 +130,25 @@ def _size_arguments(op: object) -> tuple[frozenset[int], frozenset[str]]:
         frozenset(i for i, a in enumerate(arguments) if not a.kwarg_only and _integer_type(a.type)),
         frozenset(a.name for a in arguments if _integer_type(a.type)),
     )
+
+
+def argument_sizes(nodes: Sequence[Node], checks: Sequence[Check]) -> list[int]:
+    """The integers in the size arguments of the nodes ``checks`` name, in their order: what a
+    steady-state call whose sizes follow its data gathers as its ops run (``op_checks.py``)."""
+    found: list[int] = []
+    note = _collect(found, None)
+    for check in checks:
+        if check.node < 0:
+            continue
+        node = nodes[check.node]
+        positions, names = size_arguments(node.op)
+        for i, a in enumerate(node.args):
+            if i in positions:
+                _map_ints(a, note)
+        for name, v in node.kwargs.items():
+            if name in names:
+                _map_ints(v, note)
+    return found
 
 
 def _integer_type(t: torch.JitType) -> bool:
@@ -329,6 +349,11 @@ def skeleton(entry: SteadyTape) -> tuple:
         zeroed.device_types,
         zeroed.autograd,
         tuple(sorted(zeroed.draw_packs.items())),
+        tuple(
+            (c.op, c.node, comparable(c.args), comparable(c.kwargs), c.sources)
+            for c in zeroed.checks
+        ),
+        zeroed.op_kinds,
     )
     return nodes, graph, calls, len(tape.storage_bytes)
 

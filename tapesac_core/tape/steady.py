@@ -1,28 +1,26 @@
-"""Steady state: a module block recorded once per signature, then run without the dispatch mode.
+"""Steady state: a module block recorded once per signature, then run from its cached tape.
 
 Contract. A module block's first call with a signature (``signature.py``) is recorded as ever.
-If its tape allows it (``steady_tape``: no random op, no data-dependent shape, host sync or
-collective, every kept value one that autograd saves), the tape is cached on the module
-(``SteadyCache``). A later call with the same signature runs its forward under the saved-tensor
-hooks alone (``SteadyForward``): the k-th tensor autograd packs is the value the tape's k-th pack
+If its tape allows it (``steady_tape``: no random op drawn by value, no float read from a tensor
+or collective, every kept value one that autograd saves or a submodule returns), the tape is
+cached on the module (``SteadyCache``). A later call with the same signature runs its forward
+under the saved-tensor hooks and a lean checking dispatch mode (``SteadyForward``; the mode is
+``op_checks.SteadyCheck``): the k-th tensor autograd packs is the value the tape's k-th pack
 was, so it is held where the recorded call held it (S0, the plan, a block input) and otherwise
 handed to autograd as a handle; backward replays from the cached tape as for a recorded block.
 The block keeps the same values, so it frees what a recorded block frees.
 
-Divergence. A forward may run other ops under one signature (a branch on a global, an attribute
-changed). Each pack is checked against the tape (count, shape, dtype), where the call holds values
-a submodule returns so is each such submodule call (only such calls hook the submodules), and at
-the end of forward the types of the autograd nodes the block created (from its outputs back to
-its inputs) are compared with the recorded call's. On a mismatch the cached tape is dropped (the next call is
-recorded), one warning names the block and what differed, and this call's backward runs the
-block's forward again as ``torch.utils.checkpoint`` does (from its inputs, with the generator
-states of its start), taking the k-th packed tensor for handle k: nothing comes from the stale
-tape. A change that alters neither the packs nor the autograd node kinds goes unseen until the
-block is recorded again under the same signature, which compares the op sequences and warns (the
-controller records its verification steps for that: a bucket's first planned step, and every
-``meter_every``-th): a Python number in an op's arguments read from a global, which tensor an op
-reads or the order of the block's outputs switched by a branch, a branch on ``.tolist()`` (no
-dispatch mode sees it). Make such values arguments of the block or its modules' attributes.
+Checked as it runs, before backward may trust the tape: every op the forward dispatches, its
+non-tensor arguments (numbers read from attributes, globals, closures or the data) and which
+op made each tensor it reads (``op_checks.py``); each pack's shape and dtype, or, where sizes
+follow the data, its sizes against the bindings (``data_sizes.py``); where the call holds values
+a submodule returns, each such submodule call (only then are the submodules hooked); and at the
+end of forward the kinds of the autograd nodes the block created (from its outputs back to its
+inputs), against the recorded call's. On the first difference the call diverged: the cached
+tape is dropped (the next call records), one warning names the block and what differed, and
+this call's backward runs the block's forward again as ``torch.utils.checkpoint`` does (from
+its inputs, with the generator states of its start), taking the k-th packed tensor for handle
+k: nothing comes from the stale tape.
 """
 
 from __future__ import annotations
@@ -46,6 +44,7 @@ from ..tensors import (
     view_on,
 )
 from .draws import Draws, draws_by_layout, state_packs
+from .op_checks import Check, OpKinds, OpLog, SteadyCheck
 from .tape import (
     BUFFER,
     COLLECTIVE,
@@ -137,6 +136,8 @@ class SteadyTape:
     writes_in_place: bool
     device_types: frozenset[str]
     autograd: tuple[str, ...]  # the autograd nodes the forward created (``autograd_nodes``)
+    checks: tuple[Check, ...]  # every op the forward dispatched (``op_checks.py``)
+    op_kinds: OpKinds  # ops the checks pass over
     random: tuple[Node, ...]  # the random ops, in order: their states are derived (``draws.py``)
     # Pack index -> the random op (position in ``random``) whose generator's state at that pack
     # is the state the next random op on it draws from (``PackLog.draw_packs``).
@@ -160,10 +161,11 @@ def steady_tape(
     output_vids: Sequence[int],
     autograd: tuple[str, ...] | None,
     log: PackLog,
+    ops: OpLog,
 ) -> SteadyTape | Recorded:
     """The finished recorded ``block`` as a steady-state entry, or why later calls must record.
     ``autograd``: the kinds of the autograd nodes its forward made (``autograd_nodes``); ``log``:
-    what the recording saw at its packs."""
+    what the recording saw at its packs; ``ops``: what it dispatched."""
     tape: Tape = block.trace.tape
     blocked = tape_blocker(tape)
     if blocked is not None:
@@ -240,6 +242,8 @@ def steady_tape(
         writes_in_place=block.writes_in_place,
         device_types=frozenset(block.device_types),
         autograd=autograd,
+        checks=tuple(ops.checks),
+        op_kinds=ops.kinds(),
         random=random,
         draw_packs=state_packs(random, log.draw_packs),
         views=tuple(log.views) if data else (),
@@ -351,6 +355,16 @@ class SteadyForward:
         block.on_exit = self.exited
         self.rng = generator_states(inputs)
         self.drawn: dict[int, Tensor] = {}  # random op -> its generator's state after it
+        assert block.module is not None, "only module blocks run in steady state"
+        # The forward's ops against the tape's, as they run (``op_checks.py``).
+        self.check = SteadyCheck(
+            entry.checks,
+            entry.op_kinds,
+            entry.tape.nodes,
+            inputs,
+            block.module,
+            binding.size_arguments if binding is not None else None,
+        )
         block.adopt(entry)
         held = block.held
         for vid, t in zip(entry.inputs, inputs):
@@ -363,6 +377,14 @@ class SteadyForward:
 
     def pack(self, t: Tensor) -> int:
         """Autograd saves ``t``: the tape's ``k``-th pack, held if the recorded call held it."""
+        check = self.check
+        check.paused = True  # what holding dispatches is not the forward's
+        try:
+            return self._pack(t)
+        finally:
+            check.paused = False
+
+    def _pack(self, t: Tensor) -> int:
         k = self.count
         self.count = k + 1
         if self.diverged is None and self.binding is not None:
@@ -400,6 +422,14 @@ class SteadyForward:
 
     def exited(self, output: Any) -> None:
         """A submodule returned ``output``: hold what the recorded call held from it."""
+        check = self.check
+        check.paused = True  # what holding dispatches is not the forward's
+        try:
+            self._exited(output)
+        finally:
+            check.paused = False
+
+    def _exited(self, output: Any) -> None:
         j = self.exits
         self.exits = j + 1
         held_here = self.entry.exit_hold.get(j)
@@ -435,7 +465,11 @@ class SteadyForward:
     def finish(self, outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> str | None:
         """End of forward: what differed from the tape, if anything; else the block keeps what
         the recorded call kept, and takes alive the outputs backward reads."""
-        entry, block = self.entry, self.block
+        entry, block, check = self.entry, self.block, self.check
+        # An op departs before the packs it makes: its reason comes first.
+        self.diverged = check.diverged or self.diverged
+        if self.diverged is None and check.count != len(entry.checks):
+            self.diverged = f"{check.count} ops ran, the tape has {len(entry.checks)}"
         if self.diverged is None and self.count != len(entry.packs):
             self.diverged = f"{self.count} tensors saved, the tape has {len(entry.packs)}"
         # Exits are counted only where the call holds values a submodule returns (only then
@@ -443,7 +477,7 @@ class SteadyForward:
         if self.diverged is None and entry.exit_hold and self.exits != entry.exits:
             self.diverged = f"{self.exits} submodule calls, the tape has {entry.exits}"
         if self.diverged is None and self.binding is not None:
-            self.diverged = self.binding.finish()
+            self.diverged = self.binding.finish(check.sizes)
         if self.diverged is None:
             made = autograd_nodes(outputs, inputs, limit=len(entry.autograd))
             same = made == entry.autograd

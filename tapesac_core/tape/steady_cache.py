@@ -5,8 +5,9 @@ the tape of its signature (``get``), or, where its signature differs from record
 one size (the batch's length), the tape a trusted template gives at that size
 (``size_templates.py``). Tapes whose sizes follow their data (a MoE's routing) go to their
 signature's family of op structures instead, whose trusted template a call binds its sizes
-into as it runs (``data_sizes.py``). A tape recorded again under a cached signature, or at a size a template
-predicts, is compared with what the cache gave: a difference is said once, at warning level.
+into as it runs (``data_sizes.py``). A tape recorded again under a cached signature replaces the
+cached one; one recorded at a size a template predicts is compared with the template's tape,
+and a template that mispredicts is dropped.
 """
 
 from __future__ import annotations
@@ -161,8 +162,7 @@ class SteadyCache:
         return made
 
     def put(self, signature: Signature, entry: SteadyTape | Recorded, name: str) -> None:
-        """What a recorded call of ``signature`` gave; a tape that differs from the cached one
-        (the forward changed under one signature) is said once, at warning level."""
+        """What a recorded call of ``signature`` gave: it replaces the cached entry."""
         if isinstance(entry, SteadyTape) and data_dependent(entry.tape):
             self._entries.pop(signature, None)
             family = self._data.get(signature)
@@ -178,11 +178,10 @@ class SteadyCache:
         if isinstance(old, SteadyTape) and isinstance(entry, SteadyTape):
             changed = differences(old.tape, entry.tape)
             if changed is not None:
-                logger.warning(
-                    "TapeSAC block %r ran other ops than its cached tape under the same "
-                    "signature (%s); recorded again. Calls between may have replayed the old "
-                    "ops: make what changes the forward an argument or a module attribute "
-                    "read by its ops' shapes",
+                # Calls between ran checked (``op_checks.py``): the forward changed since.
+                logger.debug(
+                    "TapeSAC block %r recorded other ops than its cached tape under the same "
+                    "signature (%s): the new tape replaces it",
                     name,
                     changed,
                 )

@@ -1,0 +1,156 @@
+"""Steady state for blocks whose sizes follow their data (``tape/data_sizes.py``): a loop over the
+experts a batch routes to, each expert's weights a slice of one 3-D parameter, as in
+transformers' MoE layers. Batches decide which experts run and how many tokens each gets."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import torch
+from support import OpCounter, assert_bitwise, reference_and_copy, step, token_ids
+
+import tapesac_core
+from tapesac_core.tape.data_sizes import DataBinding
+from tapesac_core.tape.steady import Recorded
+
+EXPERTS, D = 4, 8
+
+
+class Routed(torch.nn.Module):
+    """Each token goes to the expert of its largest feature among the first ``EXPERTS``; tokens
+    sorted by expert are split by counts read with ``.tolist()``, and the loop runs the experts
+    hit, each on its slice of tokens, with its slice of the weights (an index into a 3-D
+    parameter: which expert is a packed view's offset, not a number the ops compute with)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(EXPERTS, D, D) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = x[:, :EXPERTS].argmax(-1)
+        order = torch.sort(chosen, stable=True).indices
+        counts = torch.bincount(chosen, minlength=EXPERTS).tolist()
+        out, start = torch.zeros_like(x), 0
+        for e, n in enumerate(counts):
+            if n:
+                idx = order[start : start + n]
+                out = out.index_add(0, idx, torch.tanh(x[idx] @ self.w[e]))
+                start += n
+        return out + x
+
+
+def _batch(counts: dict[int, int], seed: int) -> torch.Tensor:
+    """Tokens routed ``counts[e]`` to expert ``e``."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for e, n in counts.items():
+        x = torch.randn(n, D, generator=g)
+        x[:, e] += 10.0
+        rows.append(x)
+    return torch.cat(rows).requires_grad_()
+
+
+def _run(block: Routed, reference: Routed, x: torch.Tensor) -> tapesac_core.BlockTrace:
+    ref = step(reference, lambda: reference(x).pow(2).sum())
+    with tapesac_core.trace() as blocks:
+        got = step(block, lambda: block(x).pow(2).sum())
+    assert_bitwise(ref, got)
+    return blocks[0]
+
+
+def test_token_counts_are_bound_per_call_from_what_autograd_saves() -> None:
+    """The same experts and batch size, other token counts per expert every call: three recorded
+    calls make a template (two) and confirm it (one), then every call runs in steady state at
+    its own sizes, bitwise."""
+    torch.manual_seed(0)
+    reference = Routed()
+    block = copy.deepcopy(reference)
+    tapesac_core.checkpoint_module(block)
+    paths = []
+    for i in range(8):
+        x = _batch({0: 2 + i, 1: 11 - i, 3: 3}, seed=i)
+        trace = _run(block, reference, x)
+        paths.append("steady" if trace.steady else trace.recorded_because)
+    warmup = [str(Recorded.FIRST_CALL)] + [str(Recorded.DATA_SIZES)] * 2
+    assert paths == warmup + ["steady"] * 5
+
+
+def test_another_expert_at_the_same_sizes_is_a_divergence_not_a_wrong_gradient(caplog) -> None:
+    """Experts {0, 1}, then {2, 3} with the same counts: the ops and sizes are the same, but the
+    packed weight slices lie elsewhere in the parameter. The steady-state call diverges
+    (backward recomputes its forward, bitwise), the next calls record and learn the expert
+    indices as offsets over an expert's size, and steady state resumes for both sets."""
+    torch.manual_seed(0)
+    reference = Routed()
+    block = copy.deepcopy(reference)
+    tapesac_core.checkpoint_module(block)
+    counts = [(3, 5), (4, 4), (6, 2), (2, 6), (5, 3)]
+    for i, (a, b) in enumerate(counts):
+        trace = _run(block, reference, _batch({0: a, 1: b}, seed=i))
+    assert trace.steady
+    trace = _run(block, reference, _batch({2: 3, 3: 5}, seed=10))
+    assert trace.diverged is not None and "not the sizes, view or dtype" in trace.diverged
+    # Recorded calls of both sets, until the indices are told apart, then steady for each.
+    later = []
+    for i in range(12):
+        experts = (0, 1) if i % 2 else (2, 3)
+        a, b = counts[i % len(counts)]
+        later.append(_run(block, reference, _batch({experts[0]: a, experts[1]: b}, seed=20 + i)))
+    assert all(t.diverged is None for t in later)
+    assert [t.steady for t in later[-4:]] == [True] * 4
+
+
+def test_steady_state_calls_bind_their_own_sizes() -> None:
+    """What the steady-state calls of the examples' MoE (16 SGD steps over new batches) bound
+    differs from call to call, and loss and gradients stay bitwise."""
+    reference, model = reference_and_copy(moe=True)
+    bound: list[list[int]] = []
+    check = DataBinding.check
+
+    def recording(self: DataBinding, k: int, t: torch.Tensor) -> str | None:
+        if k == 0:
+            bound.append(self.x)
+        return check(self, k, t)
+
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    steady = []
+    DataBinding.check = recording  # type: ignore[method-assign]
+    try:
+        for i in range(12):
+            ids = token_ids(i, seq=24)
+            ref = step(reference, lambda: reference.loss(ids), seed=i)
+            with tapesac_core.trace() as blocks:
+                got = step(model, lambda: model.loss(ids), seed=i)
+            assert_bitwise(ref, got)
+            steady.append(all(b.steady for b in blocks))
+            for m in (reference, model):
+                m.zero_grad()
+            for (_, a), b in zip(reference.named_parameters(), model.parameters()):
+                a.grad, b.grad = ref[1].get(_), got[1].get(_)
+            for optimizer in optimizers:
+                optimizer.step()
+    finally:
+        DataBinding.check = check  # type: ignore[method-assign]
+    assert steady[-6:] == [True] * 6
+    assert len({tuple(x) for x in bound}) > 1
+
+
+def test_a_steady_state_call_with_data_sizes_dispatches_each_op_once() -> None:
+    """In steady state the forward runs once, under the checking mode alone: a mode around it
+    sees each op once, as it would without checkpointing."""
+    torch.manual_seed(0)
+    reference = Routed()
+    block = copy.deepcopy(reference)
+    tapesac_core.checkpoint_module(block)
+    for i in range(5):
+        _run(block, reference, _batch({0: 3 + i, 2: 7 - i}, seed=i))
+    x = _batch({0: 6, 2: 4}, seed=9)
+    with OpCounter() as plain:
+        reference(x)
+    with OpCounter() as steady, tapesac_core.trace() as blocks:
+        block(x)
+    assert blocks[0].steady and not blocks[0].diverged
+    # Autograd detaches some factory results on its own, depending on who holds them.
+    detaches = Counter({"aten.detach.default": 99})
+    assert steady.counts - detaches == plain.counts - detaches

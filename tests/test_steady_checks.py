@@ -1,0 +1,141 @@
+"""A steady-state call runs from its cached tape only if its forward ran the tape's ops
+(``tape/op_checks.py``): what a training loop or the data changes between calls, with the shapes
+of every saved tensor the same, is a divergence, never a stale replay. Each case trains two
+blocks under a must-only Controller for 24 steps, every step bitwise with the same model run
+without checkpointing; calls whose Python numbers repeat run in steady state, those that changed
+them diverge (and their backward runs the forward again)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from support import assert_bitwise, step
+
+import tapesac_core
+
+D = 8
+STEPS = 24
+GLOBAL = {"value": 1.0}
+
+
+class Knob(torch.nn.Module):
+    """A block whose forward reads a number that the loop or the data changes (``kind``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.a = torch.nn.Linear(D, D)
+        self.b = torch.nn.Linear(D, D)
+        self.drop = torch.nn.Dropout(0.1)
+        self.scale = 1.0
+        self.flag = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        kind = self.kind
+        if kind == "attribute":
+            h = h * self.scale
+        elif kind == "dropout_p":
+            h = self.drop(h)
+        elif kind == "item_scalar":
+            h = h * (int(x.argmax().item()) % 3 + 1)
+        elif kind == "item_exponent":
+            h = h.pow(int(x.argmax().item()) % 3 + 1)
+        elif kind == "global":
+            h = h * GLOBAL["value"]
+        elif kind == "branch":
+            # Both ops run either way, and make autograd nodes of one kind: only which one's
+            # output the next op reads (and saves) changes.
+            double, triple = h * 2.0, h * 3.0
+            h = double if self.flag else triple
+        return self.b(h).tanh() + x
+
+
+def _change(models: list[Knob], i: int) -> None:
+    """What the training loop changes before step ``i``: a value held for four steps, in three phases."""
+    phase = (i // 4) % 3
+    GLOBAL["value"] = 1.0 + 0.5 * phase
+    for model in models:
+        for block in model:
+            block.scale = 1.0 + 0.25 * phase
+            block.drop.p = (0.1, 0.2, 0.3)[phase]
+            block.flag = phase != 1
+
+
+def _batch(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(4, D, generator=g).requires_grad_()
+
+
+@pytest.mark.parametrize(
+    "kind", ["attribute", "dropout_p", "item_scalar", "item_exponent", "global", "branch"]
+)
+def test_numbers_the_loop_or_the_data_change_never_replay_a_stale_tape(kind: str) -> None:
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(Knob(kind), Knob(kind))
+    model = copy.deepcopy(reference)
+    for block in model:
+        tapesac_core.checkpoint_module(block)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    controller = tapesac_core.Controller(model, 0.0, warmup_steps=1, profile_steps=1)
+    steady = diverged = 0
+    for i in range(STEPS):
+        _change([reference, model], i)
+        x = _batch(i)
+        ref = step(reference, lambda: reference(x).pow(2).sum(), seed=i)
+        with controller.step(tokens=x.numel()) as report:
+            got = step(model, lambda: model(x).pow(2).sum(), seed=i)
+        assert_bitwise(ref, got)
+        steady += report.steady_blocks
+        diverged += report.diverged_blocks
+        for optimizer in optimizers:
+            optimizer.step()
+    GLOBAL["value"] = 1.0
+    assert steady > 0, "no call ran in steady state: the test checks nothing"
+    assert diverged > 0, "no call departed from its tape: the loop changed nothing it saw"
+
+
+class Swappable(torch.nn.Module):
+    """Reads one of two parameters of one shape, as a module attribute says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(D, D) * 0.3)
+        self.w2 = torch.nn.Parameter(torch.randn(D, D) * 0.3)
+        self.first = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ (self.w1 if self.first else self.w2)).sin()
+
+
+def test_which_parameter_an_op_reads_is_checked() -> None:
+    """``x @ w1`` and ``x @ w2`` are the same op on tensors of one shape: the check tells them
+    apart by the parameter's name, and the call that switched is recomputed."""
+    torch.manual_seed(0)
+    reference = Swappable()
+    block = copy.deepcopy(reference)
+    tapesac_core.checkpoint_module(block)
+    x = torch.randn(4, D, requires_grad=True)
+    paths = []
+    for first in (True, True, False, False, False):
+        reference.first = block.first = first
+        ref = step(reference, lambda: reference(x).sum())
+        with tapesac_core.trace() as blocks:
+            got = step(block, lambda: block(x).sum())
+        assert_bitwise(ref, got)
+        paths.append("diverged" if blocks[0].diverged else blocks[0].steady)
+    assert paths == [False, True, "diverged", False, True]
+
+
+def test_a_divergence_names_the_op_and_the_argument() -> None:
+    torch.manual_seed(0)
+    block = tapesac_core.checkpoint_module(Knob("attribute"))
+    x = torch.randn(4, D, requires_grad=True)
+    for scale in (1.0, 1.0, 2.0):
+        block.scale = scale
+        with tapesac_core.trace() as blocks:
+            block(x).sum().backward()
+    assert blocks[0].diverged == "op 2 (aten.mul.Tensor): argument 1 is 2.0, the tape's 1.0"
+    assert not blocks[0].steady
