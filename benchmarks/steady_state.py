@@ -16,8 +16,10 @@ method's median step and IQR over rounds, the per-round ratios against ``full`` 
 rounds), recomputed FLOPs (a step's FLOPs over ``none``'s, ``FlopCounterMode``) and exact step
 peaks (torch's profiler, ``profile_memory=True``).
 
-Models: the frontier harness's (``--model dense|moe|qwen3 --size small|example``) or a Hugging
-Face ``Qwen3ForCausalLM`` stack (``--model hf_stack --hidden 128``: 4 layers, 4 x 256 tokens).
+Models: the frontier harness's (``--model dense|moe|qwen3 --size small|example``), or Hugging
+Face stacks of 4 layers: ``Qwen3ForCausalLM`` (``--model hf_stack --hidden 128``, 4 x 256
+tokens), ``GPT2LMHeadModel`` (``--model hf_gpt2 --dropout 0.1``, 4 x 256 tokens) or
+``Qwen3MoeForCausalLM`` with eager experts, 16 top-2 (``--model hf_qwen3_moe``, 4 x 128 tokens).
 
 With stock ATen ops must-only and ``full`` run the same kernels: autograd saves an ATen op's
 inputs before its kernel runs, so torch's ``early_stop`` ends the recomputation inside the last
@@ -134,6 +136,54 @@ def hf_stack(
     return HFCausalLM(Qwen3ForCausalLM(config)), Qwen3DecoderLayer, 256, 4
 
 
+def hf_gpt2(hidden: int, layers: int = 4, dropout: float = 0.1) -> tuple:
+    """A Hugging Face GPT-2 stack: ``layers`` blocks at ``hidden``, 4 x 256 tokens, ``dropout``
+    on the embeddings, attention weights and residuals (GPT-2's three)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    config = GPT2Config(
+        vocab_size=1024,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=max(2, hidden // 32),
+        n_positions=256,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
+    torch.manual_seed(0)
+    return HFCausalLM(GPT2LMHeadModel(config)), GPT2Block, 256, 4
+
+
+def hf_qwen3_moe(hidden: int, layers: int = 4) -> tuple:
+    """A Hugging Face Qwen3-MoE stack with eager experts (a loop over the experts hit):
+    ``layers`` layers at ``hidden``, 16 experts top-2, 4 x 128 tokens."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
+
+    heads = max(2, hidden // 32)
+    config = Qwen3MoeConfig(
+        vocab_size=1024,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        moe_intermediate_size=hidden,
+        num_experts=16,
+        num_experts_per_tok=2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        head_dim=32,
+        max_position_embeddings=256,
+    )
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    model.train()
+    return HFCausalLM(model), Qwen3MoeDecoderLayer, 128, 4
+
+
 def methods(
     base: torch.nn.Module, block: type, function_down: bool = False
 ) -> dict[str, tuple[torch.nn.Module, Callable[[], Any]]]:
@@ -226,7 +276,9 @@ def main() -> None:
         prog="python -m benchmarks.steady_state", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
-        "--model", default="hf_stack", choices=["hf_stack", "dense", "moe", "qwen3"]
+        "--model",
+        default="hf_stack",
+        choices=["hf_stack", "hf_gpt2", "hf_qwen3_moe", "dense", "moe", "qwen3"],
     )
     parser.add_argument("--size", default="small", help="the harness's size (not for hf_stack)")
     parser.add_argument("--hidden", type=int, default=128, help="hf_stack's hidden size")
@@ -246,6 +298,15 @@ def main() -> None:
     if args.model == "hf_stack":
         base, block, seq, batch = hf_stack(args.hidden, dropout=args.dropout)
         title = f"HF Qwen3ForCausalLM, 4 layers, hidden {args.hidden}, {batch}x{seq} tokens"
+    elif args.model == "hf_gpt2":
+        base, block, seq, batch = hf_gpt2(args.hidden, dropout=args.dropout)
+        title = f"HF GPT2LMHeadModel, 4 layers, hidden {args.hidden}, {batch}x{seq} tokens"
+    elif args.model == "hf_qwen3_moe":
+        base, block, seq, batch = hf_qwen3_moe(args.hidden)
+        title = (
+            f"HF Qwen3MoeForCausalLM (eager experts, 16 top-2), 4 layers, hidden {args.hidden}, "
+            f"{batch}x{seq} tokens"
+        )
     else:
         base, block, seq, batch = build_model(args.model, args.size, args.dropout)
         title = f"{args.model} {args.size}, {batch}x{seq} tokens"

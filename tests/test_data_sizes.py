@@ -5,6 +5,8 @@ transformers' MoE layers. Batches decide which experts run and how many tokens e
 from __future__ import annotations
 
 import copy
+import sys
+import threading
 from collections import Counter
 
 import torch
@@ -13,6 +15,7 @@ from support import OpCounter, assert_bitwise, reference_and_copy, step, token_i
 import tapesac_core
 from tapesac_core.tape.data_sizes import DataBinding
 from tapesac_core.tape.steady import Recorded
+from tapesac_core.tape.tape import ReplayMemo
 
 EXPERTS, D = 4, 8
 
@@ -154,3 +157,55 @@ def test_a_steady_state_call_with_data_sizes_dispatches_each_op_once() -> None:
     # Autograd detaches some factory results on its own, depending on who holds them.
     detaches = Counter({"aten.detach.default": 99})
     assert steady.counts - detaches == plain.counts - detaches
+
+
+class Squared(Routed):
+    """``Routed`` with a buffer of its first expert's count squared: a size no affine function
+    of the counts gives, though two calls and a third at a count seen fit and confirm one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = int(torch.bincount(x[:, :EXPERTS].argmax(-1), minlength=EXPERTS)[0].item())
+        return super().forward(x) + torch.zeros(n * n, D)[: x.shape[0]].sum()
+
+
+def test_a_template_that_mispredicts_is_dropped() -> None:
+    """Counts 2, 3, 2 make a template (affine in the count) and trust it; at count 5 its steady
+    call diverges (the op's size argument, 25, is not the 14 it gives) and the recorded call
+    after it drops the template: no call diverges again, every one bitwise."""
+    torch.manual_seed(0)
+    reference = Squared()
+    block = copy.deepcopy(reference)
+    tapesac_core.checkpoint_module(block)
+    paths = []
+    for i, n in enumerate([2, 3, 2, 5, 5, 2, 3, 2, 6, 2, 7]):
+        trace = _run(block, reference, _batch({0: n, 1: 12 - n}, seed=i))
+        paths.append("diverged" if trace.diverged else "steady" if trace.steady else "recorded")
+    assert paths[:4] == ["recorded"] * 3 + ["diverged"]
+    assert "diverged" not in paths[4:], paths
+
+
+def test_a_replay_memo_shared_by_threads_drops_each_oldest_entry_once() -> None:
+    """A template's memo serves every call of its module, in any thread (DataParallel's
+    replicas share the module's cache): four threads filling a small memo never lose a race
+    over its oldest entry."""
+    memo = ReplayMemo(size=2)
+    errors: list[str] = []
+
+    def fill(base: int) -> None:
+        try:
+            for i in range(20000):
+                memo.closure(base + i, frozenset(), lambda: [i])
+        except Exception as e:  # noqa: BLE001 - a lost race is any error
+            errors.append(repr(e))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch every few bytecodes
+    try:
+        threads = [threading.Thread(target=fill, args=(k * 10**6,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []

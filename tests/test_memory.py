@@ -101,8 +101,7 @@ def test_step_peak_is_no_higher_than_torch_checkpoint(dropout) -> None:
     assert all(b.steady for b in blocks)
     # Generator states: TapeSAC keeps one per random op, torch.utils.checkpoint one per block (on
     # CUDA each is 16 bytes; on CPU the Mersenne-Twister state is 5 KB). A recorded block takes
-    # each before its op; a steady-state one its start state, and the state after each random op
-    # but its last, read in forward so that backward draws no mask twice (``draws.py``).
+    # each before its op, as does a steady-state one's checking mode (``draws.py``).
     random_ops = [sum(n.rng is not None for n in b.tape.nodes) for b in blocks]
     extra = (sum(random_ops) - len(blocks)) * CPU_GENERATOR_STATE if dropout else 0
     assert sum(b.draws_bytes for b in blocks) == (sum(random_ops) if dropout else 0) * (

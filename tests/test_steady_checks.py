@@ -7,13 +7,17 @@ them diverge (and their backward runs the forward again)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
-from support import assert_bitwise, step
+from support import assert_bitwise, block_paths, step
 
 import tapesac_core
+from tapesac_core.tape.steady import Recorded
 
 D = 8
 STEPS = 24
@@ -139,3 +143,122 @@ def test_a_divergence_names_the_op_and_the_argument() -> None:
             block(x).sum().backward()
     assert blocks[0].diverged == "op 2 (aten.mul.Tensor): argument 1 is 2.0, the tape's 1.0"
     assert not blocks[0].steady
+
+
+def _paths(make: type[torch.nn.Module], calls: int, change: Any) -> list[str]:
+    """``make()`` checkpointed against a copy without, ``change(model, i)`` applied to both
+    before call ``i``: bitwise every call; the path each call took."""
+    torch.manual_seed(0)
+    reference = make()
+    block = copy.deepcopy(reference)
+    tapesac_core.checkpoint_module(block)
+    paths = []
+    for i in range(calls):
+        for m in (reference, block):
+            change(m, i)
+        x = torch.randn(4, D, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        ref = step(reference, lambda: reference(x).pow(2).sum(), seed=i)
+        with tapesac_core.trace() as blocks:
+            got = step(block, lambda: block(x).pow(2).sum(), seed=i)
+        assert_bitwise(ref, got)
+        paths.append(block_paths(blocks)[0])
+    return paths
+
+
+class SharedExternal(torch.nn.Module):
+    """Two plain tensor attributes, one tensor when recorded: the tape holds the unsaved
+    ``shift`` on the packed ``scale``'s storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(D, D)
+        self.scale = self.shift = torch.ones(D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a(x) * self.scale + self.shift).sin()
+
+
+def _split_shift(m: SharedExternal, i: int) -> None:
+    if i == 2:
+        m.shift = torch.full((D,), 3.0)
+
+
+def test_external_tensors_are_told_apart_by_storage() -> None:
+    paths = _paths(SharedExternal, 4, _split_shift)
+    assert paths == [str(Recorded.FIRST_CALL), "steady", "diverged", str(Recorded.FIRST_CALL)]
+
+
+class SignedZero(torch.nn.Module):
+    """``copysign`` by a product with ``z``: exactly +0 or -0 everywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(D, D), torch.nn.Linear(D, D)
+        self.z = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.copysign(self.a(x), self.b(x).abs() * self.z)
+
+
+def _negate_zero(m: SignedZero, i: int) -> None:
+    m.z = 0.0 if i < 2 else -0.0
+
+
+def test_minus_zero_is_not_zero() -> None:
+    paths = _paths(SignedZero, 4, _negate_zero)
+    assert paths == [str(Recorded.FIRST_CALL), "steady", "diverged", str(Recorded.FIRST_CALL)]
+
+
+class Forked(torch.nn.Module):
+    """Dropout under an RNG-state tracker (Megatron's ``fork``): the forward sets the default
+    generator's state, with no op the dispatcher sees, and restores it after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(D, D), torch.nn.Linear(D, D)
+        self.drop = torch.nn.Dropout(0.5)
+        self.state = torch.Generator().manual_seed(123).get_state()
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.state)
+        try:
+            yield
+        finally:
+            self.state = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with self.fork():
+            h = self.drop(h)
+        return self.b(h).tanh()
+
+
+def test_random_ops_replay_from_the_state_they_drew_from_whatever_set_it() -> None:
+    """Steady-state calls read each random op's generator state as it is dispatched."""
+    paths = _paths(Forked, 4, lambda m, i: None)
+    assert paths == [str(Recorded.FIRST_CALL)] + ["steady"] * 3
+
+
+class Ramped(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(D, D)
+        self.alpha = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a(x) * self.alpha + x).sin()
+
+
+def _ramp(m: Ramped, i: int) -> None:
+    m.alpha = min(i, 4) / 4  # a warm-up: 0, .25, .5, .75, then 1 for good
+
+
+def test_a_schedule_that_settles_runs_in_steady_state_again() -> None:
+    """Tapes whose first steady-state calls diverge twice in a row make the next calls record
+    (4, then 8, ... 64 of them), not every call from then on."""
+    paths = _paths(Ramped, 14, _ramp)
+    assert "diverged" in paths and str(Recorded.GRAPH_DIFFERS) in paths
+    assert paths[-3:] == ["steady"] * 3

@@ -98,20 +98,45 @@ class Program(torch.nn.Module):
         return (self.sub_b if self.use_b else self.sub_a)(h)
 
 
-knobs = st.fixed_dictionaries(
-    {
-        "scale": st.sampled_from([1.0, 2.0]),
-        "shift": st.sampled_from([0.0, 0.5]),
-        "closure": st.sampled_from([1.0, -1.0]),
-        "p": st.sampled_from([0.2, 0.5]),
-        "flag": st.booleans(),
-        "use_b": st.booleans(),
-        "training": st.booleans(),
-        "hook": st.booleans(),
-        "autocast": st.booleans(),
-        "data": st.integers(0, 3),
-    }
-)
+# What a training loop can change between calls, and the values each takes.
+KNOBS = {
+    "scale": [1.0, 2.0],
+    "shift": [0.0, 0.5],
+    "closure": [1.0, -1.0],
+    "p": [0.2, 0.5],
+    "flag": [True, False],
+    "use_b": [False, True],
+    "training": [True, False],
+    "hook": [False, True],
+    "autocast": [False, True],
+    "data": [0, 1, 2, 3],
+}
+# The knob each step reads; every block reads the others too (signature, hooks, autocast).
+READS = {
+    "attribute": "scale",
+    "global": "shift",
+    "closure": "closure",
+    "dropout": "p",
+    "branch": "flag",
+    "submodule": "use_b",
+}
+EVERY_BLOCK = ("training", "hook", "autocast", "data")
+knobs = st.fixed_dictionaries({name: st.sampled_from(values) for name, values in KNOBS.items()})
+
+
+def changes_for(steps: list[str]) -> st.SearchStrategy[list[tuple[str, Any] | None]]:
+    """Calls after the first: each sets one knob to one of its values (the same value, or
+    None: a call as the one before), twice as often one its steps read as one every block does."""
+    own = sorted({READS.get(s, "data") for s in steps})
+    one = st.one_of(
+        st.none(),
+        *[st.sampled_from([(name, v) for name in own for v in KNOBS[name]])] * 2,
+        st.sampled_from([(name, v) for name in EVERY_BLOCK for v in KNOBS[name]]),
+    )
+    return st.lists(one, min_size=3, max_size=8)
+
+
+programs = st.lists(st.sampled_from(STEPS), min_size=1, max_size=3, unique=True)
 
 
 def _hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
@@ -159,14 +184,14 @@ def _plan(model: torch.nn.Sequential, x: torch.Tensor) -> dict:
 @given(
     # Unique: a submodule called twice under autocast is cast twice inside a block (autocast's
     # weight cache is off there, ``running.py``), and its gradients are then not bitwise.
-    steps=st.lists(st.sampled_from(STEPS), min_size=1, max_size=4, unique=True),
+    program=programs.flatmap(lambda steps: st.tuples(st.just(steps), changes_for(steps))),
     first=knobs,
-    changes=st.lists(st.one_of(st.none(), knobs), min_size=3, max_size=7),
     planned=st.booleans(),
 )
 def test_every_call_is_bitwise_whatever_changes_between_calls(
-    steps: list[str], first: dict, changes: list, planned: bool
+    program: tuple[list[str], list[tuple[str, Any] | None]], first: dict, planned: bool
 ) -> None:
+    steps, changes = program
     torch.manual_seed(0)
     reference = torch.nn.Sequential(Program(steps), Program(steps))
     model = copy.deepcopy(reference)
@@ -178,8 +203,9 @@ def test_every_call_is_bitwise_whatever_changes_between_calls(
     try:
         k = first
         plan = _plan(model, inputs[0].requires_grad_()) if planned else {}
-        for i, change in enumerate([first, *changes]):
-            k = change or k  # None: the same values as the call before
+        for i, changed in enumerate([None, *changes]):
+            if changed is not None:
+                k = {**k, changed[0]: changed[1]}
             x = inputs[k["data"]].detach().requires_grad_()
             for m in (reference, model):
                 _apply(m, k, hooks[id(m)])

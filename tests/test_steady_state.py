@@ -171,7 +171,7 @@ class TwoDraws(torch.nn.Module):
 
 
 @pytest.mark.parametrize("value_dependent", [False, True])
-def test_random_ops_replay_from_states_derived_at_each_call(value_dependent) -> None:
+def test_random_ops_replay_from_states_read_at_each_call(value_dependent) -> None:
     block = TwoDraws(value_dependent)
     reference = copy.deepcopy(block)
     tapesac_core.checkpoint_module(block)
@@ -186,9 +186,8 @@ def test_random_ops_replay_from_states_derived_at_each_call(value_dependent) -> 
 
 
 def test_a_steady_state_backward_draws_each_mask_once() -> None:
-    """Backward reads the second branch's mask first; the generator's state after the first
-    dropout was read in forward, at the first pack after it, so no dropout runs twice in
-    backward (as stand-ins drawing for the second mask's state would make it)."""
+    """Backward reads the second branch's mask first; each dropout's generator state was read
+    in forward as it was dispatched, so no dropout runs twice in backward."""
     block = TwoDraws()
     reference = copy.deepcopy(block)
     tapesac_core.checkpoint_module(block)

@@ -237,7 +237,9 @@ def _run_steady(
     if timed:
         block.trace.forward_seconds = time.perf_counter() - start
     diverged = forward.finish(_tensors_out(out), inputs)
-    if diverged is not None:
+    if diverged is None:
+        cache.confirmed(signature)
+    else:
         cache.diverged(signature, entry, block.name, diverged)
         block.held.clear()
         block.trace.diverged, block.trace.steady = diverged, False

@@ -300,14 +300,14 @@ class DataFamily:
             if not template.doubted:
                 self.active = template
             return
+        if template is not None:  # it mispredicted a call of its own structure: gone
+            found.template = None
+            if self.active is template:
+                self.active = None
         found.points.append(entry)
         del found.points[:-POINTS]
         if len(found.points) >= 2:
-            made = fit(found.points)
-            if made is not None:
-                if self.active is template:
-                    self.active = None
-                found.template = made
+            found.template = fit(found.points)
 
     def entry(self) -> SteadyTape | None:
         """What a steady-state call starts from, if a template is trusted and active."""

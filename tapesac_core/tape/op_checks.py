@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from .._compat import DispatchModeWithoutDynamoGuard
+from ..measure.memory import not_counted
 from ..tensors import Slot, flat_tensors
 from .ops import op_info
 
@@ -80,22 +81,23 @@ class Sources:
     def __init__(self, inputs: Sequence[Tensor], module: torch.nn.Module) -> None:
         # id -> (weak reference, key): the reference tells a live tensor from a freed one whose
         # id Python gave to another, without keeping an intermediate alive.
-        self._made: dict[int, tuple[weakref.ref[Tensor], Any]] = {}
+        self.made_by_id: dict[int, tuple[weakref.ref[Tensor], Any]] = {}
         self._module = module
         self._leaves: dict[int, str] | None = None  # read at the first tensor not seen
         self._ptrs: dict[int, int] | None = None  # the leaves' storages, read at an alias
+        self._externals: dict[int, int] = {}  # an external storage -> its order of first use
         for i, t in enumerate(inputs):
-            self._made[id(t)] = (weakref.ref(t), -1 - i)
+            self.made_by_id[id(t)] = (weakref.ref(t), -1 - i)
 
     def key(self, t: Tensor) -> Any:
-        entry = self._made.get(id(t))
+        entry = self.made_by_id.get(id(t))
         if entry is not None and entry[0]() is t:
             return entry[1]
         return self._unseen(t)
 
     def made(self, out: Any, check: int) -> None:
         """``out``, the result of logged op ``check``: each tensor's source is its position."""
-        made = self._made
+        made = self.made_by_id
         if type(out) is Tensor:
             made[id(out)] = (weakref.ref(out), check << _OUTPUT_BITS)
             return
@@ -106,7 +108,7 @@ class Sources:
     def same(self, out: Any, source: Any) -> None:
         """``out`` (a ``detach``'s result) has ``source``'s source."""
         if type(out) is Tensor and isinstance(source, Tensor):
-            self._made[id(out)] = (weakref.ref(out), self.key(source))
+            self.made_by_id[id(out)] = (weakref.ref(out), self.key(source))
 
     def _unseen(self, t: Tensor) -> Any:
         if self._leaves is None:
@@ -120,7 +122,7 @@ class Sources:
         if ptr:
             on_storage = [
                 key
-                for ref, key in self._made.values()
+                for ref, key in self.made_by_id.values()
                 if (other := ref()) is not None and other.untyped_storage().data_ptr() == ptr
             ]
             if on_storage:
@@ -129,8 +131,10 @@ class Sources:
                 if self._leaf_ptrs().get(leaf_id) == ptr:
                     return ("alias", leaf, layout)
         # An external tensor (a cache's empty tensor made each call): its content reaches
-        # backward only through what the call holds (``steady.py``), so its layout decides.
-        return ("external", layout)
+        # backward only through what the call holds (``steady.py``), so its layout and which
+        # storage it shares with other externals decide (holds may take one from another's).
+        storages = self._externals
+        return ("external", storages.setdefault(ptr, len(storages)) if ptr else -1, layout)
 
     def _leaf_ptrs(self) -> dict[int, int]:
         if self._ptrs is None:
@@ -200,8 +204,71 @@ class OpLog:
 _NONE: tuple[frozenset[int], frozenset[str]] = (frozenset(), frozenset())
 
 
+_MISSING = object()
+
+
+class FastCheck(NamedTuple):
+    """One check where every tensor argument is a top-level one (most ops), as a steady-state
+    call at the tape's sizes compares it without walking the arguments: the positions of the
+    tensors, with their sources; every other argument, with the tape's value."""
+
+    tensors: tuple[tuple[int, Any], ...]  # (position, source)
+    consts: tuple[tuple[int, Any], ...]  # (position, value)
+    arity: int  # positional arguments
+    kwargs: tuple[tuple[str, Any], ...]
+
+
+def fast_checks(checks: Sequence[Check], nodes: Sequence[Any]) -> list[FastCheck | None]:
+    """Per check, its ``FastCheck`` (None where a tensor sits in a list or a keyword)."""
+    made: list[FastCheck | None] = []
+    for check in checks:
+        if check.node >= 0:
+            args, kwargs = nodes[check.node].args, nodes[check.node].kwargs
+        else:
+            args, kwargs = check.args, check.kwargs
+        slots = [i for i, a in enumerate(args) if type(a) is Slot]
+        # Lists compare by ``==``, which holds -0.0 for 0.0: lists of floats take the walk.
+        walked = any(_has_slot(a) or _has_float(a) for a in args if type(a) is not Slot)
+        if walked or any(_has_slot(v) or _has_float(v) for v in kwargs.values()):
+            made.append(None)
+            continue
+        made.append(
+            FastCheck(
+                tensors=tuple(zip(slots, check.sources)),
+                consts=tuple((i, a) for i, a in enumerate(args) if type(a) is not Slot),
+                arity=len(args),
+                kwargs=tuple(kwargs.items()),
+            )
+        )
+    return made
+
+
+def _has_float(x: Any) -> bool:
+    """A list or tuple with a float anywhere in it."""
+    return (type(x) is list or type(x) is tuple) and any(
+        type(y) is float or _has_float(y) for y in x
+    )
+
+
+def _has_slot(x: Any) -> bool:
+    if type(x) is Slot:
+        return True
+    return (type(x) is list or type(x) is tuple) and any(_has_slot(y) for y in x)
+
+
 def _same_number(a: Any, e: Any) -> bool:
-    return type(a) is type(e) and (a == e or (type(a) is float and math.isnan(a) and e != e))
+    """Equal, and of one type: ``1`` is not ``1.0``, nor ``-0.0`` ``0.0``; NaN is NaN."""
+    if type(a) is not type(e):
+        return False
+    if type(a) is float:
+        return _same_float(a, e)
+    return bool(a == e)
+
+
+def _same_float(a: float, e: float) -> bool:
+    if a == e:
+        return a != 0.0 or math.copysign(1.0, a) == math.copysign(1.0, e)
+    return math.isnan(a) and math.isnan(e)
 
 
 class _Compare:
@@ -266,16 +333,24 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
         checks: Sequence[Check],
         kinds: OpKinds,
         nodes: Sequence[Any],
+        fast: Sequence[FastCheck | None],
+        drawing: Mapping[int, int],
         inputs: Sequence[Tensor],
         module: torch.nn.Module,
         size_arguments: Callable[[Any], tuple[frozenset[int], frozenset[str]]] | None = None,
     ) -> None:
         super().__init__()
         self.checks, self.kinds, self.nodes = checks, kinds, nodes
+        # Sizes that follow the data are gathered op by op: every check takes the slow path.
+        self.fast = fast if size_arguments is None else [None] * len(checks)
         self.sources = Sources(inputs, module)
+        self.made_by_id = self.sources.made_by_id
+        # Random ops (check index -> node): the state each draws from, read just before it.
+        self.drawing = drawing
+        self.states: dict[int, Tensor] = {}  # node index -> its generator's state before it
         self.count = 0
         self.diverged: str | None = None
-        self.paused = False  # the pack hook holding what it saw: its ops are not the forward's
+        self.off = False  # diverged, or paused by the pack hook: ops pass unchecked
         # Where sizes follow the data: the op's integer arguments, gathered (``sizes``).
         self.size_arguments = size_arguments
         self.sizes: list[int] = []
@@ -283,10 +358,28 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
+        # Runs per op: the expected op first, with as few lookups as it takes.
         if kwargs is None:
             kwargs = {}
-        if self.paused or self.diverged is not None:
+        if self.off:
             return func(*args, **kwargs)
+        c = self.count
+        checks = self.checks
+        if c < len(checks) and checks[c].op is func:
+            self.count = c + 1
+            fast = self.fast[c]
+            if fast is None or not self._same_fast(fast, args, kwargs):
+                why = self._differs(checks[c], args, kwargs)
+                if why is not None:
+                    self.diverge(f"op {c} ({func}): {why}")
+            if c in self.drawing:
+                self._read_state(self.drawing[c])
+            out = func(*args, **kwargs)
+            if type(out) is Tensor:
+                self.made_by_id[id(out)] = (weakref.ref(out), c << _OUTPUT_BITS)
+            else:
+                self.sources.made(out, c)
+            return out
         key = id(func)
         if key in self.kinds.passed:
             return func(*args, **kwargs)
@@ -294,17 +387,49 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
             out = func(*args, **kwargs)
             self.sources.same(out, args[0] if args else None)
             return out
-        c = self.count
-        check = self.checks[c] if c < len(self.checks) else None
-        if check is None or check.op is not func:
-            return self._unexpected(func, args, kwargs, check)
-        self.count = c + 1
-        why = self._differs(check, args, kwargs)
-        if why is not None:
-            self.diverged = f"op {c} ({func}): {why}"
-        out = func(*args, **kwargs)
-        self.sources.made(out, c)
-        return out
+        return self._unexpected(func, args, kwargs, checks[c] if c < len(checks) else None)
+
+    def _read_state(self, node: int) -> None:
+        generator = self.nodes[node].rng[0]
+        state = generator.get_state()
+        not_counted(state)  # bookkeeping, not the step's memory (``draws_bytes`` counts it)
+        self.states[node] = state
+
+    def diverge(self, why: str) -> None:
+        """The call departed from its tape: said once, and nothing more is compared."""
+        self.diverged, self.off = why, True
+
+    def pause(self) -> None:
+        """What the pack hook dispatches to hold what it saw is not the forward's."""
+        self.off = True
+
+    def resume(self) -> None:
+        self.off = self.diverged is not None
+
+    def _same_fast(self, fast: FastCheck, args: tuple, kwargs: dict) -> bool:
+        """Whether the op's arguments are the tape's (False: ``_differs`` says how, if at all)."""
+        if len(args) != fast.arity:
+            return False
+        made, key = self.sources.made_by_id, self.sources.key
+        for i, source in fast.tensors:
+            t = args[i]
+            entry = made.get(id(t))
+            if entry is not None and entry[0]() is t:
+                if entry[1] != source:
+                    return False
+            elif not isinstance(t, Tensor) or key(t) != source:
+                return False
+        for i, e in fast.consts:
+            a = args[i]
+            if a is not e and (type(a) is not type(e) or a != e or (type(a) is float and a == 0.0)):
+                return False  # a zero may be -0.0: ``_differs`` tells
+        if len(kwargs) != len(fast.kwargs):
+            return False
+        for name, e in fast.kwargs:
+            a = kwargs.get(name, _MISSING)
+            if a is not e and (type(a) is not type(e) or a != e or (type(a) is float and a == 0.0)):
+                return False
+        return True
 
     def _unexpected(self, func: Any, args: tuple, kwargs: dict, check: Check | None) -> Any:
         """An op the log does not have here: one of the kinds passed over that the recorded
@@ -315,7 +440,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
             self.sources.same(out, args[0] if args else None)
         elif not (info.unrecorded or info.collective):
             expected = "no more ops" if check is None else str(check.op)
-            self.diverged = f"op {self.count} is {func}, the tape has {expected}"
+            self.diverge(f"op {self.count} is {func}, the tape has {expected}")
         return out
 
     def _differs(self, check: Check, args: tuple, kwargs: dict) -> str | None:

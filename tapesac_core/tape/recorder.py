@@ -81,7 +81,6 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         self.infos: dict[int, OpInfo] = {}
         self.hot: dict[int, OpInfo] = {}  # the ops of ``infos`` the fast path records
         self.log = PackLog()  # what steady-state calls check and bind at their packs
-        self._awaiting_pack: dict[int, int] = {}  # id(generator) -> its latest random node
         self.ops: OpLog | None = None  # what a module block's steady-state calls check
 
     def forget(self) -> None:
@@ -122,13 +121,6 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         log = self.log
         log.layouts.append((t.shape, t.dtype))
         log.views.append((t.stride(), t.storage_offset()))  # type: ignore[arg-type]  # eager: int
-        awaiting = self._awaiting_pack
-        if awaiting:
-            # A steady-state call reads the generator's state here: the state the next random
-            # op on it draws from (``draws.state_packs``).
-            for node in awaiting.values():
-                log.draw_packs[node] = len(handles) - 1
-            awaiting.clear()
         holding = self.holding
         if (block.verify or self.uninitialised) and vid not in holding.first_packed:
             holding.first_pack(vid, t)
@@ -212,8 +204,6 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         index = self._add_node(func, info, targs, tkwargs, inputs, writes, rng, out, args, kwargs)
         if self.ops is not None:
             self.ops.op(func, args, kwargs, out, index, self.block.nodes)
-        if rng is not None and index >= 0:
-            self._awaiting_pack[id(rng[0])] = index
         if timer is not None and index >= 0:
             self.block.trace.forward_times[index] = sample
         return out

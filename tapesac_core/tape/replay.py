@@ -305,21 +305,12 @@ class Replay:
 
     def _drawn(self, node: Node, call: Callable[[], Any]) -> Any:
         """``call()`` for ``node`` from the generator state its op drew from in forward: recorded
-        with the node, or derived for a steady-state call (``draws.py``)."""
+        with the node, or read by a steady-state call's checking mode (``draws.py``)."""
         if node.rng is None:
             return call()
-        if self.draws is None:
-            with restored_rng(node.rng):
-                return call()
-        return self.draws.run(node, call, self._stand_in)
-
-    def _stand_in(self, node: Node) -> None:
-        """Run random ``node`` on zero-filled tensors of its inputs' recorded layouts, only for
-        the draws it makes (``draws.py``)."""
-        if node.rebuild:
-            self._rebuild(node)
-            return
-        _call(node, [_zeros(layout(self.values[v])) for v in node.inputs])
+        state = node.rng[1] if self.draws is None else self.draws.before[node.index]
+        with restored_rng((node.rng[0], state)):
+            return call()
 
     def _prepare_write(self, node: Node, slot: int, tensors: list[torch.Tensor]) -> None:
         """Before an in-place op: never write into a tensor replay does not own; keep old content still read."""

@@ -348,7 +348,6 @@ def skeleton(entry: SteadyTape) -> tuple:
         zeroed.writes_in_place,
         zeroed.device_types,
         zeroed.autograd,
-        tuple(sorted(zeroed.draw_packs.items())),
         tuple(
             (c.op, c.node, comparable(c.args), comparable(c.kwargs), c.sources)
             for c in zeroed.checks

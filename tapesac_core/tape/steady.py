@@ -43,8 +43,8 @@ from ..tensors import (
     on_storage,
     view_on,
 )
-from .draws import Draws, draws_by_layout, state_packs
-from .op_checks import Check, OpKinds, OpLog, SteadyCheck
+from .draws import Draws, draws_by_layout
+from .op_checks import Check, FastCheck, OpKinds, OpLog, SteadyCheck, fast_checks
 from .tape import (
     BUFFER,
     COLLECTIVE,
@@ -81,7 +81,10 @@ class Recorded(TextEnum):
     HOST_SYNC = "a host sync (.item(), a tensor's truth value) may steer its ops"
     UNSAVED_KEPT = "the plan or S0 keeps values autograd does not save"
     OUTSIDE_GRAPH = "its autograd graph reaches tensors that are not its inputs"
-    GRAPH_DIFFERS = "its first steady-state call ran other ops than its tape, twice"
+    GRAPH_DIFFERS = (
+        "its tapes' first steady-state calls ran other ops, twice or more in a row: recorded "
+        "for 4, 8, ... 64 calls before a tape is tried again"
+    )
     SIZES = "the integers in its ops follow no curve of its input sizes (each new size records)"
     DATA_SIZES = (
         "sizes that follow its data: recorded until calls of one op structure make a template "
@@ -96,12 +99,10 @@ View = tuple[tuple[int, ...], int]  # a packed tensor's strides and storage offs
 @dataclass
 class PackLog:
     """What a recording saw at its packs, for steady-state calls: each packed tensor's layout and
-    view (strides, offset); per random node, the first pack after it and before the next random
-    op on its generator (``draws.state_packs``); per submodule exit, the packs before it."""
+    view (strides, offset); per submodule exit, the packs before it."""
 
     layouts: list[Layout] = field(default_factory=list)
     views: list[View] = field(default_factory=list)
-    draw_packs: dict[int, int] = field(default_factory=dict)
     exit_packs: list[int] = field(default_factory=list)
 
 
@@ -137,11 +138,11 @@ class SteadyTape:
     device_types: frozenset[str]
     autograd: tuple[str, ...]  # the autograd nodes the forward created (``autograd_nodes``)
     checks: tuple[Check, ...]  # every op the forward dispatched (``op_checks.py``)
+    drawing: Mapping[int, int]  # check index -> node index of the random ops among them
     op_kinds: OpKinds  # ops the checks pass over
-    random: tuple[Node, ...]  # the random ops, in order: their states are derived (``draws.py``)
-    # Pack index -> the random op (position in ``random``) whose generator's state at that pack
-    # is the state the next random op on it draws from (``PackLog.draw_packs``).
-    draw_packs: Mapping[int, int]
+    random: tuple[
+        Node, ...
+    ]  # the random ops, in order: each call reads their states (``draws.py``)
     # Sizes that follow the data (``data_dependent``), else empty: each pack's view, the
     # parameter or buffer whose storage a pack is a view of, and the packs before each exit.
     views: tuple[View, ...] = ()
@@ -152,6 +153,8 @@ class SteadyTape:
     template: SizeTemplate | DataTemplate | None = None
     # Its calls' replay closures (a copy at another size, ``dataclasses.replace``, starts afresh).
     memo: ReplayMemo = field(default_factory=ReplayMemo, init=False)
+    # Its checks as its steady-state calls compare them, made at the first (``op_checks``).
+    fast: list[FastCheck | None] | None = field(default=None, init=False)
 
 
 def steady_tape(
@@ -243,9 +246,13 @@ def steady_tape(
         device_types=frozenset(block.device_types),
         autograd=autograd,
         checks=tuple(ops.checks),
+        drawing={
+            c: check.node
+            for c, check in enumerate(ops.checks)
+            if check.node >= 0 and tape.nodes[check.node].rng is not None
+        },
         op_kinds=ops.kinds(),
         random=random,
-        draw_packs=state_packs(random, log.draw_packs),
         views=tuple(log.views) if data else (),
         leaf_packs={
             k: leaf_storages[values[vid].sid]
@@ -354,13 +361,16 @@ class SteadyForward:
         self.exits = 0
         block.on_exit = self.exited
         self.rng = generator_states(inputs)
-        self.drawn: dict[int, Tensor] = {}  # random op -> its generator's state after it
         assert block.module is not None, "only module blocks run in steady state"
         # The forward's ops against the tape's, as they run (``op_checks.py``).
+        if entry.fast is None and binding is None:
+            entry.fast = fast_checks(entry.checks, entry.tape.nodes)
         self.check = SteadyCheck(
             entry.checks,
             entry.op_kinds,
             entry.tape.nodes,
+            entry.fast or (),
+            entry.drawing,
             inputs,
             block.module,
             binding.size_arguments if binding is not None else None,
@@ -378,11 +388,11 @@ class SteadyForward:
     def pack(self, t: Tensor) -> int:
         """Autograd saves ``t``: the tape's ``k``-th pack, held if the recorded call held it."""
         check = self.check
-        check.paused = True  # what holding dispatches is not the forward's
+        check.pause()
         try:
             return self._pack(t)
         finally:
-            check.paused = False
+            check.resume()
 
     def _pack(self, t: Tensor) -> int:
         k = self.count
@@ -395,9 +405,6 @@ class SteadyForward:
                 holds = self.entry.hold.get(k)
                 if holds is not None:
                     self._hold(t, holds)
-                p = self.entry.draw_packs.get(k)
-                if p is not None:
-                    self.drawn[p] = self.entry.random[p].rng[0].get_state()
                 return k
             expected = f"{tuple(packs[k][0])} {packs[k][1]}" if k < len(packs) else "no pack"
             self.diverged = (
@@ -415,19 +422,16 @@ class SteadyForward:
         holds = self.entry.hold.get(k)
         if holds is not None:
             self._hold(t, binding.holds(k, holds))
-        p = self.entry.draw_packs.get(k)
-        if p is not None:
-            self.drawn[p] = self.entry.random[p].rng[0].get_state()
         return k
 
     def exited(self, output: Any) -> None:
         """A submodule returned ``output``: hold what the recorded call held from it."""
         check = self.check
-        check.paused = True  # what holding dispatches is not the forward's
+        check.pause()
         try:
             self._exited(output)
         finally:
-            check.paused = False
+            check.resume()
 
     def _exited(self, output: Any) -> None:
         j = self.exits
@@ -490,7 +494,7 @@ class SteadyForward:
             entry = self.entry = self.binding.tape()
             block.adopt(entry)
         if entry.random:
-            block.draws = Draws(entry.random, self.rng, self.drawn)
+            block.draws = Draws(check.states)
             block.trace.draws_bytes = block.draws.nbytes
         self.rng = []  # only a recomputation needs it: the pack hook lives as long as the graph
         block.refs = {

@@ -35,6 +35,7 @@ CACHED_SIGNATURES = 16  # signatures (exact shapes)
 CACHED_KINDS = 16  # kinds of call (plan entry, training flags) with size templates
 TEMPLATES_PER_KIND = 2  # e.g. two batch sizes, each over many lengths
 FAILED_FITS = 3  # fits that made no template, or templates that failed, before giving up
+MAX_RECORDED = 64  # calls recorded in a row after tapes' first steady-state calls diverged
 
 
 def differences(old: Tape, new: Tape) -> str | None:
@@ -88,9 +89,11 @@ class SteadyCache:
     def __init__(self) -> None:
         self._entries: OrderedDict[Signature, SteadyTape | Recorded] = OrderedDict()
         self._told = False
-        # Per signature, first steady-state calls that diverged: twice means the forward runs
-        # other composite decompositions without the dispatch mode than under it, not a branch.
-        self._first_diverged: dict[Signature, int] = {}
+        # Per signature whose tapes' first steady-state calls diverged, twice or more in a row (a
+        # number the forward reads changes every call or two): [divergences in a row, calls
+        # still recorded before a tape is tried again]. Recording is cheaper than a steady-state
+        # call that diverges (its backward runs the forward again), and right either way.
+        self._doubted: dict[Signature, list[int]] = {}
         self._sizes: OrderedDict[Signature, _Sizes] = OrderedDict()
         self._data: OrderedDict[Signature, DataFamily] = OrderedDict()
 
@@ -108,7 +111,9 @@ class SteadyCache:
             return
         self._entries.pop(signature, None)
         if not entry.confirmed:
-            self._first_diverged[signature] = self._first_diverged.get(signature, 0) + 1
+            doubt = self._doubted.setdefault(signature, [0, 0])
+            doubt[0] += 1
+            doubt[1] = min(2 ** doubt[0], MAX_RECORDED) if doubt[0] >= 2 else 0
         source = "cached tape under the same signature"
         if entry.template is not None:
             source = "tape that calls at other sizes predicted"
@@ -124,6 +129,10 @@ class SteadyCache:
             what,
         )
         self._told = True
+
+    def confirmed(self, signature: Signature) -> None:
+        """A steady-state call of ``signature`` ran its tape's ops: its tapes are trusted again."""
+        self._doubted.pop(signature, None)
 
     def __reduce__(self) -> tuple:
         return (SteadyCache, ())
@@ -144,6 +153,10 @@ class SteadyCache:
         entry = self._entries.get(signature)
         if entry is not None:
             self._entries.move_to_end(signature)
+            doubt = self._doubted.get(signature)
+            if isinstance(entry, SteadyTape) and doubt is not None and doubt[1] > 0:
+                doubt[1] -= 1
+                return Recorded.GRAPH_DIFFERS
             return entry
         family = self._data.get(signature)
         if family is not None:
@@ -185,8 +198,6 @@ class SteadyCache:
                     name,
                     changed,
                 )
-        if isinstance(entry, SteadyTape) and self._first_diverged.get(signature, 0) >= 2:
-            entry = Recorded.GRAPH_DIFFERS
         self._store(signature, entry)
         if isinstance(entry, SteadyTape):
             self._learn_sizes(signature, entry, name, told=changed is not None)
@@ -196,7 +207,7 @@ class SteadyCache:
         self._entries.move_to_end(signature)
         while len(self._entries) > CACHED_SIGNATURES:
             evicted, _ = self._entries.popitem(last=False)
-            self._first_diverged.pop(evicted, None)
+            self._doubted.pop(evicted, None)
 
     def _learn_sizes(self, signature: Signature, entry: SteadyTape, name: str, told: bool) -> None:
         """A recorded tape: checks the template whose curves its signature lies on (trusted

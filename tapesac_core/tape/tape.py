@@ -13,6 +13,7 @@ runs), and their times (Eqs. 6 and 5) are the planner's (``plan.model``), on thi
 from __future__ import annotations
 
 import functools
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -359,6 +360,9 @@ class ReplayMemo:
         self.size = size
         self._reads: dict[frozenset[int], dict[int, int]] = {}
         self._closures: dict[tuple[int, frozenset[int]], list[int]] = {}
+        # Calls of one module in two threads (DataParallel's replicas share its cache) share the
+        # memo: the oldest entry must leave once.
+        self._lock = threading.Lock()
 
     def reads(self, at_hand: frozenset[int], count: Callable[[], dict[int, int]]) -> dict[int, int]:
         """``count()``'s read counts with ``at_hand`` available, as a copy replay may spend."""
@@ -378,7 +382,8 @@ class ReplayMemo:
         return indices
 
     def _remember(self, memo: dict[Any, Any], key: Any, value: Any) -> Any:
-        if len(memo) >= self.size:
-            del memo[next(iter(memo))]
-        memo[key] = value
+        with self._lock:
+            if len(memo) >= self.size:
+                del memo[next(iter(memo))]
+            memo[key] = value
         return value
