@@ -175,9 +175,9 @@ def hf_qwen3_moe(hidden: int, layers: int = 4) -> tuple:
         num_key_value_heads=heads // 2,
         head_dim=32,
         max_position_embeddings=256,
+        attn_implementation="sdpa",
+        experts_implementation="eager",
     )
-    config._attn_implementation = "sdpa"
-    config._experts_implementation = "eager"
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config)
     model.train()

@@ -47,11 +47,12 @@ from .size_templates import (
     EMPTY,
     EXIT_HOLD,
     HOLD,
+    NODES,
     PACKS,
     VIEWS,
     Cursor,
-    argument_sizes,
     changing,
+    flat_ints,
     map_part,
     object_positions,
     rebuilt,
@@ -166,6 +167,13 @@ class DataTemplate:
                 tuple((i, source_at[p]) for i, p in enumerate(own) if p in source_at)
             )
         self.rational = tuple({a for a in self.sizes if a is not None and a.d > 1})
+        # The ops' size arguments come first among the size integers: what a call's checks
+        # gather is compared with them at its symbols (``DataBinding.finish``).
+        nodes_end = sum(count for _, count in positions[NODES])
+        self.node_ints = self._integers[:nodes_end]
+        self.node_varying = tuple(
+            (p, a) for p, a in enumerate(self.sizes[:nodes_end]) if a is not None
+        )
         self.hold_at = _varying_starts(self.base.hold, positions[HOLD], self.sizes)
         self.exit_at = _varying_starts(self.base.exit_hold, positions[EXIT_HOLD], self.sizes)
 
@@ -390,7 +398,7 @@ class DataBinding:
     # Which of an op's arguments are sizes, gathered by the call's op checks (``op_checks.py``).
     size_arguments = staticmethod(size_arguments)
 
-    def finish(self, sizes: list[int]) -> str | None:
+    def finish(self, sizes: list[Any]) -> str | None:
         """At the end of forward: what the bound sizes do not give, if anything (an index that
         is an offset over a size its offset is no multiple of; ``sizes``, the integers in its
         ops' size arguments, not those of the tape at its bindings)."""
@@ -399,8 +407,13 @@ class DataBinding:
             return (
                 "its saved tensors' offsets are no multiples of the sizes its tape divides them by"
             )
-        made = self.tape()
-        if sizes != argument_sizes(made.tape.nodes, made.checks):
+        template = self.template
+        expected = list(template.node_ints)
+        for p, a in template.node_varying:
+            expected[p] = a.at(x)
+        got: list[int] = []
+        flat_ints(sizes, got)
+        if got != expected:
             return "its ops' size arguments are not those its saved tensors' sizes give"
         return None
 

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._compat import DispatchModeWithoutDynamoGuard
+from .._compat import DispatchModeWithoutDynamoGuard, raw_call
 from ..measure.memory import not_counted
 from ..tensors import Slot, flat_tensors
 from .ops import op_info
@@ -209,35 +209,52 @@ _MISSING = object()
 
 class FastCheck(NamedTuple):
     """One check where every tensor argument is a top-level one (most ops), as a steady-state
-    call at the tape's sizes compares it without walking the arguments: the positions of the
-    tensors, with their sources; every other argument, with the tape's value."""
+    call compares it without walking the arguments: the positions of the tensors, with their
+    sources; the tape's value of every other argument but the size arguments where sizes follow
+    the data, which are gathered (``sized``, ``sized_kwargs``)."""
 
     tensors: tuple[tuple[int, Any], ...]  # (position, source)
     consts: tuple[tuple[int, Any], ...]  # (position, value)
     arity: int  # positional arguments
     kwargs: tuple[tuple[str, Any], ...]
+    sized: tuple[int, ...] = ()
+    sized_kwargs: tuple[str, ...] = ()
 
 
-def fast_checks(checks: Sequence[Check], nodes: Sequence[Any]) -> list[FastCheck | None]:
-    """Per check, its ``FastCheck`` (None where a tensor sits in a list or a keyword)."""
+SizeArguments = Callable[[Any], tuple[frozenset[int], frozenset[str]]]
+
+
+def fast_checks(
+    checks: Sequence[Check], nodes: Sequence[Any], size_arguments: SizeArguments | None = None
+) -> list[FastCheck | None]:
+    """Per check, its ``FastCheck`` (None where a tensor sits in a list or a keyword, or a list
+    of floats is compared); ``size_arguments``: where sizes follow the data, an op's size
+    arguments (``size_templates.size_arguments``)."""
     made: list[FastCheck | None] = []
     for check in checks:
         if check.node >= 0:
             args, kwargs = nodes[check.node].args, nodes[check.node].kwargs
         else:
             args, kwargs = check.args, check.kwargs
-        slots = [i for i, a in enumerate(args) if type(a) is Slot]
+        positions, names = _NONE
+        if size_arguments is not None and check.node >= 0:
+            positions, names = size_arguments(check.op)
+        consts = [(i, a) for i, a in enumerate(args) if type(a) is not Slot and i not in positions]
+        own_kwargs = [(k, v) for k, v in kwargs.items() if k not in names]
         # Lists compare by ``==``, which holds -0.0 for 0.0: lists of floats take the walk.
-        walked = any(_has_slot(a) or _has_float(a) for a in args if type(a) is not Slot)
-        if walked or any(_has_slot(v) or _has_float(v) for v in kwargs.values()):
+        walked = any(_has_slot(a) or _has_float(a) for _, a in consts)
+        if walked or any(_has_slot(v) or _has_float(v) for _, v in own_kwargs):
             made.append(None)
             continue
+        slots = [i for i, a in enumerate(args) if type(a) is Slot]
         made.append(
             FastCheck(
                 tensors=tuple(zip(slots, check.sources)),
-                consts=tuple((i, a) for i, a in enumerate(args) if type(a) is not Slot),
+                consts=tuple(consts),
                 arity=len(args),
-                kwargs=tuple(kwargs.items()),
+                kwargs=tuple(own_kwargs),
+                sized=tuple(i for i in range(len(args)) if i in positions),
+                sized_kwargs=tuple(k for k in kwargs if k in names),
             )
         )
     return made
@@ -273,12 +290,12 @@ def _same_float(a: float, e: float) -> bool:
 
 class _Compare:
     """One op's arguments against its tape's: tensors in slot order into ``tensors``, size
-    integers (where gathered) into ``sizes``; False at the first difference."""
+    arguments (where gathered) into ``sizes``; False at the first difference."""
 
     __slots__ = ("sized", "sizes", "tensors")
 
     def __init__(
-        self, sizes: list[int] | None, sized: tuple[frozenset[int], frozenset[str]] = _NONE
+        self, sizes: list[Any] | None, sized: tuple[frozenset[int], frozenset[str]] = _NONE
     ) -> None:
         self.tensors: list[Tensor] = []
         self.sizes, self.sized = sizes, sized
@@ -310,18 +327,10 @@ class _Compare:
         return _same_number(a, e)
 
     def sized_same(self, a: Any, e: Any) -> bool:
-        """An integer argument that may follow the data: its integers are gathered, the rest
-        compared (``None`` for an optional size, a list's length)."""
-        if type(e) is int:
-            if type(a) is not int:
-                return False
-            self.sizes.append(a)  # type: ignore[union-attr]
-            return True
-        if type(e) is list or type(e) is tuple:
-            if type(a) is not type(e) or len(a) != len(e):
-                return False
-            return all(self.sized_same(x, y) for x, y in zip(a, e))
-        return _same_number(a, e)
+        """A size argument where sizes follow the data: gathered as it is, compared at the end
+        of forward with the tape's at the call's sizes (``size_templates.argument_sizes``)."""
+        self.sizes.append(a)  # type: ignore[union-attr]
+        return True
 
 
 class SteadyCheck(DispatchModeWithoutDynamoGuard):
@@ -337,12 +346,11 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
         drawing: Mapping[int, int],
         inputs: Sequence[Tensor],
         module: torch.nn.Module,
-        size_arguments: Callable[[Any], tuple[frozenset[int], frozenset[str]]] | None = None,
+        size_arguments: SizeArguments | None = None,
     ) -> None:
         super().__init__()
         self.checks, self.kinds, self.nodes = checks, kinds, nodes
-        # Sizes that follow the data are gathered op by op: every check takes the slow path.
-        self.fast = fast if size_arguments is None else [None] * len(checks)
+        self.fast = fast
         self.sources = Sources(inputs, module)
         self.made_by_id = self.sources.made_by_id
         # Random ops (check index -> node): the state each draws from, read just before it.
@@ -351,9 +359,9 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
         self.count = 0
         self.diverged: str | None = None
         self.off = False  # diverged, or paused by the pack hook: ops pass unchecked
-        # Where sizes follow the data: the op's integer arguments, gathered (``sizes``).
+        # Where sizes follow the data: the ops' size arguments, gathered (``sizes``).
         self.size_arguments = size_arguments
-        self.sizes: list[int] = []
+        self.sizes: list[Any] = []
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
@@ -374,7 +382,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
                     self.diverge(f"op {c} ({func}): {why}")
             if c in self.drawing:
                 self._read_state(self.drawing[c])
-            out = func(*args, **kwargs)
+            out = raw_call(func)(*args, **kwargs)  # a Python frame per op spared
             if type(out) is Tensor:
                 self.made_by_id[id(out)] = (weakref.ref(out), c << _OUTPUT_BITS)
             else:
@@ -423,12 +431,16 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
             a = args[i]
             if a is not e and (type(a) is not type(e) or a != e or (type(a) is float and a == 0.0)):
                 return False  # a zero may be -0.0: ``_differs`` tells
-        if len(kwargs) != len(fast.kwargs):
+        if len(kwargs) != len(fast.kwargs) + len(fast.sized_kwargs):
             return False
         for name, e in fast.kwargs:
             a = kwargs.get(name, _MISSING)
             if a is not e and (type(a) is not type(e) or a != e or (type(a) is float and a == 0.0)):
                 return False
+        if fast.sized:
+            self.sizes.extend(args[i] for i in fast.sized)
+        if fast.sized_kwargs:
+            self.sizes.extend(kwargs.get(name, _MISSING) for name in fast.sized_kwargs)
         return True
 
     def _unexpected(self, func: Any, args: tuple, kwargs: dict, check: Check | None) -> Any:

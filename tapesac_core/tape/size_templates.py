@@ -39,7 +39,6 @@ import torch
 
 from .._compat import OpOverload, op_schema
 from ..tensors import Meta
-from .op_checks import Check
 from .signature import Signature
 from .steady import Holds, Layout, SteadyTape
 from .tape import Node, Value, comparable
@@ -132,23 +131,14 @@ def size_arguments(op: object) -> tuple[frozenset[int], frozenset[str]]:
     )
 
 
-def argument_sizes(nodes: Sequence[Node], checks: Sequence[Check]) -> list[int]:
-    """The integers in the size arguments of the nodes ``checks`` name, in their order: what a
-    steady-state call whose sizes follow its data gathers as its ops run (``op_checks.py``)."""
-    found: list[int] = []
-    note = _collect(found, None)
-    for check in checks:
-        if check.node < 0:
-            continue
-        node = nodes[check.node]
-        positions, names = size_arguments(node.op)
-        for i, a in enumerate(node.args):
-            if i in positions:
-                _map_ints(a, note)
-        for name, v in node.kwargs.items():
-            if name in names:
-                _map_ints(v, note)
-    return found
+def flat_ints(values: Sequence[Any], out: list[int]) -> None:
+    """The integers in ``values`` (size arguments: integers, lists of them, None), in
+    ``_map_ints``' order, appended to ``out``."""
+    for v in values:
+        if type(v) is int:
+            out.append(v)
+        elif type(v) is list or type(v) is tuple or type(v) is torch.Size:
+            flat_ints(v, out)
 
 
 def _integer_type(t: torch.JitType) -> bool:
@@ -296,7 +286,7 @@ def map_part(part: int, x: Any, cursor: Cursor, position: int) -> Any:
 
 
 # Parts of a steady-state tape by position in ``_MAPS`` (``object_positions``' lists).
-PACKS, VIEWS, HOLD, EXIT_HOLD, EMPTY = 3, 4, 5, 6, 7
+NODES, PACKS, VIEWS, HOLD, EXIT_HOLD, EMPTY = 0, 3, 4, 5, 6, 7
 
 
 def size_integers(entry: SteadyTape) -> list[int]:

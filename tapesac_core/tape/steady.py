@@ -363,17 +363,18 @@ class SteadyForward:
         self.rng = generator_states(inputs)
         assert block.module is not None, "only module blocks run in steady state"
         # The forward's ops against the tape's, as they run (``op_checks.py``).
-        if entry.fast is None and binding is None:
-            entry.fast = fast_checks(entry.checks, entry.tape.nodes)
+        size_arguments = binding.size_arguments if binding is not None else None
+        if entry.fast is None:
+            entry.fast = fast_checks(entry.checks, entry.tape.nodes, size_arguments)
         self.check = SteadyCheck(
             entry.checks,
             entry.op_kinds,
             entry.tape.nodes,
-            entry.fast or (),
+            entry.fast,
             entry.drawing,
             inputs,
             block.module,
-            binding.size_arguments if binding is not None else None,
+            size_arguments,
         )
         block.adopt(entry)
         held = block.held
