@@ -22,7 +22,7 @@ Each runs on one thread, under:
 * ``tapesac_recorded`` ``tapesac_core.checkpoint_module``, no plan (must-only: saves S0 only),
                    every call recorded (``trace(record=True)``: a first call, a profiling or a
                    verification step)
-* ``tapesac_steady``   the same from its cached tape (steady state: saved-tensor hooks only)
+* ``tapesac_steady``   the same from its cached tape (steady state: saved-tensor hooks and the checking mode)
 
 Each round runs ``--reps`` training steps (forward, ``sum``, backward) of every configuration, in
 an order rotated per round; a round's value is the median over its steps. Reported per

@@ -1,6 +1,6 @@
-"""Steady state: a module block recorded once per signature, then run without the dispatch mode
-(``tapesac_core.tape.steady``): bitwise, holding and freeing what recording does, recording again
-where the signature or the ops change, and never replaying a stale tape."""
+"""Steady state: a module block recorded once per signature, then run from its tape under the
+checking mode (``tapesac_core.tape.steady``): bitwise, holding and freeing what recording does,
+recording again where the signature or the ops change, and never replaying a stale tape."""
 
 from __future__ import annotations
 

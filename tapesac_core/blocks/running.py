@@ -213,8 +213,8 @@ def _run_steady(
     cache: SteadyCache,
     signature: Signature,
 ) -> Any:
-    """A call with a cached tape: the forward under the saved-tensor hooks alone (``steady.py``),
-    binding its sizes as it runs where they follow its data (``data_sizes.py``)."""
+    """A call with a cached tape: the forward under the saved-tensor hooks and the checking mode
+    (``steady.py``), binding its sizes as it runs where they follow its data (``data_sizes.py``)."""
     template = entry.template
     binding = DataBinding(template, block) if isinstance(template, DataTemplate) else None
     forward = SteadyForward(block, entry, inputs, binding)

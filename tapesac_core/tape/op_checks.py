@@ -418,14 +418,14 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
         """Whether the op's arguments are the tape's (False: ``_differs`` says how, if at all)."""
         if len(args) != fast.arity:
             return False
-        made, key = self.sources.made_by_id, self.sources.key
+        made = self.made_by_id
         for i, source in fast.tensors:
             t = args[i]
             entry = made.get(id(t))
             if entry is not None and entry[0]() is t:
                 if entry[1] != source:
                     return False
-            elif not isinstance(t, Tensor) or key(t) != source:
+            elif not isinstance(t, Tensor) or self.sources.key(t) != source:
                 return False
         for i, e in fast.consts:
             a = args[i]
