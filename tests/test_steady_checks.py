@@ -188,24 +188,37 @@ def test_external_tensors_are_told_apart_by_storage() -> None:
     assert paths == [str(Recorded.FIRST_CALL), "steady", "diverged", str(Recorded.FIRST_CALL)]
 
 
-class SignedZero(torch.nn.Module):
-    """``copysign`` by a product with ``z``: exactly +0 or -0 everywhere."""
+class Signed(torch.nn.Module):
+    """``copysign`` by a product with ``z`` (the sign of every element is the sign of ``z``), or
+    by ``v`` itself."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = torch.nn.Linear(D, D), torch.nn.Linear(D, D)
-        self.z = 0.0
+        self.z: Any = 0.0
+        self.v = float("nan")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.copysign(self.a(x), self.b(x).abs() * self.z)
+        h = torch.copysign(self.a(x), self.v).tanh()
+        return torch.copysign(h, (self.b(x).abs() * self.z).real)
 
 
-def _negate_zero(m: SignedZero, i: int) -> None:
-    m.z = 0.0 if i < 2 else -0.0
+@pytest.mark.parametrize(
+    "knob, before, after",
+    [
+        ("z", 0.0, -0.0),
+        ("z", 0j, complex(-0.0, 0.0)),
+        ("v", float("nan"), -float("nan")),
+    ],
+    ids=["minus_zero", "complex_minus_zero", "minus_nan"],
+)
+def test_numbers_equal_by_double_equals_but_not_by_sign_are_told_apart(
+    knob: str, before: Any, after: Any
+) -> None:
+    def change(m: Signed, i: int) -> None:
+        setattr(m, knob, before if i < 2 else after)
 
-
-def test_minus_zero_is_not_zero() -> None:
-    paths = _paths(SignedZero, 4, _negate_zero)
+    paths = _paths(Signed, 4, change)
     assert paths == [str(Recorded.FIRST_CALL), "steady", "diverged", str(Recorded.FIRST_CALL)]
 
 

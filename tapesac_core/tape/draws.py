@@ -4,7 +4,9 @@ A recorded call keeps, per random op, its generator's state before the op (``Nod
 steady-state call runs no recorder, but its checking mode (``op_checks.SteadyCheck``) sees each
 random op as it is dispatched and reads its generator's state just before it runs, whatever set
 that state (the ops before it, a ``manual_seed`` or an RNG-state tracker's ``set_rng_state``
-inside the forward): backward replays each mask from the state it was drawn from, once. The
+inside the forward): backward replays each mask from the state it was drawn from, once. (A call
+that diverged from its tape runs its forward again from the generator states at its start, as
+``torch.utils.checkpoint`` does: under such a tracker its masks are not the forward's.) The
 tape's random ops must draw from their device's default generator, by their arguments'
 layouts (``draws_by_layout``); others (``multinomial``, ``poisson``, custom ops, a generator
 passed in) keep their blocks recorded (``steady.tape_blocker``).

@@ -32,6 +32,7 @@ Cost: one Python dispatch per op, a walk of its arguments and a weak reference p
 from __future__ import annotations
 
 import math
+import struct
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -207,6 +208,16 @@ _NONE: tuple[frozenset[int], frozenset[str]] = (frozenset(), frozenset())
 _MISSING = object()
 
 
+def _same_const(a: Any, e: Any) -> bool:
+    """``_same_number`` for the fast path's arguments (no floats inside its lists)."""
+    kind = type(a)
+    if kind is not type(e):
+        return False
+    if kind is float:
+        return _bits(a) == _bits(e)
+    return kind is not complex and bool(a == e)  # complex: the walk tells
+
+
 class FastCheck(NamedTuple):
     """One check where every tensor argument is a top-level one (most ops), as a steady-state
     call compares it without walking the arguments: the positions of the tensors, with their
@@ -261,9 +272,9 @@ def fast_checks(
 
 
 def _has_float(x: Any) -> bool:
-    """A list or tuple with a float anywhere in it."""
+    """A list or tuple with a float or complex number anywhere in it."""
     return (type(x) is list or type(x) is tuple) and any(
-        type(y) is float or _has_float(y) for y in x
+        type(y) is float or type(y) is complex or _has_float(y) for y in x
     )
 
 
@@ -274,18 +285,19 @@ def _has_slot(x: Any) -> bool:
 
 
 def _same_number(a: Any, e: Any) -> bool:
-    """Equal, and of one type: ``1`` is not ``1.0``, nor ``-0.0`` ``0.0``; NaN is NaN."""
+    """Equal, and of one type: ``1`` is not ``1.0``; floats (and complex numbers' parts) bit for
+    bit, so ``-0.0`` is not ``0.0`` nor ``-nan`` ``nan`` (``copysign`` tells them apart)."""
     if type(a) is not type(e):
         return False
     if type(a) is float:
-        return _same_float(a, e)
+        return _bits(a) == _bits(e)
+    if type(a) is complex:
+        return _bits(a.real) == _bits(e.real) and _bits(a.imag) == _bits(e.imag)
     return bool(a == e)
 
 
-def _same_float(a: float, e: float) -> bool:
-    if a == e:
-        return a != 0.0 or math.copysign(1.0, a) == math.copysign(1.0, e)
-    return math.isnan(a) and math.isnan(e)
+def _bits(x: float) -> bytes:
+    return struct.pack("<d", x)
 
 
 class _Compare:
@@ -429,13 +441,13 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
                 return False
         for i, e in fast.consts:
             a = args[i]
-            if a is not e and (type(a) is not type(e) or a != e or (type(a) is float and a == 0.0)):
-                return False  # a zero may be -0.0: ``_differs`` tells
+            if a is not e and not _same_const(a, e):
+                return False
         if len(kwargs) != len(fast.kwargs) + len(fast.sized_kwargs):
             return False
         for name, e in fast.kwargs:
             a = kwargs.get(name, _MISSING)
-            if a is not e and (type(a) is not type(e) or a != e or (type(a) is float and a == 0.0)):
+            if a is not e and not _same_const(a, e):
                 return False
         if fast.sized:
             self.sizes.extend(args[i] for i in fast.sized)
@@ -478,6 +490,8 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
 
 
 def _shown(x: Any) -> str:
+    if type(x) is float and x != x and math.copysign(1.0, x) < 0:
+        return "-nan"  # repr says "nan"
     if isinstance(x, Tensor):
         return f"a {tuple(x.shape)} tensor"
     if type(x) is Slot:
