@@ -29,6 +29,9 @@ comes after its GEMM: torch's recomputation runs that GEMM and discards it, repl
 (the paper's Table 4). TapeSAC's blocks call it as a registered kernel (``register_kernel``),
 declared deterministic.
 
+``--planned`` adds ``tapesac_planned``: TapeSAC under a Controller with its default settings at
+``full``'s measured step peak (its control and verification steps count among its steps).
+
 Run: python -m benchmarks.steady_state --model hf_stack --hidden 256 [--rounds 20] [--reps 3]
 """
 
@@ -50,6 +53,7 @@ from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 import tapesac_core
 from benchmarks.baselines import wrap_torch
 from benchmarks.common import quartiles, rotated
+from benchmarks.measure import live_bytes
 from benchmarks.workload import HFCausalLM, build_model
 
 METHODS = ("none", "full", "tapesac_recorded", "tapesac_steady")
@@ -206,6 +210,29 @@ def methods(
     }
 
 
+def with_planned(
+    runs: dict[str, tuple[torch.nn.Module, Callable[[], Any]]], ids: torch.Tensor
+) -> dict[str, tuple[torch.nn.Module, Callable[[], Any]]]:
+    """``runs`` and ``tapesac_planned``: a copy of the steady model driven by a Controller with
+    default settings at ``full``'s measured step peak (CPU), stepped until it runs planned
+    steps."""
+    full, _ = runs["full"]
+    model = copy.deepcopy(runs["tapesac_steady"][0])
+    # Absolute, as a Controller counts: what lives now (every copy's weights) and full's step.
+    peak = tapesac_core.profile_memory(lambda: step(full, nullcontext, ids))[1].peak
+    limit = live_bytes(torch.device("cpu")) + peak
+    controller = tapesac_core.Controller(model, limit)
+    context = functools.partial(controller.step, tokens=ids.numel())
+    for _ in range(64):
+        step(model, context, ids)
+        if (
+            controller.report is not None
+            and controller.report.mode == tapesac_core.StepMode.PLANNED
+        ):
+            break
+    return {**runs, "tapesac_planned": (model, context)}
+
+
 def step(model: torch.nn.Module, context: Callable[[], Any], ids: torch.Tensor) -> float:
     """One step's CPU seconds on this thread (with one thread, CPU autograd runs here too)."""
     start = time.thread_time()
@@ -261,7 +288,9 @@ def report(
             f"{name:<18} {1e3 * statistics.median(ts):>9.2f} {f'[{lo:.2f}, {hi:.2f}]':>17} "
             f"{recomputed:>17.3f} {peaks[name] / 2**20:>9.2f}"
         )
-    for name in ("tapesac_steady", "tapesac_recorded", "none"):
+    for name in ("tapesac_steady", "tapesac_recorded", "tapesac_planned", "none"):
+        if name not in times:
+            continue
         ratios = [a / b for a, b in zip(times[name], times["full"])]
         lo, _, hi = quartiles(ratios)
         lines.append(
@@ -291,6 +320,11 @@ def main() -> None:
         choices=["linear", "function"],
         help="each MLP's down projection: nn.Linear, or an autograd.Function saving after its GEMM",
     )
+    parser.add_argument(
+        "--planned",
+        action="store_true",
+        help="also TapeSAC under a Controller (defaults) at full's measured peak",
+    )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
@@ -315,6 +349,8 @@ def main() -> None:
     vocab = getattr(base, "vocab_size", None) or base.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     runs = methods(base, block, function_down=args.down == "function")
+    if args.planned:
+        runs = with_planned(runs, ids)
     times = measure(runs, ids, args.rounds, args.reps)
     flop = {n: flops(m, c, ids) for n, (m, c) in runs.items()}
     peaks = {
