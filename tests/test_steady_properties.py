@@ -176,7 +176,7 @@ def _plan(model: torch.nn.Sequential, x: torch.Tensor) -> dict:
 
 
 @settings(
-    max_examples=250,
+    max_examples=150,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
