@@ -115,6 +115,21 @@ def with_function_down(model: torch.nn.Module, registered: bool) -> torch.nn.Mod
     return model
 
 
+def _qwen3_shape(hidden: int, layers: int) -> dict[str, int]:
+    """The Qwen3 stacks' shape: heads of 32, half as many key-value heads, an MLP 3x wide."""
+    heads = max(2, hidden // 32)
+    return {
+        "vocab_size": 1024,
+        "hidden_size": hidden,
+        "intermediate_size": 3 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads // 2,
+        "head_dim": 32,
+        "max_position_embeddings": 256,
+    }
+
+
 def hf_stack(
     hidden: int, layers: int = 4, dropout: float = 0.0
 ) -> tuple[torch.nn.Module, type, int, int]:
@@ -123,16 +138,8 @@ def hf_stack(
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
-    heads = max(2, hidden // 32)
     config = Qwen3Config(
-        vocab_size=1024,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads // 2,
-        head_dim=32,
-        max_position_embeddings=256,
+        **_qwen3_shape(hidden, layers),
         attn_implementation="sdpa",
         attention_dropout=dropout,
     )
@@ -166,19 +173,11 @@ def hf_qwen3_moe(hidden: int, layers: int = 4) -> tuple:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
-    heads = max(2, hidden // 32)
     config = Qwen3MoeConfig(
-        vocab_size=1024,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
+        **_qwen3_shape(hidden, layers),
         moe_intermediate_size=hidden,
         num_experts=16,
         num_experts_per_tok=2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads // 2,
-        head_dim=32,
-        max_position_embeddings=256,
         attn_implementation="sdpa",
         experts_implementation="eager",
     )

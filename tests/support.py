@@ -330,3 +330,14 @@ def hf_model(family: str, dropout: float) -> tuple[torch.nn.Module, type]:
         attention_dropout=dropout, **common,
     )  # fmt: skip
     return tf.Qwen3ForCausalLM(config), Qwen3DecoderLayer
+
+
+def every_other_saved(tape: tapesac_core.Tape) -> set[tuple]:
+    """Every other coordinate of the values a recorded call packs beyond S0: a plan that keeps
+    values a steady-state call can hold."""
+    coords = sorted(
+        tape.coord(v)
+        for v in tape.demand
+        if tape.values[v].kind == "op" and v not in tape.mandatory
+    )
+    return set(coords[::2])

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import assert_bitwise, step
+from support import assert_bitwise, every_other_saved, step
 
 import tapesac_core
 
@@ -166,13 +166,7 @@ def _plan(model: torch.nn.Sequential, x: torch.Tensor) -> dict:
     """Every other value a recorded call packs, saved by a plan."""
     with tapesac_core.trace(record=True) as blocks:
         model(x).sum().backward()
-    tape = blocks[0].tape
-    coords = sorted(
-        tape.coord(v)
-        for v in tape.demand
-        if tape.values[v].kind == "op" and v not in tape.mandatory
-    )
-    return {"Program": set(coords[::2])}
+    return {"Program": every_other_saved(blocks[0].tape)}
 
 
 @settings(

@@ -20,6 +20,7 @@ from support import (
     assert_bitwise,
     assert_replayed_as_predicted,
     block_paths,
+    every_other_saved,
     hf_model,
     reference_and_copy,
     step,
@@ -218,13 +219,7 @@ def _holdable_plan(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     """Every value a block may keep that a steady-state call can hold: every other coordinate
     the recorded tape's saved-tensor or submodule storages carry."""
     _, blocks = _run(model, ids, record=True)
-    tape = blocks[0].tape
-    coords = sorted(
-        tape.coord(v)
-        for v in tape.demand
-        if tape.values[v].kind == "op" and v not in tape.mandatory
-    )
-    return {"DecoderLayer": set(coords[::2])}
+    return {"DecoderLayer": every_other_saved(blocks[0].tape)}
 
 
 @pytest.mark.parametrize("planned", [False, True], ids=["must_only", "plan"])
