@@ -59,14 +59,6 @@ def _call(node: Node, tensors: list[torch.Tensor]) -> Any:
     return raw_call(node.op)(*args, **kwargs)
 
 
-def _zeros(meta: Meta) -> torch.Tensor:
-    """Zeros in layout ``meta`` (its storage offset aside): a stand-in whose values are valid
-    arguments to any op of ``draws.LAYOUT_DRAWS`` (probabilities, bounds)."""
-    size = 1 + sum((n - 1) * s for n, s in zip(meta.shape, meta.stride)) if all(meta.shape) else 0
-    base = torch.zeros(size, dtype=meta.dtype, device=meta.device)
-    return base.as_strided(meta.shape, meta.stride)
-
-
 @contextmanager
 def restored_rng(rng: tuple | None) -> Iterator[None]:
     """Run with a generator set to the state it had when the op was recorded, then put it back."""
