@@ -140,9 +140,8 @@ class SteadyTape:
     checks: tuple[Check, ...]  # every op the forward dispatched (``op_checks.py``)
     drawing: Mapping[int, int]  # check index -> node index of the random ops among them
     op_kinds: OpKinds  # ops the checks pass over
-    random: tuple[
-        Node, ...
-    ]  # the random ops, in order: each call reads their states (``draws.py``)
+    # The random ops, in order: each steady-state call reads their states (``draws.py``).
+    random: tuple[Node, ...]
     # Sizes that follow the data (``data_dependent``), else empty: each pack's view, the
     # parameter or buffer whose storage a pack is a view of, and the packs before each exit.
     views: tuple[View, ...] = ()
