@@ -146,17 +146,6 @@ class Sources:
         return self._ptrs
 
 
-def _templated(x: Any, counter: list[int]) -> Any:
-    """``x`` with each tensor replaced by the slot of its position (host reads' arguments)."""
-    if isinstance(x, Tensor):
-        counter[0] += 1
-        return Slot(counter[0] - 1)
-    if type(x) is list or type(x) is tuple:
-        if any(isinstance(y, Tensor) for y in x):
-            return type(x)(_templated(y, counter) for y in x)
-    return x
-
-
 class OpLog:
     """What a recorded forward dispatched, for its steady-state calls to check (see the module).
     The recorder tells it each op after it ran."""
@@ -168,15 +157,11 @@ class OpLog:
         self.same_ops: set[int] = set()
 
     def op(
-        self, func: Any, args: tuple, kwargs: dict, out: Any, node: int, nodes: Sequence[Any]
+        self, func: Any, args: tuple, kwargs: dict, out: Any, node: int, recorded: tuple
     ) -> None:
-        """``func`` ran and made tape node ``node`` of ``nodes`` (-1: none)."""
-        if node >= 0:
-            e_args, e_kwargs = nodes[node].args, nodes[node].kwargs
-        else:
-            counter = [0]
-            e_args = tuple(_templated(a, counter) for a in args)
-            e_kwargs = {k: _templated(v, counter) for k, v in kwargs.items()}
+        """``func`` ran and made tape node ``node`` (-1: none); ``recorded``: its arguments and
+        keyword arguments as the recorder templated them (``ValueIds.arguments``)."""
+        e_args, e_kwargs = recorded
         # The tensors in slot order, as a steady-state call's comparison walks them.
         compare = _Compare(None)
         compare.all_same(args, kwargs, e_args, e_kwargs)

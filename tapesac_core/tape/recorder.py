@@ -169,7 +169,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         out = info.call(*args, **kwargs)
         index = self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
         if self.ops is not None:
-            self.ops.op(func, args, kwargs, out, index, self.block.nodes)
+            self.ops.op(func, args, kwargs, out, index, (targs, tkwargs))
         return out
 
     def _record(self, func: Any, info: OpInfo, args: tuple, kwargs: dict) -> Any:
@@ -203,7 +203,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
             self.holding.check_initialised(args, kwargs, inputs, writes)
         index = self._add_node(func, info, targs, tkwargs, inputs, writes, rng, out, args, kwargs)
         if self.ops is not None:
-            self.ops.op(func, args, kwargs, out, index, self.block.nodes)
+            self.ops.op(func, args, kwargs, out, index, (targs, tkwargs))
         if timer is not None and index >= 0:
             self.block.trace.forward_times[index] = sample
         return out
