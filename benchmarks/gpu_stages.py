@@ -70,7 +70,7 @@ def versions(args: argparse.Namespace) -> dict[str, Any]:
         "accelerate",
         "matplotlib",
         "tapesac_core",
-        "tapesac_integrations",
+        "tapesac_lightning",
         "examples.models",
     ):
         try:

@@ -31,8 +31,8 @@ from examples.data import batches
 from examples.models import DecoderLM, ModelConfig, tiny_qwen3
 from examples.records import step_record, summary
 from tapesac_core import block_config
-from tapesac_integrations import TapeSACAccelerator
-from tapesac_integrations.accelerate import use_fsdp_on_cpu
+from tapesac_lightning import TapeSACAccelerator
+from tapesac_lightning.accelerate import use_fsdp_on_cpu
 
 
 def parser() -> argparse.ArgumentParser:

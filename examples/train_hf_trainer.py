@@ -33,7 +33,7 @@ from examples.data import batches
 from examples.models import tiny_qwen3
 from examples.records import step_record, summary
 from tapesac_core import block_config
-from tapesac_integrations import TapeSACTrainerCallback
+from tapesac_lightning import TapeSACTrainerCallback
 
 
 def parser() -> argparse.ArgumentParser:

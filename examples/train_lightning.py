@@ -36,7 +36,7 @@ from examples.models import (
     tiny_qwen3,
 )
 from examples.records import step_record, summary
-from tapesac_integrations import TapeSACFSDPStrategy
+from tapesac_lightning import TapeSACFSDPStrategy
 
 
 class LitDecoder(pl.LightningModule):

@@ -334,7 +334,7 @@ def _first_frame_outside_library() -> int:
     # The packages' folders, not every path under ``root`` that starts "tapesac_": a user's
     # script beside them (a repository's ``tapesac_job.py``) is the user's line. "<string>": the
     # ``__init__`` that ``dataclass`` generates.
-    packages = ("tapesac_core", "tapesac_integrations", "tapesac_lightning")
+    packages = ("tapesac_core", "tapesac_lightning", "tapesac_integrations")
     internal = (
         *(os.path.join(root, p) + os.sep for p in packages),
         dataclasses.__file__,

@@ -16,7 +16,7 @@ from typing import Any
 from .config import TapeSACConfig
 
 # The Accelerate YAML key of a field is this prefix and the field's name
-# (tapesac_integrations.accelerate.PREFIX; not imported: that module needs Accelerate).
+# (tapesac_lightning.accelerate.PREFIX; not imported: that module needs Accelerate).
 YAML_PREFIX = "tapesac_"
 
 HEADER = """\

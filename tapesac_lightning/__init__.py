@@ -1,31 +1,67 @@
-"""Deprecated alias of ``tapesac_integrations``, kept so that code written before the rename runs.
+"""TapeSAC integrations for Lightning, Accelerate and Hugging Face's Trainer.
 
-The package held Lightning, Accelerate, the Hugging Face Trainer and the CLI under Lightning's
-name, and its ``logging`` module shadowed the standard library's. Every public name and module
-path still resolves to the same object in ``tapesac_integrations``; importing warns once.
+Each integration imports its library when first used (PEP 562), so either works without the other
+installed and ``tapesac report`` needs neither.
 """
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
-import tapesac_integrations
+if TYPE_CHECKING:
+    # What __getattr__ loads, spelled out for type checkers: keep in step with _EXPORTS.
+    from .accelerate import TapeSACAccelerator, TapeSACPlugin
+    from .hf_trainer import TapeSACTrainerCallback
+    from .lightning_callback import TapeSACCallback
+    from .lightning_strategy import TapeSACFSDPStrategy
 
-warnings.warn(
-    "tapesac_lightning is deprecated and will be removed: import from tapesac_integrations "
-    "instead (same names; the modules strategy, callback and trainer are now lightning_strategy, "
-    "lightning_callback and hf_trainer)",
-    DeprecationWarning,
-    stacklevel=2,
-)
+# Public name: its module, the extra that installs what it needs, and those libraries (an extra
+# named after its library needs no list).
+_EXPORTS = {
+    "TapeSACAccelerator": (".accelerate", "accelerate"),
+    "TapeSACPlugin": (".accelerate", "accelerate"),
+    "TapeSACCallback": (".lightning_callback", "lightning"),
+    "TapeSACFSDPStrategy": (".lightning_strategy", "lightning"),
+    "TapeSACTrainerCallback": (".hf_trainer", "hf", "transformers", "accelerate"),
+}
 
-__all__ = tapesac_integrations.__all__
+__all__ = [
+    "TapeSACAccelerator",
+    "TapeSACCallback",
+    "TapeSACFSDPStrategy",
+    "TapeSACPlugin",
+    "TapeSACTrainerCallback",
+]
+
+
+@contextmanager
+def needs_extra(extra: str, what: str, *modules: str) -> Iterator[None]:
+    """Turns the block's failure to import the library ``extra`` (or one of ``modules``, which the
+    extra also installs) into an ImportError saying which extra to install; other import errors
+    (a broken install of something else) pass unchanged."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").partition(".")[0]
+        if missing not in (extra, *modules):
+            raise
+        raise ImportError(
+            f"{what} needs {missing}, which is not installed. Fix: pip install 'tapesac[{extra}]'"
+        ) from e
 
 
 def __getattr__(name: str) -> Any:
-    return getattr(tapesac_integrations, name)
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, extra, *libraries = _EXPORTS[name]
+    with needs_extra(extra, f"tapesac_lightning.{name}", *libraries):
+        value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted({*globals(), *__all__})

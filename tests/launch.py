@@ -123,7 +123,7 @@ def tapesac_launch(
     script: tuple[str, ...] = ("-m", "examples.train_accelerate"),
 ) -> subprocess.CompletedProcess:
     """``tapesac launch --config_file YAML SCRIPT ARGS`` from the repository root."""
-    from tapesac_integrations.accelerate import SETTINGS_ENV
+    from tapesac_lightning.accelerate import SETTINGS_ENV
 
     env = {k: v for k, v in os.environ.items() if k != SETTINGS_ENV}
     env.update(
@@ -133,7 +133,7 @@ def tapesac_launch(
     command = [
         sys.executable,
         "-m",
-        "tapesac_integrations.cli",
+        "tapesac_lightning.cli",
         "launch",
         "--config_file",
         str(yaml_path),
@@ -155,7 +155,7 @@ def tapesac_launch(
 def tapesac_report(run: Path, *options: str) -> str:
     """What ``tapesac report RUN OPTIONS`` prints."""
     done = subprocess.run(
-        [sys.executable, "-m", "tapesac_integrations.cli", "report", str(run), *options],
+        [sys.executable, "-m", "tapesac_lightning.cli", "report", str(run), *options],
         cwd=ROOT,
         capture_output=True,
         text=True,

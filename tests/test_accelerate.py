@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from examples.data import batches
 from tapesac_core import TapeSACError
 from tapesac_core.metric_names import SCALARS
-from tapesac_integrations.accelerate import (
+from tapesac_lightning.accelerate import (
     SETTINGS_ENV,
     TapeSACAccelerator,
     TapeSACPlugin,
@@ -249,7 +249,7 @@ def test_bad_yaml_stops_tapesac_launch_before_any_worker_naming_the_key_and_the_
     its own checks before Accelerate's launcher would start a worker (here that would fail the
     test), with a message naming the key and the fix as the exit status (which Python prints
     to stderr, exiting with code 1)."""
-    from tapesac_integrations.cli import main
+    from tapesac_lightning.cli import main
 
     def started(args) -> None:
         raise AssertionError("tapesac launch started the workers")
@@ -314,7 +314,7 @@ HF_CHECKPOINTED = """
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from tapesac_integrations import TapeSACAccelerator
+from tapesac_lightning import TapeSACAccelerator
 
 accelerator = TapeSACAccelerator()
 config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -352,7 +352,7 @@ import torch
 
 from examples.data import batches
 from examples.models import DecoderLM, ModelConfig
-from tapesac_integrations import TapeSACAccelerator
+from tapesac_lightning import TapeSACAccelerator
 
 logging.basicConfig(level=logging.INFO)
 accelerator = TapeSACAccelerator()

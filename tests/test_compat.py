@@ -63,7 +63,7 @@ def test_the_check_finds_each_kind_of_torch_private() -> None:
 
 def test_torch_privates_are_reached_only_in_compat() -> None:
     found = []
-    for package in ("tapesac_core", "tapesac_integrations"):
+    for package in ("tapesac_core", "tapesac_lightning"):
         for path in sorted((ROOT / package).rglob("*.py")):
             if path.name == "_compat.py":
                 continue

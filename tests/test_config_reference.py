@@ -47,7 +47,7 @@ def test_the_configuration_page_is_current() -> None:
 
 
 def test_the_yaml_keys_are_those_accelerate_reads() -> None:
-    accelerate = pytest.importorskip("tapesac_integrations.accelerate")
+    accelerate = pytest.importorskip("tapesac_lightning.accelerate")
     assert YAML_PREFIX == accelerate.PREFIX
     plugin = accelerate.TapeSACPlugin.from_keys(
         {f"{YAML_PREFIX}memory_limit": "30MiB", f"{YAML_PREFIX}max_set_size": 48}

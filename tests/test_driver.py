@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tapesac_core import Controller, checkpoint_modules
-from tapesac_integrations.driver import StepDriver, open_at_forward, tokens_in
+from tapesac_lightning.driver import StepDriver, open_at_forward, tokens_in
 
 
 class Layer(torch.nn.Module):
@@ -47,7 +47,7 @@ class Loop:
 
 def test_a_forward_gone_unread_before_the_next_one_is_left_out_of_its_step(caplog) -> None:
     loop = Loop()
-    with caplog.at_level(logging.INFO, logger="tapesac_integrations.driver"):
+    with caplog.at_level(logging.INFO, logger="tapesac_lightning.driver"):
         for _ in range(2):
             loop.forward(rows=2).item()  # a forward for a log line: its graph freed at once
             loop.train(loop.forward(rows=6))

@@ -13,7 +13,7 @@ from tapesac_core.control.step_report import StepMode, StepReport
 from tapesac_core.report.figures import MeasuredPoint, frontier_figure, image_array
 from tapesac_core.report.report import LoggedPlan, read_run
 from tapesac_core.units import MiB
-from tapesac_integrations.tracking import Publisher
+from tapesac_lightning.tracking import Publisher
 
 FRONTIER = StepFrontier(
     curves={"DecoderLayer": [(10 * MiB, 0.100), (12 * MiB, 0.095), (15 * MiB, 0.090)]},

@@ -223,7 +223,7 @@ def test_plans_with_torch_checkpoint_blocks_get_their_own_files_and_section(
 def test_tapesac_bench_runs_the_harness_from_the_checkout(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     out = subprocess.run(
-        [sys.executable, "-m", "tapesac_integrations.cli", "bench", "--help"],
+        [sys.executable, "-m", "tapesac_lightning.cli", "bench", "--help"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -235,7 +235,7 @@ def test_tapesac_bench_runs_the_harness_from_the_checkout(tmp_path: Path) -> Non
 
 
 def test_tapesac_help_lists_every_command_with_its_line() -> None:
-    from tapesac_integrations.cli import parser
+    from tapesac_lightning.cli import parser
 
     text = parser().format_help()
     for command, line in (
@@ -354,11 +354,11 @@ OWN = {"self", "cls"}  # an object's own privates
 # Other libraries' privates read on purpose, (file, name): each a workaround with no public way.
 FOREIGN_PRIVATES = {
     (
-        "tapesac_integrations/lightning_callback.py",
+        "tapesac_lightning/lightning_callback.py",
         "_batches_that_stepped",
     ): "Lightning's count of optimizer "
     "steps that self.log uses (global_step is one ahead after an optimizer step)",
-    ("tapesac_integrations/hf_trainer.py", "_no_split_modules"): "the decoder layer classes a "
+    ("tapesac_lightning/hf_trainer.py", "_no_split_modules"): "the decoder layer classes a "
     "Hugging Face model declares (what device_map and FSDP auto-wrap read): the default blocks",
 }
 ATTRIBUTE_BUILTINS = {"getattr", "hasattr", "setattr", "delattr"}
@@ -425,7 +425,7 @@ def test_the_private_access_check_flags_our_privates_and_passes_own_and_torch_on
 def test_benchmarks_examples_and_integrations_use_only_public_tapesac_names() -> None:
     allowed = FOREIGN_PRIVATES.keys()
     seen, found = set(), []
-    for folder in ("benchmarks", "examples", "tapesac_integrations"):
+    for folder in ("benchmarks", "examples", "tapesac_lightning"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             for line, name in private_accesses(path.read_text()):

@@ -138,7 +138,7 @@ def test_hugging_face_layer_flag_is_switched_off_with_one_info_line(
 ) -> None:
     from transformers import Trainer, TrainingArguments
 
-    from tapesac_integrations import TapeSACTrainerCallback
+    from tapesac_lightning import TapeSACTrainerCallback
 
     model = tiny_qwen3()
     model.gradient_checkpointing_enable()  # torch's checkpoint inside each layer
@@ -148,11 +148,9 @@ def test_hugging_face_layer_flag_is_switched_off_with_one_info_line(
     args = TrainingArguments(
         tmp_path, max_steps=3, per_device_train_batch_size=2, report_to=[], use_cpu=True
     )
-    with caplog.at_level(logging.INFO, logger="tapesac_integrations.hf_trainer"):
+    with caplog.at_level(logging.INFO, logger="tapesac_lightning.hf_trainer"):
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
-    (line,) = [
-        r.getMessage() for r in caplog.records if r.name == "tapesac_integrations.hf_trainer"
-    ]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "tapesac_lightning.hf_trainer"]
     assert line.startswith("TapeSAC replaces the Trainer's activation checkpointing")
     assert "Qwen3ForCausalLM's own" in line
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
@@ -164,7 +162,7 @@ def test_declared_deterministic_ops_reach_every_block(tmp_path, fresh_accelerate
     from transformers import Trainer, TrainingArguments
 
     from tapesac_core import block_config
-    from tapesac_integrations import TapeSACTrainerCallback
+    from tapesac_lightning import TapeSACTrainerCallback
 
     model = tiny_qwen3()
     callback = TapeSACTrainerCallback(memory_limit="20MiB", deterministic_ops={"mylib::norm"})
@@ -178,7 +176,7 @@ def test_model_init_without_the_wrapper_names_the_fix(tmp_path, fresh_accelerate
     from transformers import Trainer, TrainingArguments
 
     from tapesac_core import TapeSACError
-    from tapesac_integrations import TapeSACTrainerCallback
+    from tapesac_lightning import TapeSACTrainerCallback
 
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": row, "labels": row} for row in ids]
@@ -248,7 +246,7 @@ def sft_losses(tmp: Path, callbacks: list) -> list[float]:
 
 def test_trl_sft_trainer_is_bitwise_its_own_checkpointing(tmp_path, fresh_accelerate_state) -> None:
     pytest.importorskip("trl")
-    from tapesac_integrations import TapeSACTrainerCallback
+    from tapesac_lightning import TapeSACTrainerCallback
 
     callback = TapeSACTrainerCallback(memory_limit="20MiB", warmup_steps=1)
     assert sft_losses(tmp_path / "tapesac", [callback]) == sft_losses(tmp_path / "own", [])

@@ -101,10 +101,10 @@ def test_integrations_import_their_library_when_used() -> None:
         """
         import sys
 
-        import tapesac_integrations
-        from tapesac_integrations import TapeSACAccelerator
+        import tapesac_lightning
+        from tapesac_lightning import TapeSACAccelerator
 
-        assert TapeSACAccelerator.__module__ == "tapesac_integrations.accelerate"
+        assert TapeSACAccelerator.__module__ == "tapesac_lightning.accelerate"
         assert "accelerate" in sys.modules and "lightning" not in sys.modules
         """,
     )
@@ -114,12 +114,12 @@ def test_integrations_without_their_library_name_the_extra() -> None:
     done = run_without(
         {"lightning", "accelerate"},
         """
-        import tapesac_integrations
-        from tapesac_integrations.cli import main
+        import tapesac_lightning
+        from tapesac_lightning.cli import main
 
-        for name in tapesac_integrations.__all__:
+        for name in tapesac_lightning.__all__:
             try:
-                getattr(tapesac_integrations, name)
+                getattr(tapesac_lightning, name)
             except ImportError as e:
                 print(name, e)
         try:
@@ -159,7 +159,7 @@ def test_cli_commands_run_without_accelerate_and_yaml(command: str, tmp_path: Pa
         """
         import sys
 
-        from tapesac_integrations.cli import main
+        from tapesac_lightning.cli import main
 
         main(sys.argv[1:])
         """,

@@ -256,7 +256,7 @@ def test_a_hugging_face_model_is_bitwise_fsdp2_with_torch_checkpoint(tmp_path) -
     ],
 )
 def test_bad_arguments_fail_at_construction_naming_the_fix(kwargs, error, match) -> None:
-    from tapesac_integrations import TapeSACFSDPStrategy
+    from tapesac_lightning import TapeSACFSDPStrategy
 
     with pytest.raises(error, match=match):
         TapeSACFSDPStrategy(**kwargs)
@@ -266,7 +266,7 @@ def test_lightnings_configure_model_check_is_skipped_only_inside_the_workaround(
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import model_parallel
 
-    from tapesac_integrations.lightning_strategy import _configure_model_not_required
+    from tapesac_lightning.lightning_strategy import _configure_model_not_required
 
     lightnings = model_parallel.is_overridden
     module = pl.LightningModule()
@@ -283,7 +283,7 @@ def test_a_policy_matching_no_module_fails_at_setup(tmp_path) -> None:
 
     from examples.models import ModelConfig
     from examples.train_lightning import LitDecoder
-    from tapesac_integrations import TapeSACFSDPStrategy
+    from tapesac_lightning import TapeSACFSDPStrategy
 
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -313,7 +313,7 @@ def test_a_model_sharded_in_configure_model_gets_tapesac_only_and_options_apply(
 
     from examples.models import DecoderLayer
     from examples.train_lightning import LitDecoder
-    from tapesac_integrations import TapeSACFSDPStrategy
+    from tapesac_lightning import TapeSACFSDPStrategy
 
     class SelfSharded(LitDecoder):
         def configure_model(self) -> None:
@@ -345,7 +345,7 @@ def test_a_model_sharded_in_configure_model_gets_tapesac_only_and_options_apply(
 def test_a_batch_skipped_by_the_module_discards_its_step_and_training_goes_on(tmp_path) -> None:
     from examples.train_lightning import LitDecoder
     from tapesac_core.blocks.trace_scope import TRACE
-    from tapesac_integrations import TapeSACFSDPStrategy
+    from tapesac_lightning import TapeSACFSDPStrategy
 
     open_steps = []
 
@@ -400,7 +400,7 @@ def test_hugging_face_checkpointing_inside_the_blocks_is_an_error_naming_the_fix
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
     from examples.train_lightning import LitHuggingFace
-    from tapesac_integrations import TapeSACFSDPStrategy
+    from tapesac_lightning import TapeSACFSDPStrategy
 
     config = Qwen3Config(
         vocab_size=64,

@@ -8,7 +8,7 @@ from tapesac_core.control.step_report import StepMode, StepReport
 from tapesac_core.report.figures import timeline_figure
 from tapesac_core.report.report import RunReport
 from tapesac_core.units import MiB
-from tapesac_integrations.tracking import step_metrics
+from tapesac_lightning.tracking import step_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def test_the_run_report_and_its_timeline_read_the_names_logged() -> None:
 
 
 def test_no_other_module_spells_a_metric_name_or_the_state_key() -> None:
-    for package in ("tapesac_core", "tapesac_integrations"):
+    for package in ("tapesac_core", "tapesac_lightning"):
         for path in (ROOT / package).rglob("*.py"):
             if path != ROOT / "tapesac_core" / "metric_names.py":
                 source = path.read_text()

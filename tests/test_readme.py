@@ -48,16 +48,16 @@ def test_the_plain_pytorch_snippet_runs_and_prints_a_plan() -> None:
 
 def test_the_lightning_snippet_parses_and_its_imports_resolve() -> None:
     namespace = _imports_of(_snippet("## Quick start: Lightning"))
-    assert namespace["TapeSACFSDPStrategy"].__module__ == "tapesac_integrations.lightning_strategy"
+    assert namespace["TapeSACFSDPStrategy"].__module__ == "tapesac_lightning.lightning_strategy"
 
 
 def test_the_trainer_snippet_parses_and_its_import_resolves() -> None:
     namespace = _imports_of(_snippet("## Quick start: Hugging Face Trainer"))
-    assert namespace["TapeSACTrainerCallback"].__module__ == "tapesac_integrations.hf_trainer"
+    assert namespace["TapeSACTrainerCallback"].__module__ == "tapesac_lightning.hf_trainer"
 
 
 def test_the_lightning_guide_names_only_arguments_the_strategy_takes() -> None:
-    from tapesac_integrations import TapeSACFSDPStrategy
+    from tapesac_lightning import TapeSACFSDPStrategy
 
     code = _snippet("## Arguments", page="docs/lightning.md")
     exec(code, {"TapeSACFSDPStrategy": TapeSACFSDPStrategy})
@@ -66,7 +66,7 @@ def test_the_lightning_guide_names_only_arguments_the_strategy_takes() -> None:
 @pytest.mark.parametrize("page", ["README.md", "docs/accelerate.md"])
 def test_the_accelerate_yaml_is_the_example_config_and_its_settings_are_valid(page: str) -> None:
     yaml = pytest.importorskip("yaml")
-    from tapesac_integrations.accelerate import TapeSACPlugin, check_fsdp2, split_config
+    from tapesac_lightning.accelerate import TapeSACPlugin, check_fsdp2, split_config
 
     shown = yaml.safe_load(_snippet("Quick start", page=page, language="yaml"))
     example = yaml.safe_load((ROOT / "examples" / "accelerate_tapesac.yaml").read_text())

@@ -9,7 +9,7 @@ from support import SHORT_SCHEDULE, SMALL, checkpointed_lm, run_step, setup_cont
 
 from tapesac_core.control.controller import PLANNED, Controller
 from tapesac_core.units import GiB
-from tapesac_integrations.tracking import step_metrics
+from tapesac_lightning.tracking import step_metrics
 
 NO_METER = SimpleNamespace()  # run_step sets its tokens; the controller meters for itself
 

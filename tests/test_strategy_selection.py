@@ -10,7 +10,7 @@ pytest.importorskip("lightning")
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
-from tapesac_integrations import TapeSACFSDPStrategy  # noqa: E402
+from tapesac_lightning import TapeSACFSDPStrategy  # noqa: E402
 
 
 class Layer(torch.nn.Module):

@@ -1,9 +1,0 @@
-"""Deprecated: ``tapesac_integrations.hf_trainer``, under its old path (see the package's docstring)."""
-
-import sys
-
-from tapesac_integrations import hf_trainer
-
-# The import system returns what sys.modules holds once this file has run, so the old path
-# yields the module itself: its classes keep one identity under both names.
-sys.modules[__name__] = hf_trainer
