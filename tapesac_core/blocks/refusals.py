@@ -6,6 +6,7 @@ Face's checkpointing flag on a block, and a reentrant checkpoint inside one."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -27,10 +28,14 @@ def refuse_outer_torch_checkpoint(name: str) -> None:
         )
 
 
-def refuse_hf_checkpointing(module: torch.nn.Module, name: str) -> None:
-    """Hugging Face's ``GradientCheckpointingLayer`` runs torch.utils.checkpoint inside its own
+def refuse_hf_checkpointing(module: torch.nn.Module, name: str, fn: Any) -> None:
+    """Hugging Face's ``GradientCheckpointingLayer`` runs its checkpoint function inside its own
     forward while its ``gradient_checkpointing`` flag is on: autograd would hand every saved
-    tensor to torch's hooks, not TapeSAC's, and the block would save and replay nothing."""
+    tensor to torch's hooks, not TapeSAC's, and the block would save and replay nothing. Not
+    when ``fn`` is the forward that layer wraps: that is the layer calling TapeSAC as its
+    checkpoint function (``_set_gradient_checkpointing(gradient_checkpointing_func=...)``)."""
+    if _inside_hf_checkpointing(module, fn):
+        return
     if module.training and getattr(module, "gradient_checkpointing", False) is True:
         raise TapeSACError(
             f"block {name!r} has Hugging Face activation checkpointing on (its "
@@ -40,6 +45,19 @@ def refuse_hf_checkpointing(module: torch.nn.Module, name: str) -> None:
             "transformers 5), or gradient_checkpointing=False in the Trainer's arguments; "
             "TapeSAC replaces it"
         )
+
+
+def _inside_hf_checkpointing(module: torch.nn.Module, fn: Any) -> bool:
+    """``fn`` is what a ``GradientCheckpointingLayer`` hands its checkpoint function: the
+    forward it wraps (transformers 5) or ``nn.Module.__call__`` under its own ``__call__``
+    (transformers 4). Neither runs the layer's checkpointing again."""
+    method = getattr(fn, "__func__", None)
+    if method is None:
+        return False
+    cls = type(module)
+    wrapped = getattr(cls.forward, "__wrapped__", None)
+    own_call = cls.__call__ is not torch.nn.Module.__call__
+    return method is wrapped or (own_call and method is torch.nn.Module.__call__)
 
 
 # The pack hooks of the calls whose submodules are hooked (``submodule_hooks.py``).

@@ -12,8 +12,10 @@ pass (reentrant checkpointing), ``torch.utils.checkpoint`` around a block or ins
 Face's ``gradient_checkpointing`` flag on a block; a wrapper on a submodule or saved-tensor hooks
 pushed inside, checked as each submodule is entered in a recorded call; a reentrant checkpoint,
 seen in the graph a recorded call made), ``fully_shard`` on a
-module inside a block (at wrap time or at its forward), double backward, and in-place writes into
-block inputs, parameters or buffers.
+module inside a block (at wrap time or at its forward), and in-place writes into block inputs,
+parameters or buffers. Double backward (``create_graph=True``) works: autograd attaches each
+saved tensor's forward history to the value the unpack hook returns, which replay computes
+without recording a graph of its own.
 
 Under ``torch.compile`` the blocks are excluded from tracing (``torch.compiler.disable`` at the
 block boundary, one info log): each block is one graph break and runs eagerly with record and
@@ -24,7 +26,9 @@ inside a loop: compile the modules around the blocks then.
 
 from __future__ import annotations
 
+import functools
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -33,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch.utils.checkpoint import noop_context_fn
 
 from .._compat import graph_task_id
 from ..errors import TapeSACError
@@ -56,6 +61,7 @@ from .refusals import (
     refuse_sharded_inside,
 )
 from .submodule_hooks import submodules_tracked
+from .torch_keywords import check_torch_keywords
 from .trace_scope import TORCH_CHECKPOINTING, TRACE, trace
 
 RECORDING: ContextVar[Block | None] = ContextVar("tapesac_recording", default=None)
@@ -98,7 +104,7 @@ def run_block(
             "torch.utils.checkpoint(use_reentrant=True) around it). Fix: remove the outer checkpoint"
         )
     if module is not None:
-        refuse_hf_checkpointing(module, name)
+        refuse_hf_checkpointing(module, name, fn)
     refuse_outer_torch_checkpoint(name)
     torch_checkpointed = TORCH_CHECKPOINTING.get()
     if torch_checkpointed is not None:
@@ -295,6 +301,22 @@ def outside_compile(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return call(*args, **kwargs)
 
 
+def _unfolded(
+    fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> tuple[Callable[..., Any], tuple, dict]:
+    """``fn`` without the ``functools.partial`` around it: Hugging Face's layers pass
+    ``partial(forward, layer, **kwargs)``, whose module names the block and keeps its steady
+    state, and whose bound tensors are the block's inputs."""
+    while isinstance(fn, functools.partial):
+        partial: functools.partial[Any] = fn
+        fn, args, kwargs = partial.func, (*partial.args, *args), {**partial.keywords, **kwargs}
+    # transformers 5 passes the layer's forward unbound, the layer first: bound, it is the
+    # module's call, so that its steady state lives on the module.
+    if isinstance(fn, types.FunctionType) and args and isinstance(args[0], torch.nn.Module):
+        fn, args = types.MethodType(fn, args[0]), args[1:]
+    return fn, args, kwargs
+
+
 def _module_of(fn: Callable[..., Any]) -> torch.nn.Module | None:
     if isinstance(fn, torch.nn.Module):
         return fn
@@ -302,15 +324,37 @@ def _module_of(fn: Callable[..., Any]) -> torch.nn.Module | None:
     return owner if isinstance(owner, torch.nn.Module) else None
 
 
-def checkpoint(fn: Callable[..., Any], *args: Any, region: str = "default", **kwargs: Any) -> Any:
-    """Run ``fn(*args, **kwargs)`` as one checkpointed block with tape record and replay."""
-    # Under torch.compile the block runs eagerly, outside the graph (see _checkpointed_forward in
-    # wrapping.py).
-    if torch.compiler.is_compiling():
-        return outside_compile(checkpoint, fn, *args, region=region, **kwargs)
+def checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    region: str = "default",
+    use_reentrant: bool | None = None,
+    context_fn: Callable[[], Any] = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    preserve_rng_state: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` as one checkpointed block with tape record and replay; takes
+    ``torch.utils.checkpoint.checkpoint``'s keywords (``torch_keywords.py``), never passing them on."""
+    fn, args, kwargs = _unfolded(fn, args, kwargs)
     module = _module_of(fn)
     config = block_config(module) if module is not None else None
     name = (config.path if config else None) or str(getattr(fn, "__qualname__", type(fn).__name__))
+    check_torch_keywords(
+        name,
+        use_reentrant=use_reentrant,
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        debug=debug,
+        early_stop=early_stop,
+        context_fn=context_fn,
+    )
+    # Under torch.compile the block runs eagerly, outside the graph (see _checkpointed_forward in
+    # wrapping.py).
+    if torch.compiler.is_compiling():
+        return outside_compile(run_block, fn, args, kwargs, region, module, name)
     return run_block(fn, args, kwargs, region, module, name)
 
 

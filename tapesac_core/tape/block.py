@@ -371,13 +371,16 @@ class Block:
                 f"forward of block {(active or self).name!r}. Reentrant use is not supported: do not "
                 "call backward or torch.autograd.grad inside a checkpointed module"
             )
+        if torch.is_grad_enabled():
+            # Backward with create_graph=True (double backward): autograd attaches the saved
+            # tensor's forward history to what this returns, so the value is all it needs; a
+            # replay that recorded its own graph would hold memory and time for nothing.
+            with torch.no_grad():
+                return self._unpack(handle)
+        return self._unpack(handle)
+
+    def _unpack(self, handle: int) -> torch.Tensor:
         gid = graph_task_id()
-        if gid != -1 and torch.is_grad_enabled():
-            raise TapeSACError(
-                f"block {self.name!r}: backward with create_graph=True (double backward) through a "
-                "TapeSAC block is not supported. Fix: do not checkpoint this module for "
-                "higher-order gradients, or use torch.utils.checkpoint for it"
-            )
         if self.recompute is not None:
             return self.recompute.take(handle, self)
         vid = self.handles[handle]
