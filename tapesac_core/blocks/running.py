@@ -338,6 +338,18 @@ def checkpoint(
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` as one checkpointed block with tape record and replay; takes
     ``torch.utils.checkpoint.checkpoint``'s keywords (``torch_keywords.py``), never passing them on."""
+    # Under torch.compile the block runs eagerly, outside the graph (see _checkpointed_forward in
+    # wrapping.py).
+    if torch.compiler.is_compiling():
+        torch_keywords = dict(
+            use_reentrant=use_reentrant,
+            context_fn=context_fn,
+            determinism_check=determinism_check,
+            debug=debug,
+            early_stop=early_stop,
+            preserve_rng_state=preserve_rng_state,
+        )
+        return outside_compile(checkpoint, fn, *args, region=region, **torch_keywords, **kwargs)
     fn, args, kwargs = _unfolded(fn, args, kwargs)
     module = _module_of(fn)
     config = block_config(module) if module is not None else None
@@ -351,10 +363,6 @@ def checkpoint(
         early_stop=early_stop,
         context_fn=context_fn,
     )
-    # Under torch.compile the block runs eagerly, outside the graph (see _checkpointed_forward in
-    # wrapping.py).
-    if torch.compiler.is_compiling():
-        return outside_compile(run_block, fn, args, kwargs, region, module, name)
     return run_block(fn, args, kwargs, region, module, name)
 
 
