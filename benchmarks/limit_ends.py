@@ -1,7 +1,7 @@
 """TapeSAC at the ends of the frontier and in between, on the Hugging Face Qwen3 stack (issue 32).
 
-For each ``--hidden``: a fresh Controller (margin 0, no control steps, the near-limit watch off,
-a bucket's first planned step metered) at
+For each ``--hidden``: a fresh Controller (margin 0, no control steps, the near-limit rule at its
+default, a bucket's first planned step metered) at
 
 - no checkpointing's measured step peak: its steps against no checkpointing's;
 - torch checkpoint's measured step peak (every block under ``checkpoint_wrapper``): its steps
@@ -69,7 +69,6 @@ def planned(hidden: int, ids: torch.Tensor, allowed: int, after: int = 3) -> Pla
         model,
         static + allowed,
         margin=0.0,
-        near_limit=1.0,
         control_steps=0,
         control_every=0,
         meter_every=0,

@@ -185,8 +185,9 @@ class TapeSACConfig:
     near_limit: float = field(
         default=0.99,
         metadata={
-            "help": "An observed peak above this fraction of the limit raises the fragmentation "
-            "estimate; it sits above 1 - margin, where plans fill the capacity to"
+            "help": "On an accelerator, an observed peak above this fraction of the limit raises "
+            "the fragmentation estimate; it sits above 1 - margin, where plans fill the capacity "
+            "to (a CPU meter reads live tensor bytes: nothing fragments, the rule is off)"
         },
     )
     replay_tolerance: float = field(
@@ -309,7 +310,8 @@ class TapeSACConfig:
 def _warn_if_plans_reach_near_limit(limit: MemoryLimit, margin: float, near_limit: float) -> None:
     """Plans fill the capacity the margin leaves, a share ``1 - margin`` of an absolute limit
     (``1 - margin / fraction`` of a fractional one). Above ``near_limit``, every metered step of
-    a plan that fills it raises the fragmentation estimate and plans shrink for no reason."""
+    a plan that fills it on an accelerator raises the fragmentation estimate and plans shrink
+    for no reason (a CPU meter has no allocator: the rule is off there)."""
     if limit.must_only:
         return
     share = limit.fraction if limit.fraction is not None else 1.0  # margin's unit, in limits
@@ -317,8 +319,8 @@ def _warn_if_plans_reach_near_limit(limit: MemoryLimit, margin: float, near_limi
     if filled > near_limit:
         warnings.warn(
             f"TapeSACConfig: margin={margin:g} lets plans fill {filled:.1%} of the limit, above "
-            f"near_limit={near_limit:g}: every metered step of such a plan would raise the "
-            f"fragmentation estimate and shrink the plans. Fix: near_limit=1.0, or "
+            f"near_limit={near_limit:g}: on an accelerator, every metered step of such a plan "
+            f"would raise the fragmentation estimate and shrink the plans. Fix: near_limit=1.0, or "
             f"margin={(1 - near_limit) * share:g} or more",
             UserWarning,
             stacklevel=_first_frame_outside_library(),

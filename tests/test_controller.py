@@ -218,6 +218,33 @@ def test_reserved_memory_left_by_one_near_limit_step_raises_once_and_leaves_the_
     )
     assert 0 < plans[0].saved_bytes < before.saved_bytes  # the one real event shrank the plan
     assert all(p.coordinates() == plans[0].coordinates() for p in plans)
+    assert "the near-limit rule shrank this plan" in plans[0].explain()
+    assert "near-limit rule" not in before.explain()
+
+
+class LiveBytesMeter(CachingAllocatorMeter):
+    """Reads live tensor bytes, as the CPU meter does: no allocator, nothing fragments."""
+
+    def reading(self) -> MemoryReading:
+        return dataclasses.replace(super().reading(), allocator=False)
+
+
+def test_a_live_bytes_meter_near_the_limit_raises_nothing(caplog) -> None:
+    """A plan that fills the limit on a meter of live bytes is what was asked for: the near-limit
+    rule (fragmentation) has nothing to estimate there."""
+    limit = 8 * MiB + 650 * KiB
+    model, meter, c = setup_controller(limit, LiveBytesMeter())
+    for _ in range(3):
+        run_step(model, meter, c, 32)
+    meter.extra = int(0.995 * limit) - meter.base - meter.per_token * 64
+    with caplog.at_level(logging.WARNING):
+        near = run_step(model, meter, c, 32)
+        meter.extra = 0
+        plans = [run_step(model, meter, c, 32).plan for _ in range(3)]
+    assert near.mode == PLANNED and near.plan.saved_bytes > 0
+    assert _raises(caplog) == 0 and c.memory.extra_fragmentation == 0
+    assert all(p.coordinates() == near.plan.coordinates() for p in plans)
+    assert "near-limit rule" not in plans[-1].explain()
 
 
 def test_allocation_retries_raise_once_although_the_peak_is_below_the_limit(caplog) -> None:

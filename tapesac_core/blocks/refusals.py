@@ -28,14 +28,10 @@ def refuse_outer_torch_checkpoint(name: str) -> None:
         )
 
 
-def refuse_hf_checkpointing(module: torch.nn.Module, name: str, fn: Any) -> None:
+def refuse_hf_checkpointing(module: torch.nn.Module, name: str) -> None:
     """Hugging Face's ``GradientCheckpointingLayer`` runs its checkpoint function inside its own
     forward while its ``gradient_checkpointing`` flag is on: autograd would hand every saved
-    tensor to torch's hooks, not TapeSAC's, and the block would save and replay nothing. Not
-    when ``fn`` is the forward that layer wraps: that is the layer calling TapeSAC as its
-    checkpoint function (``_set_gradient_checkpointing(gradient_checkpointing_func=...)``)."""
-    if _inside_hf_checkpointing(module, fn):
-        return
+    tensor to torch's hooks, not TapeSAC's, and the block would save and replay nothing."""
     if module.training and getattr(module, "gradient_checkpointing", False) is True:
         raise TapeSACError(
             f"block {name!r} has Hugging Face activation checkpointing on (its "
@@ -47,10 +43,11 @@ def refuse_hf_checkpointing(module: torch.nn.Module, name: str, fn: Any) -> None
         )
 
 
-def _inside_hf_checkpointing(module: torch.nn.Module, fn: Any) -> bool:
-    """``fn`` is what a ``GradientCheckpointingLayer`` hands its checkpoint function: the
-    forward it wraps (transformers 5) or ``nn.Module.__call__`` under its own ``__call__``
-    (transformers 4). Neither runs the layer's checkpointing again."""
+def hf_layer_forward(module: torch.nn.Module, fn: Any) -> bool:
+    """``fn`` (bound to ``module``) is what a ``GradientCheckpointingLayer`` hands its
+    checkpoint function, TapeSAC's here: the forward it wraps (transformers 5) or
+    ``nn.Module.__call__`` under its own ``__call__`` (transformers 4). Neither runs the
+    layer's checkpointing again, so its flag being on is no reason to refuse."""
     method = getattr(fn, "__func__", None)
     if method is None:
         return False

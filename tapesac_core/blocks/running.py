@@ -55,6 +55,7 @@ from ..tensors import tensor_leaves
 from .block_settings import block_config
 from .plan_scope import PLAN
 from .refusals import (
+    hf_layer_forward,
     refuse_hf_checkpointing,
     refuse_outer_torch_checkpoint,
     refuse_reentrant_checkpoint_inside,
@@ -89,7 +90,10 @@ def run_block(
     region: str,
     module: torch.nn.Module | None,
     name: str,
+    hf_layer: bool = False,
 ) -> Any:
+    """One call of a block (``hf_layer``: a Hugging Face layer's forward, handed over by the
+    layer with its checkpointing flag on)."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     outer = RECORDING.get()
@@ -103,8 +107,8 @@ def run_block(
             f"block {name!r} ran during a backward pass (reentrant checkpointing, e.g. "
             "torch.utils.checkpoint(use_reentrant=True) around it). Fix: remove the outer checkpoint"
         )
-    if module is not None:
-        refuse_hf_checkpointing(module, name, fn)
+    if module is not None and not hf_layer:
+        refuse_hf_checkpointing(module, name)
     refuse_outer_torch_checkpoint(name)
     torch_checkpointed = TORCH_CHECKPOINTING.get()
     if torch_checkpointed is not None:
@@ -350,6 +354,7 @@ def checkpoint(
             preserve_rng_state=preserve_rng_state,
         )
         return outside_compile(checkpoint, fn, *args, region=region, **torch_keywords, **kwargs)
+    from_partial = isinstance(fn, functools.partial)
     fn, args, kwargs = _unfolded(fn, args, kwargs)
     module = _module_of(fn)
     config = block_config(module) if module is not None else None
@@ -363,7 +368,9 @@ def checkpoint(
         early_stop=early_stop,
         context_fn=context_fn,
     )
-    return run_block(fn, args, kwargs, region, module, name)
+    # A Hugging Face layer calling TapeSAC as its checkpoint function hands over a partial.
+    hf_layer = from_partial and module is not None and hf_layer_forward(module, fn)
+    return run_block(fn, args, kwargs, region, module, name, hf_layer=hf_layer)
 
 
 def record(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Tape:

@@ -116,6 +116,17 @@ class MemoryBudget:
             outside_growth=growth,
         )
 
+    def near_limit_note(self, memory: MemoryModel) -> str | None:
+        """What ``explain()`` says when the near-limit rule shrank the plans, if it did."""
+        if memory.extra_fragmentation <= 0:
+            return None
+        return (
+            f"the near-limit rule shrank this plan: a metered step came within "
+            f"{100 * (1 - self.config.near_limit):.0f}% of the limit (or its allocator retried), "
+            f"so the fragmentation estimate was raised by {format_bytes(memory.extra_fragmentation)} "
+            "and the capacity is that much smaller (near_limit=1.0 turns the rule off)"
+        )
+
     def apply(self, correction: Correction, memory: MemoryModel) -> bool:
         """Apply ``correction`` (agreed by every rank: the largest any saw; the outside growth
         this rank's own) to the memory model; whether anything changed."""
@@ -214,9 +225,11 @@ class MemoryBudget:
         Judged on what this step used (``step_footprint``), never on reserved memory an earlier
         step left behind: that would raise again at every metered step until nothing is saved.
         Allocation retries mean the device ran out, whatever the footprint. A limit of 0 asked
-        for must-only: there is no plan to shrink.
+        for must-only: there is no plan to shrink. A meter of live tensor bytes (CPU) has no
+        allocator, so nothing fragments: a peak above the prediction is the model's error
+        (``_peak_error``), and a plan that fills the limit exactly is what was asked for.
         """
-        if self.config.parsed_memory_limit.must_only:
+        if self.config.parsed_memory_limit.must_only or not reading.allocator:
             return 0
         limit = self.limit_bytes()
         used = step_footprint(reading, memory.measured_fragmentation)

@@ -5,6 +5,7 @@ must-only step and torch's checkpoint as measured steps price it, and every rank
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from ..plan.plan import Plan
 from .budget import MemoryBudget
@@ -94,7 +95,8 @@ class BucketSolver:
         # removes replay temporaries, so only a plan predicted above it means nothing fits.
         if plan.predicted_peak > capacity:
             budget.say_unfit(plan, capacity, edges, memory)
-        return plan
+        note = budget.near_limit_note(memory)
+        return plan if note is None else replace(plan, notes=(*plan.notes, note))
 
     def must_only_seconds(self, key: Bucket, edges: dict[str, int]) -> float:
         """The modelled must-only step seconds of bucket ``key`` at ``edges``."""

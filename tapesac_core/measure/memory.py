@@ -43,6 +43,8 @@ class MemoryReading:
     alloc_retries: int = (
         0  # allocations that failed, freed cached blocks and retried, in the window
     )
+    # A caching allocator's statistics; False: live tensor bytes (CPU), where nothing fragments.
+    allocator: bool = True
 
 
 class MemoryMeter(Protocol):
@@ -216,7 +218,12 @@ class LiveTensorMeter:
     def reading(self) -> MemoryReading:
         total, free = physical_memory()
         return MemoryReading(
-            peak=self.peak, current=self.current, reserved=self.current, total=total, free=free
+            peak=self.peak,
+            current=self.current,
+            reserved=self.current,
+            total=total,
+            free=free,
+            allocator=False,
         )
 
 
