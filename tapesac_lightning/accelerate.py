@@ -21,9 +21,9 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
+from accelerate.utils import DynamoBackend
 from typing_extensions import override
 
 from tapesac_core import Controller, TapeSACConfig, TapeSACError, block_config
@@ -37,6 +37,8 @@ from tapesac_core.blocks.wrapping import (
     repeated_blocks,
 )
 
+# use_fsdp_on_cpu is for a plain Accelerator's script too (examples/train_accelerate.py's baselines).
+from ._compat import switch_off_fsdp_checkpointing, use_fsdp_on_cpu
 from .driver import StepDiscarded, StepDriver, TokenCounter, open_at_forward, tokens_in
 from .tracking import Publisher
 
@@ -162,28 +164,6 @@ def check_fsdp2(config: Mapping[str, Any]) -> None:
         )
 
 
-def use_fsdp_on_cpu(
-    accelerator: Accelerator, fsdp_plugin: FullyShardedDataParallelPlugin | None = None
-) -> None:
-    """Works around AcceleratorState leaving a multi-process CPU run as ``MULTI_CPU`` when the
-    config asks for FSDP (it only turns accelerator device types into FSDP, and takes no setting
-    to do otherwise): installs the FSDP plugin as it would, so Accelerate's own FSDP2 path
-    (prepare, save_state, load_state) runs. Call right after constructing the ``Accelerator``.
-    Checked on Accelerate 1.16."""
-    state = accelerator.state
-    wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or fsdp_plugin
-    if state.distributed_type != DistributedType.MULTI_CPU or not wants_fsdp:
-        return
-    plugin = fsdp_plugin or FullyShardedDataParallelPlugin()
-    if state.mixed_precision != "no":
-        plugin.set_mixed_precision(state.mixed_precision)
-    state.distributed_type = DistributedType.FSDP
-    state.fsdp_plugin = plugin
-    # As AcceleratorState does at the end of its __init__: later AcceleratorState() calls copy
-    # PartialState's shared state over their own. PartialState() is that shared state.
-    PartialState().distributed_type = DistributedType.FSDP
-
-
 def named_blocks(
     model: torch.nn.Module, names: Collection[str | type[torch.nn.Module]], key: str
 ) -> Callable[[torch.nn.Module], bool]:
@@ -247,7 +227,7 @@ class TapeSACAccelerator(Accelerator):
         for model in models:
             self._checkpoint_blocks(model, plugin)
         # TapeSAC replaces Accelerate's checkpoint wrapper: the two are never stacked.
-        self.state.fsdp_plugin.activation_checkpointing = False
+        switch_off_fsdp_checkpointing(self.state.fsdp_plugin)
         prepared = super().prepare(*args, device_placement=device_placement)
         results = prepared if isinstance(prepared, (tuple, list)) else (prepared,)
         for model in (r for r in results if isinstance(r, torch.nn.Module)):

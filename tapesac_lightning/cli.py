@@ -31,6 +31,7 @@ def launch(args: argparse.Namespace) -> None:
         from accelerate.commands.config import default_config_file
         from accelerate.commands.launch import launch_command, launch_command_parser
 
+        from ._compat import mark_cpu_workers, use_config_file
         from .accelerate import SETTINGS_ENV, TapeSACPlugin, check_fsdp2, split_config
     # Accelerate's parser class: its actions record which options were given, which its launcher
     # reads to decide what the config file fills in.
@@ -52,14 +53,11 @@ def launch(args: argparse.Namespace) -> None:
     else:
         os.environ.pop(SETTINGS_ENV, None)
     if rest.get("use_cpu"):
-        # Accelerate's multi-process launcher does not tell CPU workers they are CPU workers:
-        # without this each comes up as a single non-distributed process.
-        os.environ["ACCELERATE_USE_CPU"] = "true"
+        mark_cpu_workers()
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as tmp:
         yaml.safe_dump(rest, tmp)
     try:
-        args.config_file = tmp.name
-        args.nondefault = getattr(args, "nondefault", set()) | {"config_file"}
+        use_config_file(args, tmp.name)  # the config without TapeSAC's keys
         launch_command(args)
     finally:
         os.unlink(tmp.name)

@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Collection
-from typing import Any, cast
+from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -29,6 +29,16 @@ from tapesac_core.blocks.wrapping import (
 )
 from tapesac_core.metric_names import STATE_KEY
 
+from ._compat import (
+    add_to_latest_log,
+    current_fsdp_plugin,
+    no_split_modules,
+    stateful_callbacks,
+    switch_off_fsdp_checkpointing,
+    switch_off_model_checkpointing,
+    switch_off_trainer_checkpointing,
+    tensorboard_logging_dir,
+)
 from .accelerate import TapeSACPlugin, named_blocks
 from .driver import StepDiscarded, StepDriver, TokenCounter, open_at_forward, tokens_in
 from .tracking import Publisher, step_metrics
@@ -88,7 +98,7 @@ class TapeSACTrainerCallback(TrainerCallback):
         @functools.wraps(init)  # same signature: Trainer counts its arguments
         def build(*args: Any) -> torch.nn.Module:
             model = init(*args)
-            _switch_off_model_checkpointing(model)
+            switch_off_model_checkpointing(model)
             self._checkpoint(model)
             return model
 
@@ -102,8 +112,8 @@ class TapeSACTrainerCallback(TrainerCallback):
         model: torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
-        switched = _switch_off_trainer_checkpointing(args)
-        if model is not None and _switch_off_model_checkpointing(model):
+        switched = _switch_off_checkpointing(args)
+        if model is not None and switch_off_model_checkpointing(model):
             switched.append(f"{type(model).__name__}'s own (on before the Trainer)")
         if switched and state.is_world_process_zero:
             logger.info(
@@ -131,8 +141,7 @@ class TapeSACTrainerCallback(TrainerCallback):
         if names:
             key = "tapesac_checkpoint_modules"
             return named_blocks(model, names, key), f"the accelerate config's {key}"
-        present = {type(m).__name__ for m in model.modules()}
-        no_split = set(getattr(model, "_no_split_modules", None) or ()) & present
+        no_split = no_split_modules(model)
         if no_split:
             return (lambda m: type(m).__name__ in no_split), "its _no_split_modules"
         return repeated_blocks(model), "modules repeated in a ModuleList"
@@ -160,7 +169,7 @@ class TapeSACTrainerCallback(TrainerCallback):
         controller, driver = self.controller, self._driver
         assert controller is not None and driver is not None  # made for self._model
         self._discard("a new train() began before it finished")
-        saved = _stateful_callbacks(state).get(STATE_KEY)
+        saved = stateful_callbacks(state).get(STATE_KEY)
         if saved:  # resume_from_checkpoint: the trainer_state.json it loaded holds the plans
             controller.load_state_dict(saved)
         self._hook = open_at_forward(model, driver, self._close)
@@ -212,13 +221,9 @@ class TapeSACTrainerCallback(TrainerCallback):
         logs: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
-        # Trainer copied ``logs`` into log_history before this event and showed them to the
-        # reporting callbacks (they run before a user's): add the scalars to both ourselves.
-        if logs is None or "loss" not in logs or not self._latest:
-            return
-        logs.update(self._latest)
-        if state.log_history:
-            state.log_history[-1].update(self._latest)
+        # The scalars of the latest step beside the training loss, in log_history too.
+        if logs is not None and "loss" in logs and self._latest:
+            add_to_latest_log(state, logs, self._latest)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -242,7 +247,7 @@ class TapeSACTrainerCallback(TrainerCallback):
         """The plan cache into the TrainerState the coming checkpoint's trainer_state.json
         holds (a save follows this event, or may, after evaluation with save_strategy best)."""
         if self.controller is not None and (control.should_save or args.save_strategy == "best"):
-            _stateful_callbacks(state)[STATE_KEY] = self.controller.state_dict()
+            stateful_callbacks(state)[STATE_KEY] = self.controller.state_dict()
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -257,54 +262,20 @@ class TapeSACTrainerCallback(TrainerCallback):
             self._writer = None
 
 
-def _switch_off_trainer_checkpointing(args: TrainingArguments) -> list[str]:
-    """The Trainer's own activation checkpointing off, before train() would turn it on: the
-    argument under both its names, and fsdp_config's (Accelerate's checkpoint wrapper); what was
-    on."""
-    # ``gradient_checkpointing`` is ``activation_checkpointing``'s deprecated alias since
-    # transformers 5.2x and the only name before; TRL still reads it.
-    names = [n for n in ("activation_checkpointing", "gradient_checkpointing") if hasattr(args, n)]
-    on = [n for n in names if getattr(args, n)]
-    for name in names:
-        setattr(args, name, False)
-    switched = [f"{' / '.join(on)}=True"] if on else []
-    fsdp = _fsdp_plugin()
-    if fsdp is not None and fsdp.activation_checkpointing:
-        fsdp.activation_checkpointing = False
+def _switch_off_checkpointing(args: TrainingArguments) -> list[str]:
+    """The Trainer's own activation checkpointing off before train() would turn it on: its
+    argument, and fsdp_config's (Accelerate's checkpoint wrapper); what was on."""
+    switched = switch_off_trainer_checkpointing(args)
+    if switch_off_fsdp_checkpointing(current_fsdp_plugin()):
         switched.append("fsdp_config's activation_checkpointing")
     return switched
 
 
-def _switch_off_model_checkpointing(model: torch.nn.Module) -> bool:
-    """Hugging Face's layer flag off (torch's checkpoint would run inside the TapeSAC block),
-    on a model the user or a PEFT flow already checkpointed; whether it was on."""
-    if not any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-        return False
-    disable = getattr(model, "activation_checkpointing_disable", None)
-    (disable or getattr(model, "gradient_checkpointing_disable"))()
-    return True
-
-
-def _stateful_callbacks(state: TrainerState) -> dict[str, Any]:
-    """The callbacks' saved states by name: transformers annotates the field as a list of
-    callbacks, which ``TrainerState.__post_init__`` turns into this dict."""
-    return cast("dict[str, Any]", state.stateful_callbacks)
-
-
-def _fsdp_plugin() -> Any:
-    """The FSDP plugin of the Accelerator the Trainer built, if it runs FSDP (an
-    AcceleratorState not running FSDP has no such attribute: it raises AttributeError)."""
-    from accelerate.state import AcceleratorState, is_initialized
-
-    return getattr(AcceleratorState(), "fsdp_plugin", None) if is_initialized() else None
-
-
 def _summary_writer(args: TrainingArguments) -> Any:
-    """A TensorBoard writer beside the Trainer's: its logging dir where one is set (the
-    environment's TENSORBOARD_LOGGING_DIR, or ``logging_dir`` before transformers 5.2x), else
+    """A TensorBoard writer beside the Trainer's: its logging dir where one is set, else
     ``<output_dir>/runs/tapesac``."""
     from torch.utils.tensorboard import SummaryWriter
 
-    log_dir = os.getenv("TENSORBOARD_LOGGING_DIR") or getattr(args, "logging_dir", None)
     assert args.output_dir is not None  # TrainingArguments.__post_init__ fills it in
+    log_dir = tensorboard_logging_dir(args)
     return SummaryWriter(log_dir or os.path.join(args.output_dir, "runs", "tapesac"))

@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from tapesac_core.metric_names import STATE_KEY
 
+from ._compat import logged_step
 from .driver import StepDiscarded, StepDriver
 from .tracking import Publisher
 
@@ -67,7 +68,7 @@ class TapeSACCallback(Callback):
         self._publisher.publish(
             self._controller(),
             report,
-            _log_step(trainer),
+            logged_step(trainer),
             lambda metrics, step: logger.log_metrics(metrics, step=step),
             getattr(logger, "experiment", None),
         )
@@ -77,7 +78,7 @@ class TapeSACCallback(Callback):
         if trainer.logger is not None and trainer.is_global_zero:
             self._publisher.finish(
                 self._controller(),
-                _log_step(trainer),
+                logged_step(trainer),
                 getattr(trainer.logger, "experiment", None),
             )
 
@@ -106,11 +107,3 @@ class TapeSACCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             self._controller().load_state_dict(state_dict)
-
-
-def _log_step(trainer: pl.Trainer) -> int:
-    """The step Lightning logs ``self.log`` metrics of this batch at (optimizer steps completed
-    before it), so ``tapesac/*`` scalars line up with ``train_loss``. Lightning keeps that count
-    in a private attribute of its epoch loop, as its own callbacks read it (``LearningRateMonitor``);
-    ``global_step`` is one ahead after an optimizer step. Checked on Lightning 2.6.6."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped

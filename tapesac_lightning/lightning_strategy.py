@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -11,7 +10,6 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies import model_parallel as _model_parallel
 from typing_extensions import override
 
 from tapesac_core import Controller, TapeSACConfig, TapeSACError, block_config
@@ -25,27 +23,11 @@ from tapesac_core.blocks.wrapping import (
     repeated_blocks,
 )
 
+from ._compat import data_parallel_over_every_process, setup_without_configure_model
 from .driver import StepDriver, TokenCounter, tokens_in
 from .lightning_callback import TapeSACCallback
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
-
-
-@contextmanager
-def _configure_model_not_required() -> Iterator[None]:
-    """Works around ``ModelParallelStrategy.setup`` raising unless the LightningModule overrides
-    ``configure_model``: this strategy parallelises the model itself, so that one check is
-    skipped. Lightning has no hook or argument for it (the check calls the module-level
-    ``is_overridden`` inside ``setup``, which also does the rest of the model's setup), so that
-    name is replaced while ``setup`` runs. Checked on Lightning 2.6.6."""
-    original = _model_parallel.is_overridden
-    _model_parallel.is_overridden = lambda name, *args, **kwargs: (
-        True if name == "configure_model" else original(name, *args, **kwargs)
-    )
-    try:
-        yield
-    finally:
-        _model_parallel.is_overridden = original
 
 
 class TapeSACFSDPStrategy(ModelParallelStrategy):
@@ -119,26 +101,17 @@ class TapeSACFSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._data_parallel_over_every_process()
+        data_parallel_over_every_process(self)  # tensor parallel size 1: every process shards data
         super().setup_environment()
-
-    def _data_parallel_over_every_process(self) -> None:
-        """Works around ``ModelParallelStrategy`` reading ``data_parallel_size="auto"`` as the
-        number of nodes (it fills each node with tensor parallelism): here the tensor parallel
-        size is 1, so every process shards data. Its constructor is the only public way to set
-        the size, and the world size is known only once the Trainer has set the cluster
-        environment, so the size is resolved into the attribute its ``setup_environment`` reads.
-        Checked on Lightning 2.6.6."""
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.world_size  # 1 without a cluster environment
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
         self._apply(module)
-        with _configure_model_not_required():
-            super().setup(trainer)
+        # ModelParallelStrategy.setup, less its demand that the module parallelise itself in
+        # configure_model: this strategy did it above.
+        setup_without_configure_model(self, trainer)
         self.controller = Controller(module, config=self.tapesac_config, device=self.root_device)
         self.driver = StepDriver(self.controller, self._tokens)
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, not declared on Trainer

@@ -2,6 +2,7 @@
 Lightning's own launcher, which re-executes argv; the others with both ranks started at once), and
 fits in this process on one rank."""
 
+import contextlib
 import glob
 import statistics
 from pathlib import Path
@@ -262,20 +263,67 @@ def test_bad_arguments_fail_at_construction_naming_the_fix(kwargs, error, match)
         TapeSACFSDPStrategy(**kwargs)
 
 
-def test_lightnings_configure_model_check_is_skipped_only_inside_the_workaround() -> None:
-    import lightning.pytorch as pl
+def test_the_setup_compat_runs_is_lightnings_less_the_configure_model_check() -> None:
+    """``_compat.setup_without_configure_model`` takes ModelParallelStrategy.setup's steps itself
+    (the configure_model check left out, the FSDP1 refusal, materialising, the barrier) or through
+    Strategy.setup: a step Lightning adds to either must be mirrored there."""
+    import ast
+    import inspect
+    import textwrap
+
+    from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+
+    def calls(function) -> set[str]:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        return {
+            n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name))
+        }
+
+    taken_here = {"is_overridden", "TypeError", "any", "isinstance", "modules", "type"}
+    taken_here |= {"_materialize_distributed_module", "barrier"}
+    assert calls(ModelParallelStrategy.setup) - taken_here <= calls(Strategy.setup)
+    # Strategy.setup's model hook is ModelParallelStrategy's own only while it overrides none.
+    assert "_setup_model" not in vars(ModelParallelStrategy)
+
+
+def test_lightnings_configure_model_check_is_left_alone_while_the_strategy_sets_up(
+    tmp_path,
+) -> None:
+    """The strategy skips the check without patching Lightning: while it sets up (the module's
+    configure_optimizers runs then), Lightning's is_overridden is its own and still answers that
+    this module does not override configure_model."""
     from lightning.pytorch.strategies import model_parallel
+    from lightning.pytorch.utilities import model_helpers
 
-    from tapesac_lightning.lightning_strategy import _configure_model_not_required
+    from examples.train_lightning import LitDecoder
+    from tapesac_lightning import TapeSACFSDPStrategy
 
-    lightnings = model_parallel.is_overridden
-    module = pl.LightningModule()
-    with pytest.raises(RuntimeError, match="setup failed"), _configure_model_not_required():
-        assert model_parallel.is_overridden("configure_model", module)
-        assert not model_parallel.is_overridden("training_step", module)
-        raise RuntimeError("setup failed")
-    assert model_parallel.is_overridden is lightnings
-    assert not lightnings("configure_model", module)
+    seen = []
+
+    class Checks(LitDecoder):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            seen.append(model_parallel.is_overridden is model_helpers.is_overridden)
+            seen.append(model_parallel.is_overridden("configure_model", self))
+            return super().configure_optimizers()
+
+    strategy = TapeSACFSDPStrategy("64MiB", **SHORT_SCHEDULE)
+    _fit_tiny(tmp_path, Checks, strategy, batches=2, max_steps=2)
+    assert seen == [True, False] and strategy.controller.steps == 2
+
+
+@pytest.mark.filterwarnings("ignore:Parameter initialization incomplete")
+def test_a_module_built_on_the_meta_device_is_materialised_at_setup(tmp_path) -> None:
+    """``trainer.init_module(empty_init=True)``: parameters on the meta device, sharded by the
+    strategy, then materialised by its setup before the first step."""
+    from examples.train_lightning import LitDecoder
+    from tapesac_lightning import TapeSACFSDPStrategy
+
+    strategy = TapeSACFSDPStrategy("64MiB", **SHORT_SCHEDULE)
+    module = _fit_tiny(tmp_path, LitDecoder, strategy, batches=2, max_steps=2, empty_init=True)
+    assert all(p.device.type == "cpu" for p in module.parameters())
+    assert strategy.controller.steps == 2
 
 
 def test_a_policy_matching_no_module_fails_at_setup(tmp_path) -> None:
@@ -363,8 +411,11 @@ def test_a_batch_skipped_by_the_module_discards_its_step_and_training_goes_on(tm
     assert open_steps == [False, False]
 
 
-def _fit_tiny(tmp_path, module_class, strategy, batches: int, **trainer_args):
-    """Fit a 2-layer ``module_class`` in this process (one rank) on ``batches`` random batches."""
+def _fit_tiny(
+    tmp_path, module_class, strategy, batches: int, empty_init: bool = False, **trainer_args
+):
+    """Fit a 2-layer ``module_class`` in this process (one rank) on ``batches`` random batches;
+    ``empty_init``: built under ``trainer.init_module(empty_init=True)`` (on the meta device)."""
     import lightning.pytorch as pl
 
     from examples.models import ModelConfig
@@ -381,7 +432,9 @@ def _fit_tiny(tmp_path, module_class, strategy, batches: int, **trainer_args):
         **trainer_args,
     )
     torch.manual_seed(0)
-    module = module_class(ModelConfig(**(SMALL | dict(num_layers=2))))
+    with trainer.init_module(empty_init=True) if empty_init else contextlib.nullcontext():
+        module = module_class(ModelConfig(**(SMALL | dict(num_layers=2))))
+    assert all(p.is_meta for p in module.parameters()) == empty_init
     data = torch.utils.data.DataLoader(
         [torch.randint(0, 256, (2, 16)) for _ in range(batches)], batch_size=None
     )
