@@ -22,6 +22,7 @@ CHECKED_ON = ("2.11", "2.13")
 __all__ = [
     "CHECKED_ON",
     "OpOverload",
+    "any_autocast_enabled",
     "TorchDispatchMode",
     "disable_current_modes",
     "DispatchModeWithoutDynamoGuard",
@@ -38,6 +39,7 @@ __all__ = [
     "saved_tensors_hooks_on_top",
     "tree_flatten",
     "tree_leaves",
+    "torch_function_disabled",
     "tree_map_only",
 ]
 
@@ -50,6 +52,12 @@ graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 # The autograd node running now: which block's backward the sample step's timeline is in.
 current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
 parse_schema: Callable[[str], torch.FunctionSchema] = torch._C.parse_schema
+# Whether autocast is on for any device (one C call): a call checked at the torch-function level
+# must run without it, since autocast's casts happen below that level (``call_checks.py``).
+any_autocast_enabled: Callable[[], bool] = torch._C._is_any_autocast_enabled
+# A guard that turns torch-function handling off (modes too) in C++: bookkeeping that a block's
+# hooks run while its calls are logged or checked is not the forward's (``submodule_hooks.py``).
+torch_function_disabled = torch._C.DisableTorchFunction
 # Every dispatch mode off, in Python: where a C++ guard is not enough (a mode's own state).
 disable_current_modes = _disable_current_modes
 

@@ -133,15 +133,24 @@ def test_which_parameter_an_op_reads_is_checked() -> None:
     assert paths == [False, True, "diverged", False, True]
 
 
-def test_a_divergence_names_the_op_and_the_argument() -> None:
+@pytest.mark.parametrize(
+    ("autocast", "message"),
+    [
+        # Checked at the torch-function level (``call_checks.py``).
+        (False, "call 1 (Tensor.mul): argument 1 is 2.0, the tape's 1.0"),
+        # Autocast on: checked op by op (``op_checks.py``; its casts are ops too).
+        (True, "op 5 (aten.mul.Tensor): argument 1 is 2.0, the tape's 1.0"),
+    ],
+)
+def test_a_divergence_names_the_call_or_op_and_the_argument(autocast: bool, message: str) -> None:
     torch.manual_seed(0)
     block = tapesac_core.checkpoint_module(Knob("attribute"))
     x = torch.randn(4, D, requires_grad=True)
     for scale in (1.0, 1.0, 2.0):
         block.scale = scale
-        with tapesac_core.trace() as blocks:
+        with tapesac_core.trace() as blocks, torch.autocast("cpu", enabled=autocast):
             block(x).sum().backward()
-    assert blocks[0].diverged == "op 2 (aten.mul.Tensor): argument 1 is 2.0, the tape's 1.0"
+    assert blocks[0].diverged == message
     assert not blocks[0].steady
 
 

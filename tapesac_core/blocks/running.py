@@ -43,6 +43,7 @@ from .._compat import graph_task_id
 from ..errors import TapeSACError
 from ..plan.plan import BlockKind
 from ..tape.block import Block, BlockPlan
+from ..tape.call_checks import CallLog
 from ..tape.data_sizes import DataBinding, DataTemplate
 from ..tape.recompute import Recompute
 from ..tape.recorder import Recorder
@@ -176,6 +177,8 @@ def run_block(
     recorder = Recorder(block)
     recorder.register_inputs(inputs)
     block.on_exit = recorder.module_exit
+    # A module block's calls, for its steady-state calls to check (``call_checks.py``).
+    calls = CallLog(inputs, module, recorder.ops) if module is not None else None
     token = RECORDING.set(block)
     try:
         with (
@@ -183,6 +186,7 @@ def run_block(
             torch.autograd.graph.saved_tensors_hooks(recorder.pack, block.unpack),
             recorder,
             _submodules_tracked(module, block, True),
+            calls if calls is not None else nullcontext(),
         ):
             out = fn(*args, **kwargs)
     finally:
@@ -200,8 +204,9 @@ def run_block(
         block.probe.forward_end(block.outliving(recorder.alive))
     if cache is not None and signature is not None:
         assert recorder.ops is not None, "a module block's recorder logs its ops"
+        assert calls is not None, "a module block logs its calls"
         made = steady_tape(
-            block, inputs, outputs, output_vids, autograd, recorder.log, recorder.ops
+            block, inputs, outputs, output_vids, autograd, recorder.log, recorder.ops, calls
         )
         cache.put(signature, made, name)
     recorder.forget()

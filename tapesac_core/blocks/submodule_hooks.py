@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .._compat import torch_function_disabled
 from ..tape.block import Block
 from .refusals import refuse_inner_saved_tensor_hooks
 
@@ -44,10 +45,12 @@ def submodules_tracked(module: torch.nn.Module, block: Block) -> Iterator[None]:
 def _entered(block: Block, name: str, module: torch.nn.Module, args: Any) -> None:
     # Another thread calling the same model meanwhile runs these hooks too: not this block's.
     if block.is_running():
-        refuse_inner_saved_tensor_hooks(block, name)
-        block.enter_module(name)
+        with torch_function_disabled():  # bookkeeping, not the forward's calls (call_checks.py)
+            refuse_inner_saved_tensor_hooks(block, name)
+            block.enter_module(name)
 
 
 def _exited(block: Block, module: torch.nn.Module, args: Any, output: Any) -> None:
     if block.is_running():
-        block.exit_module(output)
+        with torch_function_disabled():
+            block.exit_module(output)

@@ -46,7 +46,7 @@ from .ops import op_info
 
 Tensor = torch.Tensor
 
-_OUTPUT_BITS = 20  # a made tensor's source: (check index << _OUTPUT_BITS) | output position
+OUTPUT_BITS = 20  # a made tensor's source: (check index << OUTPUT_BITS) | output position
 
 
 class Check(NamedTuple):
@@ -96,13 +96,23 @@ class Sources:
             return entry[1]
         return self._unseen(t)
 
+    def named(self, t: Tensor, name: str) -> bool:
+        """Whether ``t`` is the module's parameter or buffer ``name`` now: the key of a leaf,
+        without listing every leaf of the module (``_unseen``)."""
+        path, _, leaf = name.rpartition(".")
+        try:
+            module = self._module.get_submodule(path)
+        except AttributeError:
+            return False
+        return getattr(module, leaf, None) is t
+
     def made(self, out: Any, check: int) -> None:
         """``out``, the result of logged op ``check``: each tensor's source is its position."""
         made = self.made_by_id
         if type(out) is Tensor:
-            made[id(out)] = (weakref.ref(out), check << _OUTPUT_BITS)
+            made[id(out)] = (weakref.ref(out), check << OUTPUT_BITS)
             return
-        base = check << _OUTPUT_BITS
+        base = check << OUTPUT_BITS
         for j, t in enumerate(flat_tensors(out)):
             made[id(t)] = (weakref.ref(t), base | j)
 
@@ -194,7 +204,7 @@ _MISSING = object()
 
 
 def _same_const(a: Any, e: Any) -> bool:
-    """``_same_number`` for the fast path's arguments (no floats inside its lists)."""
+    """``same_number`` for the fast path's arguments (no floats inside its lists)."""
     kind = type(a)
     if kind is not type(e):
         return False
@@ -269,7 +279,7 @@ def _has_slot(x: Any) -> bool:
     return (type(x) is list or type(x) is tuple) and any(_has_slot(y) for y in x)
 
 
-def _same_number(a: Any, e: Any) -> bool:
+def same_number(a: Any, e: Any) -> bool:
     """Equal, and of one type: ``1`` is not ``1.0``; floats (and complex numbers' parts) bit for
     bit, so ``-0.0`` is not ``0.0`` nor ``-nan`` ``nan`` (``copysign`` tells them apart)."""
     if type(a) is not type(e):
@@ -302,11 +312,11 @@ class _Compare:
         positions, names = self.sized
         for i, (a, e) in enumerate(zip(args, e_args)):
             if not (self.sized_same(a, e) if i in positions else self.same(a, e)):
-                return f"argument {i} is {_shown(a)}, the tape's {_shown(e)}"
+                return f"argument {i} is {shown(a)}, the tape's {shown(e)}"
         for name, e in e_kwargs.items():
             a = kwargs[name]
             if not (self.sized_same(a, e) if name in names else self.same(a, e)):
-                return f"argument {name} is {_shown(a)}, the tape's {_shown(e)}"
+                return f"argument {name} is {shown(a)}, the tape's {shown(e)}"
         return None
 
     def same(self, a: Any, e: Any) -> bool:
@@ -321,7 +331,7 @@ class _Compare:
                 return False
             same = self.same
             return all(same(x, y) for x, y in zip(a, e))
-        return _same_number(a, e)
+        return same_number(a, e)
 
     def sized_same(self, a: Any, e: Any) -> bool:
         """A size argument where sizes follow the data: gathered as it is, compared at the end
@@ -381,7 +391,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
                 self._read_state(self.drawing[c])
             out = raw_call(func)(*args, **kwargs)  # a Python frame per op spared
             if type(out) is Tensor:
-                self.made_by_id[id(out)] = (weakref.ref(out), c << _OUTPUT_BITS)
+                self.made_by_id[id(out)] = (weakref.ref(out), c << OUTPUT_BITS)
             else:
                 self.sources.made(out, c)
             return out
@@ -393,6 +403,13 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
             self.sources.same(out, args[0] if args else None)
             return out
         return self._unexpected(func, args, kwargs, checks[c] if c < len(checks) else None)
+
+    unit = "ops"
+
+    @property
+    def complete(self) -> bool:
+        """Every logged op ran."""
+        return self.count == len(self.checks)
 
     def _read_state(self, node: int) -> None:
         generator = self.nodes[node].rng[0]
@@ -474,7 +491,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
         return None
 
 
-def _shown(x: Any) -> str:
+def shown(x: Any) -> str:
     if type(x) is float and x != x and math.copysign(1.0, x) < 0:
         return "-nan"  # repr says "nan"
     if isinstance(x, Tensor):

@@ -43,6 +43,7 @@ from ..tensors import (
     on_storage,
     view_on,
 )
+from .call_checks import Call, CallCheck, CallLog, eligible
 from .draws import Draws, draws_by_layout
 from .op_checks import Check, FastCheck, OpKinds, OpLog, SteadyCheck, fast_checks
 from .tape import (
@@ -154,6 +155,11 @@ class SteadyTape:
     memo: ReplayMemo = field(default_factory=ReplayMemo, init=False)
     # Its checks as its steady-state calls compare them, made at the first (``op_checks``).
     fast: list[FastCheck | None] | None = field(default=None, init=False)
+    # Its torch-function calls, where they can check a steady-state call (``call_checks.py``;
+    # None: its ops are checked), and per call with a random op, that op's node.
+    calls: tuple[Call, ...] | None = None
+    call_drawing: Mapping[int, int] = field(default_factory=dict)
+    calls_not_checked: str | None = None  # why its calls cannot check a steady-state call
 
 
 def steady_tape(
@@ -164,10 +170,12 @@ def steady_tape(
     autograd: tuple[str, ...] | None,
     log: PackLog,
     ops: OpLog,
+    calls: CallLog,
 ) -> SteadyTape | Recorded:
     """The finished recorded ``block`` as a steady-state entry, or why later calls must record.
     ``autograd``: the kinds of the autograd nodes its forward made (``autograd_nodes``); ``log``:
-    what the recording saw at its packs; ``ops``: what it dispatched."""
+    what the recording saw at its packs; ``ops``: what it dispatched; ``calls``: the torch
+    functions it called."""
     tape: Tape = block.trace.tape
     blocked = tape_blocker(tape)
     if blocked is not None:
@@ -228,6 +236,7 @@ def steady_tape(
     random = tuple(n for n in stateless.nodes if n.rng is not None)
     data = data_dependent(tape)
     leaf_storages = {v.sid: v.vid for v in values if v.kind in (PARAM, BUFFER)}
+    by_call = eligible(calls, ops.checks, tape.nodes, bool(ops.passed), data)
     return SteadyTape(
         tape=stateless,
         handles=handles,
@@ -259,6 +268,9 @@ def steady_tape(
             if data and values[vid].sid in leaf_storages
         },
         exit_packs=tuple(log.exit_packs) if data else (),
+        calls=None if isinstance(by_call, str) else by_call[0],
+        call_drawing={} if isinstance(by_call, str) else by_call[1],
+        calls_not_checked=by_call if isinstance(by_call, str) else None,
     )
 
 
@@ -361,20 +373,7 @@ class SteadyForward:
         block.on_exit = self.exited
         self.rng = generator_states(inputs)
         assert block.module is not None, "only module blocks run in steady state"
-        # The forward's ops against the tape's, as they run (``op_checks.py``).
-        size_arguments = binding.size_arguments if binding is not None else None
-        if entry.fast is None:
-            entry.fast = fast_checks(entry.checks, entry.tape.nodes, size_arguments)
-        self.check = SteadyCheck(
-            entry.checks,
-            entry.op_kinds,
-            entry.tape.nodes,
-            entry.fast,
-            entry.drawing,
-            inputs,
-            block.module,
-            size_arguments,
-        )
+        self.check = _checking(entry, inputs, block.module, binding)
         block.adopt(entry)
         held = block.held
         for vid, t in zip(entry.inputs, inputs):
@@ -472,8 +471,8 @@ class SteadyForward:
         entry, block, check = self.entry, self.block, self.check
         # An op departs before the packs it makes: its reason comes first.
         self.diverged = check.diverged or self.diverged
-        if self.diverged is None and check.count != len(entry.checks):
-            self.diverged = f"{check.count} ops ran, the tape has {len(entry.checks)}"
+        if self.diverged is None and not check.complete:
+            self.diverged = f"{check.count} {check.unit} ran, the tape has more"
         if self.diverged is None and self.count != len(entry.packs):
             self.diverged = f"{self.count} tensors saved, the tape has {len(entry.packs)}"
         # Exits are counted only where the call holds values a submodule returns (only then
@@ -481,6 +480,7 @@ class SteadyForward:
         if self.diverged is None and entry.exit_hold and self.exits != entry.exits:
             self.diverged = f"{self.exits} submodule calls, the tape has {entry.exits}"
         if self.diverged is None and self.binding is not None:
+            assert isinstance(check, SteadyCheck), "a bound call's ops are checked"
             self.diverged = self.binding.finish(check.sizes)
         if self.diverged is None:
             made = autograd_nodes(outputs, inputs, limit=len(entry.autograd))
@@ -503,6 +503,31 @@ class SteadyForward:
             if vid is not None
         }
         return None
+
+
+def _checking(
+    entry: SteadyTape,
+    inputs: Sequence[Tensor],
+    module: torch.nn.Module,
+    binding: DataBinding | None,
+) -> SteadyCheck | CallCheck:
+    """The mode that checks a steady-state call of ``entry`` as it runs: its torch-function
+    calls where they can (``call_checks.py``), else its ops (``op_checks.py``)."""
+    if entry.calls is not None and entry.template is None and binding is None:
+        return CallCheck(entry.calls, entry.call_drawing, entry.tape.nodes, inputs, module)
+    size_arguments = binding.size_arguments if binding is not None else None
+    if entry.fast is None:
+        entry.fast = fast_checks(entry.checks, entry.tape.nodes, size_arguments)
+    return SteadyCheck(
+        entry.checks,
+        entry.op_kinds,
+        entry.tape.nodes,
+        entry.fast,
+        entry.drawing,
+        inputs,
+        module,
+        size_arguments,
+    )
 
 
 def generator_states(inputs: Sequence[Tensor]) -> list[tuple[torch.Generator, Tensor]]:

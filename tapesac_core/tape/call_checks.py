@@ -1,0 +1,375 @@
+"""Checking a steady-state call at the torch-function level: the cheaper of the two checks.
+
+Why. ``op_checks.SteadyCheck`` compares every aten op a steady-state call dispatches with its
+tape's, through a Python dispatch mode: about 9 µs an op on CPU, more than the rest of a steady
+call's host work. A torch-function mode sees the calls a forward makes (``F.linear``,
+``Tensor.mul``, ``Tensor.shape``) before they reach the dispatcher, for about 2 µs each, and a
+forward makes about as many of them as ops.
+
+Contract. A recorded call logs each torch function its forward calls (``CallLog``): the function,
+its arguments with every tensor replaced by where it came from (``op_checks.Sources``: the call
+and output that made it, a block input, a parameter or buffer by name), and the tape's ops it
+dispatched. A steady-state call of a tape whose log is ``eligible`` runs under ``CallCheck``,
+which compares each call as it comes: the same function, arguments of the same types and values
+(floats bit for bit), tensors from the same sources. Calls equal in function and arguments
+dispatch equal ops when nothing else steers their dispatch, which eligibility makes sure of, per
+recorded call:
+
+* every op the tape logged was dispatched inside a logged call (none from outside one, such as
+  code under ``torch._C.DisableTorchFunction``), and no op was passed over (a profiler's);
+* no sizes that follow the data (those tapes bind sizes per op: ``data_sizes.py``), and no size
+  template (its ops' sizes are not the recorded call's);
+* autocast off and the default dtype unchanged at every call (autocast inserts casts below the
+  torch-function level, the default dtype decides what factory functions make): a steady-state
+  call is checked for both at each call too;
+* at most one random op inside each call: its generator state is read just before the call;
+* every argument of a type compared by value (numbers, strings, dtypes, devices, slices, tuples
+  and lists of them, tensors).
+
+A tape whose log is not eligible is checked op by op (``op_checks.py``). The first difference
+makes the call diverged, as there: its backward runs the forward again.
+
+Not seen, on either level: ops run under ``torch._C.DisableTorchFunction`` by code that did not
+run so when the call was recorded (the ops a recorded call ran so make its log not eligible).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from types import GetSetDescriptorType, MethodWrapperType
+from typing import Any, NamedTuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .._compat import any_autocast_enabled
+from ..measure.memory import not_counted
+from .op_checks import OUTPUT_BITS, Check, Sources, same_number, shown
+
+Tensor = torch.Tensor
+
+# Argument types compared by value (``==`` on one type); numbers are compared by ``same_number``.
+_BY_VALUE = (
+    type(None),
+    bool,
+    int,
+    str,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    type(Ellipsis),
+)
+_NUMBERS = (float, complex)
+_SEQUENCES = (tuple, list, torch.Size)
+
+
+class _Tensor:
+    """A tensor's place in a logged call's arguments."""
+
+    __repr__ = __str__ = lambda self: "a tensor"  # noqa: E731
+
+
+TENSOR = _Tensor()
+
+
+class Call(NamedTuple):
+    """One torch function a recorded forward called."""
+
+    func: Any
+    args: tuple  # its arguments, each tensor ``TENSOR``
+    kwargs: tuple[tuple[str, Any], ...]
+    sources: tuple  # per tensor argument, in walk order: where it came from (``Sources.key``)
+    ops: tuple[int, int]  # the tape's checks it dispatched: [first, end)
+
+
+class CallLog(TorchFunctionMode):
+    """The torch functions a recorded forward calls, for its steady-state calls to check at that
+    level (see the module); ``ops`` is the op log the recorder keeps, whose length tells which
+    ops each call dispatched."""
+
+    def __init__(self, inputs: Sequence[Tensor], module: torch.nn.Module, ops: Any) -> None:
+        super().__init__()
+        self.sources = Sources(inputs, module)
+        self.calls: list[Call] = []
+        self.ops = ops
+        self.why_not: str | None = None  # why the log cannot check a steady-state call
+        self.default_dtype = torch.get_default_dtype()
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        if self.why_not is not None:
+            return func(*args, **kwargs)
+        if any_autocast_enabled() or torch.get_default_dtype() is not self.default_dtype:
+            self.why_not = f"autocast is on, or the default dtype changed, at {_name(func)}"
+            return func(*args, **kwargs)
+        tensors: list[Tensor] = []
+        try:
+            t_args = _template(args, tensors)
+            t_kwargs = tuple((k, _template(v, tensors)) for k, v in kwargs.items())
+        except _NotByValue as e:
+            self.why_not = f"{_name(func)} takes a {e} argument"
+            return func(*args, **kwargs)
+        key = self.sources.key
+        sources = tuple(key(t) for t in tensors)
+        first = len(self.ops.checks)
+        out = func(*args, **kwargs)
+        if _metadata_read(func, out) and len(self.ops.checks) == first:
+            return out
+        index = len(self.calls)
+        called = Call(_key(func), t_args, t_kwargs, sources, (first, len(self.ops.checks)))
+        self.calls.append(called)
+        self.sources.made(out, index)
+        return out
+
+
+def eligible(
+    log: CallLog, checks: Sequence[Check], nodes: Sequence[Any], passed: bool, sized: bool
+) -> tuple[tuple[Call, ...], dict[int, int]] | str:
+    """The log's calls and, per call with a random op, that op's node: or why the log cannot
+    check a steady-state call (``passed``: ops were passed over; ``sized``: the tape's sizes
+    follow its data)."""
+    if log.why_not is not None:
+        return log.why_not
+    if passed:
+        return "ops outside the block's dataflow were passed over"
+    if sized:
+        return "its sizes follow its data"
+    covered, drawing = 0, {}
+    for c, call in enumerate(log.calls):
+        first, end = call.ops
+        if first != covered:
+            return f"op {covered} ran outside any torch function"
+        covered = end
+        random = [
+            checks[i].node
+            for i in range(first, end)
+            if checks[i].node >= 0 and nodes[checks[i].node].rng is not None
+        ]
+        if len(random) > 1:
+            return f"{_name(call.func)} draws {len(random)} times"
+        if random:
+            drawing[c] = random[0]
+    if covered != len(checks):
+        return f"op {covered} ran outside any torch function"
+    return tuple(log.calls), drawing
+
+
+class CallCheck(TorchFunctionMode):
+    """The torch-function mode of one steady-state call: each call against the log (see the
+    module). ``diverged`` says how the call first departed from it, if it did."""
+
+    def __init__(
+        self,
+        calls: Sequence[Call],
+        drawing: Mapping[int, int],
+        nodes: Sequence[Any],
+        inputs: Sequence[Tensor],
+        module: torch.nn.Module,
+    ) -> None:
+        super().__init__()
+        self.calls, self.drawing, self.nodes = calls, drawing, nodes
+        self.sources = Sources(inputs, module)
+        self.made_by_id = self.sources.made_by_id
+        self.states: dict[int, Tensor] = {}  # node index -> its generator's state before it
+        self.count = 0
+        self.diverged: str | None = None
+        self.off = False  # diverged, or paused by a hook: calls pass unchecked
+        # Dispatch state below the torch-function level, as the log was recorded under (its
+        # signature holds the default dtype at the block's start; autocast was off throughout).
+        self.default_dtype = torch.get_default_dtype()
+
+    unit = "calls"
+
+    @property
+    def complete(self) -> bool:
+        """Every logged call ran."""
+        return self.count == len(self.calls)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        if self.off:
+            return func(*args, **kwargs)
+        if type(func) is MethodWrapperType or func in _NO_OPS:
+            out = func(*args, **kwargs)
+            if _metadata_read(func, out):
+                return out
+            return self._checked(func, args, kwargs, out)
+        return self._checked(func, args, kwargs, _NOT_RUN)
+
+    def _checked(self, func: Any, args: tuple, kwargs: dict, ran: Any) -> Any:
+        """``func`` checked, then called (``ran``: what a getter returned, already called: it
+        has no side effects; else ``_NOT_RUN``)."""
+        c = self.count
+        calls = self.calls
+        if c >= len(calls):
+            self.diverge(f"call {c} is {_name(func)}, the tape has no more calls")
+            return func(*args, **kwargs) if ran is _NOT_RUN else ran
+        call = calls[c]
+        self.count = c + 1
+        if any_autocast_enabled() or torch.get_default_dtype() is not self.default_dtype:
+            self.diverge(f"autocast is on, or the default dtype changed, at call {c}")
+            return func(*args, **kwargs) if ran is _NOT_RUN else ran
+        if call.func is not func and call.func is not _key(func):
+            self.diverge(f"call {c} is {_name(func)}, the tape has {_name(call.func)}")
+            return func(*args, **kwargs) if ran is _NOT_RUN else ran
+        why = self._differs(call, args, kwargs)
+        if why is not None:
+            self.diverge(f"call {c} ({_name(func)}): {why}")
+            return func(*args, **kwargs) if ran is _NOT_RUN else ran
+        node = self.drawing.get(c)
+        if node is not None:
+            state = self.nodes[node].rng[0].get_state()
+            not_counted(state)  # bookkeeping, not the step's memory (``draws_bytes`` counts it)
+            self.states[node] = state
+        out = func(*args, **kwargs) if ran is _NOT_RUN else ran
+        if type(out) is Tensor:
+            self.made_by_id[id(out)] = (weakref.ref(out), c << OUTPUT_BITS)
+        else:
+            self.sources.made(out, c)
+        return out
+
+    def diverge(self, why: str) -> None:
+        """The call departed from its tape: said once, and nothing more is compared."""
+        self.diverged, self.off = why, True
+
+    def pause(self) -> None:
+        """What a hook runs to hold what it saw is not the forward's."""
+        self.off = True
+
+    def resume(self) -> None:
+        self.off = self.diverged is not None
+
+    def _differs(self, call: Call, args: tuple, kwargs: dict) -> str | None:
+        if len(args) != len(call.args) or len(kwargs) != len(call.kwargs):
+            return "other arguments than the tape's"
+        tensors: list[Tensor] = []
+        for i, e in enumerate(call.args):  # ``_same``, its commonest cases inlined: runs per call
+            a = args[i]
+            if e is TENSOR:
+                if not isinstance(a, Tensor):
+                    return f"argument {i} is {shown(a)}, the tape's a tensor"
+                tensors.append(a)
+            elif a is not e and not _same(a, e, tensors):
+                return f"argument {i} is {shown(a)}, the tape's {shown(e)}"
+        for name, e in call.kwargs:
+            a = kwargs.get(name, _MISSING)
+            if not _same(a, e, tensors):
+                return f"argument {name} is {shown(a)}, the tape's {shown(e)}"
+        made, sources = self.made_by_id, self.sources
+        for t, source in zip(tensors, call.sources):
+            entry = made.get(id(t))
+            if entry is not None and entry[0]() is t:
+                if entry[1] != source:
+                    return "a tensor argument made by other calls than the tape's"
+            elif (
+                not (type(source) is str and sources.named(t, source)) and sources.key(t) != source
+            ):
+                return "a tensor argument made by other calls than the tape's"
+        return None
+
+
+_MISSING = object()
+_NOT_RUN = object()
+
+
+class _NotByValue(Exception):
+    """An argument of a type not compared by value."""
+
+
+def _template(x: Any, tensors: list[Tensor]) -> Any:
+    """``x`` with each tensor ``TENSOR`` (collected into ``tensors``); raises ``_NotByValue``."""
+    kind = type(x)
+    if kind in _BY_VALUE or kind in _NUMBERS:
+        return x
+    if kind is slice:
+        if not all(type(y) in (int, type(None)) for y in (x.start, x.stop, x.step)):
+            raise _NotByValue("slice of other than integers")
+        return x
+    if isinstance(x, Tensor):
+        tensors.append(x)
+        return TENSOR
+    if kind in _SEQUENCES:
+        return kind(_template(y, tensors) for y in x)
+    raise _NotByValue(kind.__name__)
+
+
+def _same(a: Any, e: Any, tensors: list[Tensor]) -> bool:
+    """``a`` is the logged argument ``e``: tensors where it had tensors (collected), values of
+    the same types equal (numbers by ``same_number``)."""
+    if e is TENSOR:
+        if isinstance(a, Tensor):
+            tensors.append(a)
+            return True
+        return False
+    kind = type(e)
+    if type(a) is not kind:
+        return False
+    if kind in _SEQUENCES:
+        return len(a) == len(e) and all(_same(x, y, tensors) for x, y in zip(a, e))
+    if kind in _NUMBERS:
+        return same_number(a, e)
+    if kind is slice:  # of integers or None (``_template``)
+        return all(
+            type(x) is type(y) and x == y
+            for x, y in zip((a.start, a.stop, a.step), (e.start, e.stop, e.step))
+        )
+    return a is e or bool(a == e)
+
+
+# Tensor methods that dispatch nothing and make no tensor: they read metadata or register
+# autograd hooks (which see the gradients backward computes, whatever the tape replays).
+_NO_OPS = frozenset(
+    getattr(torch.Tensor, name)
+    for name in (
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "retain_grad",
+        "size",
+        "dim",
+        "ndimension",
+        "stride",
+        "numel",
+        "nelement",
+        "storage_offset",
+        "is_contiguous",
+        "data_ptr",
+        "element_size",
+        "get_device",
+        "is_floating_point",
+        "is_complex",
+        "__len__",
+    )
+)
+
+
+def _metadata_read(func: Any, out: Any) -> bool:
+    """A call that dispatches nothing and made no tensor: a property getter that returned no
+    tensor (``Tensor.shape``, ``.requires_grad``) or one of ``_NO_OPS``. Neither logged nor
+    checked: what it returns steers the forward only through later calls, which are; and the
+    hooks of a user's tools (a module tracker) make such calls in some steps and not others."""
+    if isinstance(out, Tensor):
+        return False
+    return type(func) is MethodWrapperType or func in _NO_OPS
+
+
+def _key(func: Any) -> Any:
+    """``func`` as one object per function: a property's getter (``Tensor.shape``) comes as a
+    new method-wrapper at each access, around the same descriptor."""
+    return func.__self__ if type(func) is MethodWrapperType else func
+
+
+def _name(func: Any) -> str:
+    if type(func) is MethodWrapperType:
+        func = func.__self__
+    if type(func) is GetSetDescriptorType:
+        return f"Tensor.{func.__name__}"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
+    return name.replace("TensorBase.", "Tensor.", 1)
