@@ -40,6 +40,7 @@ __all__ = [
     "tree_flatten",
     "tree_leaves",
     "torch_function_disabled",
+    "torch_function_modes",
     "tree_map_only",
 ]
 
@@ -58,6 +59,9 @@ any_autocast_enabled: Callable[[], bool] = torch._C._is_any_autocast_enabled
 # A guard that turns torch-function handling off (modes too) in C++: bookkeeping that a block's
 # hooks run while its calls are logged or checked is not the forward's (``submodule_hooks.py``).
 torch_function_disabled = torch._C.DisableTorchFunction
+# How many torch-function modes are on the stack (a mode's handler does not count itself): a
+# user's mode below TapeSAC's would rewrite calls after they are checked (``call_checks.py``).
+torch_function_modes: Callable[[], int] = torch._C._len_torch_function_stack
 # Every dispatch mode off, in Python: where a C++ guard is not enough (a mode's own state).
 disable_current_modes = _disable_current_modes
 

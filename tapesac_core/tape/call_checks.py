@@ -8,42 +8,52 @@ forward makes about as many of them as ops.
 
 Contract. A recorded call logs each torch function its forward calls (``CallLog``): the function,
 its arguments with every tensor replaced by where it came from (``op_checks.Sources``: the call
-and output that made it, a block input, a parameter or buffer by name), and the tape's ops it
-dispatched. A steady-state call of a tape whose log is ``eligible`` runs under ``CallCheck``,
-which compares each call as it comes: the same function, arguments of the same types and values
-(floats bit for bit), tensors from the same sources. Calls equal in function and arguments
-dispatch equal ops when nothing else steers their dispatch, which eligibility makes sure of, per
-recorded call:
+and output that made it, a block input, a parameter or buffer by name and layout), the global
+state its dispatch reads where a function has such state (``_STATE``: the attention backends
+``sdpa_kernel`` allows), and the tape's ops it dispatched. A steady-state call of a tape whose
+log is ``eligible`` runs under ``CallCheck``, which compares each call as it comes: the same
+function, arguments of the same types and values (floats bit for bit), tensors from the same
+sources (a parameter or buffer with its recorded shape, strides, dtype, device and grad flag),
+the same global state. Calls equal so dispatch equal ops when nothing else steers their
+dispatch, which eligibility makes sure of, per recorded call:
 
 * every op the tape logged was dispatched inside a logged call (none from outside one, such as
   code under ``torch._C.DisableTorchFunction``), and no op was passed over (a profiler's);
 * no sizes that follow the data (those tapes bind sizes per op: ``data_sizes.py``), and no size
   template (its ops' sizes are not the recorded call's);
-* autocast off and the default dtype unchanged at every call (autocast inserts casts below the
-  torch-function level, the default dtype decides what factory functions make): a steady-state
-  call is checked for both at each call too;
+* at every call, no other torch-function mode on the stack (a user's, or ``torch.device``'s:
+  below this one, they rewrite calls after it compared them), autocast off (it inserts casts
+  below this level) and the default dtype unchanged (it decides what factory functions make);
+  a steady-state call is checked for all three at each call too;
 * at most one random op inside each call: its generator state is read just before the call;
 * every argument of a type compared by value (numbers, strings, dtypes, devices, slices, tuples
-  and lists of them, tensors).
+  and lists of them up to ``_LONGEST`` long, tensors).
 
-A tape whose log is not eligible is checked op by op (``op_checks.py``). The first difference
-makes the call diverged, as there: its backward runs the forward again.
+Calls that dispatch nothing and make no tensor (a property's getter, ``size()``,
+``register_hook``) are neither logged nor compared, and ``detach`` and ``.data`` give their
+result their argument's source: a user's tools (module trackers, monitoring hooks) make such
+calls on some steps only. A tape whose log is not eligible is checked op by op
+(``op_checks.py``). The first difference makes the call diverged, as there: its backward runs
+the forward again.
 
 Not seen, on either level: ops run under ``torch._C.DisableTorchFunction`` by code that did not
-run so when the call was recorded (the ops a recorded call ran so make its log not eligible).
+run so when the call was recorded (the ops a recorded call ran so make its log not eligible),
+and other global state a forward changes that decides which ops a call dispatches (a backend
+flag); a change of the kernels backward needs still shows in the saved tensors and the autograd
+nodes, which are checked at both levels.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from types import GetSetDescriptorType, MethodWrapperType
 from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .._compat import any_autocast_enabled
+from .._compat import any_autocast_enabled, torch_function_modes
 from ..measure.memory import not_counted
 from .op_checks import OUTPUT_BITS, Check, Sources, same_number, shown
 
@@ -65,23 +75,31 @@ _NUMBERS = (float, complex)
 _SEQUENCES = (tuple, list, torch.Size)
 
 
-class _Tensor:
-    """A tensor's place in a logged call's arguments."""
+class From(NamedTuple):
+    """A tensor in a logged call's arguments: where it came from (``Sources.key``)."""
 
-    __repr__ = __str__ = lambda self: "a tensor"  # noqa: E731
+    key: Any
+
+    def __repr__(self) -> str:  # as a divergence message shows the tape's argument
+        return "a tensor"
 
 
-TENSOR = _Tensor()
+class Leaf(NamedTuple):
+    """The source of a parameter or buffer in a call log: its name and its layout (what a call
+    such as ``buffer.to(dtype)`` or ``buffer.contiguous()`` dispatches depends on it)."""
+
+    name: str
+    layout: tuple
 
 
 class Call(NamedTuple):
     """One torch function a recorded forward called."""
 
     func: Any
-    args: tuple  # its arguments, each tensor ``TENSOR``
+    args: tuple  # its arguments, each tensor a ``From``
     kwargs: tuple[tuple[str, Any], ...]
-    sources: tuple  # per tensor argument, in walk order: where it came from (``Sources.key``)
     ops: tuple[int, int]  # the tape's checks it dispatched: [first, end)
+    state: Any = None  # the global state its dispatch depends on (``_STATE``), where it does
 
 
 class CallLog(TorchFunctionMode):
@@ -104,35 +122,49 @@ class CallLog(TorchFunctionMode):
             kwargs = {}
         if self.why_not is not None:
             return func(*args, **kwargs)
-        if any_autocast_enabled() or torch.get_default_dtype() is not self.default_dtype:
-            self.why_not = f"autocast is on, or the default dtype changed, at {_name(func)}"
+        hidden = _hidden_state(self.default_dtype)
+        if hidden is not None:
+            self.why_not = f"{hidden} at {_name(func)}"
             return func(*args, **kwargs)
-        tensors: list[Tensor] = []
+        if func in _SAME_SOURCE:
+            out = func(*args, **kwargs)
+            self.sources.same(out, args[0])
+            return out
+        key = self._key
         try:
-            t_args = _template(args, tensors)
-            t_kwargs = tuple((k, _template(v, tensors)) for k, v in kwargs.items())
+            t_args = _template(args, key)
+            t_kwargs = tuple((k, _template(v, key)) for k, v in kwargs.items())
         except _NotByValue as e:
-            self.why_not = f"{_name(func)} takes a {e} argument"
+            self.why_not = f"{_name(func)} takes {e}"
             return func(*args, **kwargs)
-        key = self.sources.key
-        sources = tuple(key(t) for t in tensors)
+        state = _STATE.get(func)
         first = len(self.ops.checks)
         out = func(*args, **kwargs)
         if _metadata_read(func, out) and len(self.ops.checks) == first:
             return out
         index = len(self.calls)
-        called = Call(_key(func), t_args, t_kwargs, sources, (first, len(self.ops.checks)))
-        self.calls.append(called)
+        ops = (first, len(self.ops.checks))
+        self.calls.append(Call(_key(func), t_args, t_kwargs, ops, state and state()))
         self.sources.made(out, index)
         return out
+
+    def _key(self, t: Tensor) -> Any:
+        key = self.sources.key(t)
+        return Leaf(key, leaf_layout(t)) if type(key) is str else key
+
+
+class LoggedCalls(NamedTuple):
+    """A recorded call's torch functions, as its steady-state calls check them."""
+
+    calls: tuple[Call, ...]
+    drawing: dict[int, int]  # call index -> the node of the one random op it dispatched
 
 
 def eligible(
     log: CallLog, checks: Sequence[Check], nodes: Sequence[Any], passed: bool, sized: bool
-) -> tuple[tuple[Call, ...], dict[int, int]] | str:
-    """The log's calls and, per call with a random op, that op's node: or why the log cannot
-    check a steady-state call (``passed``: ops were passed over; ``sized``: the tape's sizes
-    follow its data)."""
+) -> LoggedCalls | str:
+    """The log as steady-state calls check it, or why it cannot check them (``passed``: ops
+    were passed over; ``sized``: the tape's sizes follow its data)."""
     if log.why_not is not None:
         return log.why_not
     if passed:
@@ -156,7 +188,7 @@ def eligible(
             drawing[c] = random[0]
     if covered != len(checks):
         return f"op {covered} ran outside any torch function"
-    return tuple(log.calls), drawing
+    return LoggedCalls(tuple(log.calls), drawing)
 
 
 class CallCheck(TorchFunctionMode):
@@ -165,14 +197,13 @@ class CallCheck(TorchFunctionMode):
 
     def __init__(
         self,
-        calls: Sequence[Call],
-        drawing: Mapping[int, int],
+        logged: LoggedCalls,
         nodes: Sequence[Any],
         inputs: Sequence[Tensor],
         module: torch.nn.Module,
     ) -> None:
         super().__init__()
-        self.calls, self.drawing, self.nodes = calls, drawing, nodes
+        self.calls, self.drawing, self.nodes = logged.calls, logged.drawing, nodes
         self.sources = Sources(inputs, module)
         self.made_by_id = self.sources.made_by_id
         self.states: dict[int, Tensor] = {}  # node index -> its generator's state before it
@@ -197,6 +228,10 @@ class CallCheck(TorchFunctionMode):
             kwargs = {}
         if self.off:
             return func(*args, **kwargs)
+        if func in _SAME_SOURCE:
+            out = func(*args, **kwargs)
+            self.sources.same(out, args[0])
+            return out
         if type(func) is MethodWrapperType or func in _NO_OPS:
             out = func(*args, **kwargs)
             if _metadata_read(func, out):
@@ -214,13 +249,17 @@ class CallCheck(TorchFunctionMode):
             return func(*args, **kwargs) if ran is _NOT_RUN else ran
         call = calls[c]
         self.count = c + 1
-        if any_autocast_enabled() or torch.get_default_dtype() is not self.default_dtype:
-            self.diverge(f"autocast is on, or the default dtype changed, at call {c}")
+        hidden = _hidden_state(self.default_dtype)
+        if hidden is not None:
+            self.diverge(f"{hidden} at call {c} ({_name(func)})")
             return func(*args, **kwargs) if ran is _NOT_RUN else ran
-        if call.func is not func and call.func is not _key(func):
+        key = _key(func)
+        if call.func is not key and call.func != key:
             self.diverge(f"call {c} is {_name(func)}, the tape has {_name(call.func)}")
             return func(*args, **kwargs) if ran is _NOT_RUN else ran
         why = self._differs(call, args, kwargs)
+        if why is None and call.state is not None and _STATE[func]() != call.state:
+            why = f"the global state it dispatches by is {_STATE[func]()}, the tape's {call.state}"
         if why is not None:
             self.diverge(f"call {c} ({_name(func)}): {why}")
             return func(*args, **kwargs) if ran is _NOT_RUN else ran
@@ -250,30 +289,61 @@ class CallCheck(TorchFunctionMode):
     def _differs(self, call: Call, args: tuple, kwargs: dict) -> str | None:
         if len(args) != len(call.args) or len(kwargs) != len(call.kwargs):
             return "other arguments than the tape's"
-        tensors: list[Tensor] = []
+        made, same = self.made_by_id, self._same
         for i, e in enumerate(call.args):  # ``_same``, its commonest cases inlined: runs per call
             a = args[i]
-            if e is TENSOR:
-                if not isinstance(a, Tensor):
-                    return f"argument {i} is {shown(a)}, the tape's a tensor"
-                tensors.append(a)
-            elif a is not e and not _same(a, e, tensors):
+            if type(e) is From:
+                entry = made.get(id(a))
+                if entry is not None and entry[0]() is a:
+                    if entry[1] == e.key:
+                        continue
+                elif self._from(a, e.key):
+                    continue
+                return f"argument {i} is {shown(a)} {self._other(a, e.key)}"
+            if a is not e and not same(a, e):
                 return f"argument {i} is {shown(a)}, the tape's {shown(e)}"
         for name, e in call.kwargs:
             a = kwargs.get(name, _MISSING)
-            if not _same(a, e, tensors):
+            if not same(a, e):
                 return f"argument {name} is {shown(a)}, the tape's {shown(e)}"
-        made, sources = self.made_by_id, self.sources
-        for t, source in zip(tensors, call.sources):
-            entry = made.get(id(t))
-            if entry is not None and entry[0]() is t:
-                if entry[1] != source:
-                    return "a tensor argument made by other calls than the tape's"
-            elif (
-                not (type(source) is str and sources.named(t, source)) and sources.key(t) != source
-            ):
-                return "a tensor argument made by other calls than the tape's"
         return None
+
+    def _from(self, a: Any, key: Any) -> bool:
+        """``a`` is a tensor with source ``key``."""
+        if not isinstance(a, Tensor):
+            return False
+        entry = self.made_by_id.get(id(a))
+        if entry is not None and entry[0]() is a:
+            return bool(entry[1] == key)
+        if type(key) is Leaf:
+            return self.sources.named(a, key.name) and leaf_layout(a) == key.layout
+        return bool(self.sources.key(a) == key)
+
+    def _other(self, a: Any, key: Any) -> str:
+        """How tensor ``a`` is not of source ``key``."""
+        if type(key) is Leaf and self.sources.named(a, key.name):
+            return f"{key.name!r} with another layout, dtype or grad flag than the tape's"
+        return "made by other calls than the tape's"
+
+    def _same(self, a: Any, e: Any) -> bool:
+        """``a`` is the logged argument ``e``: a tensor of its source, or a value of the same
+        type and equal (numbers by ``same_number``)."""
+        kind = type(e)
+        if kind is From:
+            return self._from(a, e.key)
+        if type(a) is not kind:
+            return False
+        if kind in _SEQUENCES:
+            same = self._same
+            return len(a) == len(e) and all(same(x, y) for x, y in zip(a, e))
+        if kind in _NUMBERS:
+            return same_number(a, e)
+        if kind is slice:  # of integers or None (``_template``)
+            return all(
+                type(x) is type(y) and x == y
+                for x, y in zip((a.start, a.stop, a.step), (e.start, e.stop, e.step))
+            )
+        return a is e or bool(a == e)
 
 
 _MISSING = object()
@@ -284,8 +354,8 @@ class _NotByValue(Exception):
     """An argument of a type not compared by value."""
 
 
-def _template(x: Any, tensors: list[Tensor]) -> Any:
-    """``x`` with each tensor ``TENSOR`` (collected into ``tensors``); raises ``_NotByValue``."""
+def _template(x: Any, key: Callable[[Tensor], Any]) -> Any:
+    """``x`` with each tensor a ``From`` its source (``key``); raises ``_NotByValue``."""
     kind = type(x)
     if kind in _BY_VALUE or kind in _NUMBERS:
         return x
@@ -294,34 +364,52 @@ def _template(x: Any, tensors: list[Tensor]) -> Any:
             raise _NotByValue("slice of other than integers")
         return x
     if isinstance(x, Tensor):
-        tensors.append(x)
-        return TENSOR
+        return From(key(x))
     if kind in _SEQUENCES:
-        return kind(_template(y, tensors) for y in x)
-    raise _NotByValue(kind.__name__)
+        if len(x) > _LONGEST:
+            raise _NotByValue(f"a sequence of {len(x)}")
+        return kind(_template(y, key) for y in x)
+    raise _NotByValue(f"a {kind.__name__}")
 
 
-def _same(a: Any, e: Any, tensors: list[Tensor]) -> bool:
-    """``a`` is the logged argument ``e``: tensors where it had tensors (collected), values of
-    the same types equal (numbers by ``same_number``)."""
-    if e is TENSOR:
-        if isinstance(a, Tensor):
-            tensors.append(a)
-            return True
-        return False
-    kind = type(e)
-    if type(a) is not kind:
-        return False
-    if kind in _SEQUENCES:
-        return len(a) == len(e) and all(_same(x, y, tensors) for x, y in zip(a, e))
-    if kind in _NUMBERS:
-        return same_number(a, e)
-    if kind is slice:  # of integers or None (``_template``)
-        return all(
-            type(x) is type(y) and x == y
-            for x, y in zip((a.start, a.stop, a.step), (e.start, e.stop, e.step))
-        )
-    return a is e or bool(a == e)
+def _hidden_state(default_dtype: torch.dtype) -> str | None:
+    """How dispatch below the torch-function level may differ from the recording's, if it may:
+    another torch-function mode on the stack (a user's, or ``torch.device``'s, which rewrite
+    calls after this level sees them), autocast on, or another default dtype."""
+    if torch_function_modes():
+        return "another torch-function mode is on"
+    if any_autocast_enabled():
+        return "autocast is on"
+    if torch.get_default_dtype() is not default_dtype:
+        return f"the default dtype is {torch.get_default_dtype()}"
+    return None
+
+
+def leaf_layout(t: Tensor) -> tuple:
+    """What of a parameter or buffer the ops a call dispatches depend on."""
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
+
+
+def _sdpa_backends() -> tuple[bool, ...]:
+    """The attention backends ``scaled_dot_product_attention`` may choose from (``sdpa_kernel``
+    sets them): each picks other ops."""
+    cuda = torch.backends.cuda
+    return (
+        cuda.flash_sdp_enabled(),
+        cuda.mem_efficient_sdp_enabled(),
+        cuda.math_sdp_enabled(),
+        cuda.cudnn_sdp_enabled(),
+    )
+
+
+# Functions whose ops depend on global state no torch function sets: that state, per call.
+_STATE = {torch.nn.functional.scaled_dot_product_attention: _sdpa_backends}
+
+# Calls whose result is their argument again, as an alias (``detach``, ``.data``): not logged
+# (a monitoring hook may call them on some steps only), their result has its argument's source.
+_SAME_SOURCE = frozenset({torch.Tensor.detach, torch.Tensor.data.__get__})  # type: ignore[attr-defined]
+
+_LONGEST = 256  # a longer sequence argument (indices as a list) makes the log not eligible
 
 
 # Tensor methods that dispatch nothing and make no tensor: they read metadata or register
@@ -357,16 +445,20 @@ def _metadata_read(func: Any, out: Any) -> bool:
     hooks of a user's tools (a module tracker) make such calls in some steps and not others."""
     if isinstance(out, Tensor):
         return False
-    return type(func) is MethodWrapperType or func in _NO_OPS
+    if type(func) is MethodWrapperType:
+        return func.__name__ == "__get__"  # a setter (``t.data = u``) writes
+    return func in _NO_OPS
 
 
 def _key(func: Any) -> Any:
-    """``func`` as one object per function: a property's getter (``Tensor.shape``) comes as a
+    """``func`` as a value equal for equal functions: a property's getter or setter comes as a
     new method-wrapper at each access, around the same descriptor."""
-    return func.__self__ if type(func) is MethodWrapperType else func
+    return (func.__self__, func.__name__) if type(func) is MethodWrapperType else func
 
 
 def _name(func: Any) -> str:
+    if type(func) is tuple:  # a ``_key``
+        func = func[0]
     if type(func) is MethodWrapperType:
         func = func.__self__
     if type(func) is GetSetDescriptorType:

@@ -43,7 +43,7 @@ from ..tensors import (
     on_storage,
     view_on,
 )
-from .call_checks import Call, CallCheck, CallLog, eligible
+from .call_checks import CallCheck, CallLog, LoggedCalls, eligible
 from .draws import Draws, draws_by_layout
 from .op_checks import Check, FastCheck, OpKinds, OpLog, SteadyCheck, fast_checks
 from .tape import (
@@ -156,10 +156,9 @@ class SteadyTape:
     # Its checks as its steady-state calls compare them, made at the first (``op_checks``).
     fast: list[FastCheck | None] | None = field(default=None, init=False)
     # Its torch-function calls, where they can check a steady-state call (``call_checks.py``;
-    # None: its ops are checked), and per call with a random op, that op's node.
-    calls: tuple[Call, ...] | None = None
-    call_drawing: Mapping[int, int] = field(default_factory=dict)
-    calls_not_checked: str | None = None  # why its calls cannot check a steady-state call
+    # None: its ops are checked, and ``calls_not_checked`` says why).
+    calls: LoggedCalls | None = None
+    calls_not_checked: str | None = None
 
 
 def steady_tape(
@@ -268,8 +267,7 @@ def steady_tape(
             if data and values[vid].sid in leaf_storages
         },
         exit_packs=tuple(log.exit_packs) if data else (),
-        calls=None if isinstance(by_call, str) else by_call[0],
-        call_drawing={} if isinstance(by_call, str) else by_call[1],
+        calls=None if isinstance(by_call, str) else by_call,
         calls_not_checked=by_call if isinstance(by_call, str) else None,
     )
 
@@ -514,7 +512,7 @@ def _checking(
     """The mode that checks a steady-state call of ``entry`` as it runs: its torch-function
     calls where they can (``call_checks.py``), else its ops (``op_checks.py``)."""
     if entry.calls is not None and entry.template is None and binding is None:
-        return CallCheck(entry.calls, entry.call_drawing, entry.tape.nodes, inputs, module)
+        return CallCheck(entry.calls, entry.tape.nodes, inputs, module)
     size_arguments = binding.size_arguments if binding is not None else None
     if entry.fast is None:
         entry.fast = fast_checks(entry.checks, entry.tape.nodes, size_arguments)
