@@ -218,7 +218,7 @@ def test_reserved_memory_left_by_one_near_limit_step_raises_once_and_leaves_the_
     )
     assert 0 < plans[0].saved_bytes < before.saved_bytes  # the one real event shrank the plan
     assert all(p.coordinates() == plans[0].coordinates() for p in plans)
-    assert "the near-limit rule shrank this plan" in plans[0].explain()
+    assert "the near-limit rule lowered the capacity" in plans[0].explain()
     assert "near-limit rule" not in before.explain()
 
 

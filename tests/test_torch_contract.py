@@ -4,7 +4,9 @@ our words), double backward, and the wrappers that take a checkpoint function.""
 
 import copy
 import functools
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -357,3 +359,39 @@ def test_transformers_4_style_layers_take_tapesac_as_their_function() -> None:
             got = step(theirs, lambda: theirs[1](theirs[0](x), scale=0.5).sum(), seed)
             assert_bitwise(ref, got)
     assert block_paths(blocks)[-2:] == ["steady", "steady"], block_paths(blocks)
+
+
+def test_a_function_made_per_call_keeps_nothing_it_captured() -> None:
+    """A lambda whose first argument is a module is no method of it: the call stays a function
+    block, and nothing it captured outlives its step in the module's cache."""
+    layer, masks = nn.Linear(16, 16), []
+    for _ in range(3):
+        _masked_step(layer, masks)
+    gc.collect()
+    assert all(ref() is None for ref in masks)
+
+
+def _masked_step(layer: nn.Module, masks: list) -> None:
+    mask = torch.rand(4, 16)
+    masks.append(weakref.ref(mask))
+    h = torch.randn(4, 16, requires_grad=True)
+    out = tapesac_core.checkpoint(lambda lyr, x: lyr(x) * mask, layer, h, use_reentrant=False)
+    out.sum().backward()
+
+
+def test_keywords_bound_in_a_partial_reach_the_function_under_torch_s_checkpoint() -> None:
+    """A plan entry that runs a block under ``torch.utils.checkpoint``: the function's own
+    keywords named as torch's (``early_stop``) are the function's."""
+
+    def scaled(x, early_stop="no"):
+        return x.sin() * (2.0 if early_stop == "yes" else 3.0)
+
+    x = torch.randn(5, requires_grad=True)
+    with tapesac_core.use_plan({"default": [tapesac_core.TORCH_CHECKPOINT]}):
+        out = tapesac_core.checkpoint(functools.partial(scaled, early_stop="yes"), x)
+    assert torch.equal(out, scaled(x, early_stop="yes"))
+
+
+def test_a_region_that_is_not_a_name_is_an_error() -> None:
+    with pytest.raises(TypeError, match="region must be a str"):
+        tapesac_core.checkpoint(lambda x, region: x * region, torch.ones(2), region=torch.ones(2))

@@ -114,7 +114,7 @@ def run_block(
     torch_checkpointed = TORCH_CHECKPOINTING.get()
     if torch_checkpointed is not None:
         torch_checkpointed.append(name)
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return _torch_checkpoint(fn, args, kwargs)
     plan = PLAN.get()
     block_plan = plan.block_plan(region) if plan else BlockPlan()
     scope = TRACE.get()
@@ -126,7 +126,7 @@ def run_block(
     if block_plan.kind is BlockKind.TORCH_CHECKPOINT:
         if scope is not None:
             scope.torch_checkpointed.append(name)
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return _torch_checkpoint(fn, args, kwargs)
     submodules = list(module.modules()) if module is not None else []
     if module is not None:
         refuse_sharded_inside(module, name, submodules)
@@ -310,6 +310,14 @@ def outside_compile(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return call(*args, **kwargs)
 
 
+def _torch_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` under ``torch.utils.checkpoint`` (non-reentrant), ``kwargs``
+    bound first: torch's checkpoint would take those it knows (``debug``, ``early_stop``) for
+    itself."""
+    call = functools.partial(fn, **kwargs) if kwargs else fn
+    return torch.utils.checkpoint.checkpoint(call, *args, use_reentrant=False)
+
+
 def _unfolded(
     fn: Callable[..., Any], args: tuple, kwargs: dict
 ) -> tuple[Callable[..., Any], tuple, dict]:
@@ -320,10 +328,23 @@ def _unfolded(
         partial: functools.partial[Any] = fn
         fn, args, kwargs = partial.func, (*partial.args, *args), {**partial.keywords, **kwargs}
     # transformers 5 passes the layer's forward unbound, the layer first: bound, it is the
-    # module's call, so that its steady state lives on the module.
-    if isinstance(fn, types.FunctionType) and args and isinstance(args[0], torch.nn.Module):
+    # module's call, so that its steady state lives on the module. Only a function of the
+    # module's class: a lambda made per call would stay in the module's cache, with what it holds.
+    if (
+        isinstance(fn, types.FunctionType)
+        and args
+        and isinstance(args[0], torch.nn.Module)
+        and _of_class(fn, type(args[0]))
+    ):
         fn, args = types.MethodType(fn, args[0]), args[1:]
     return fn, args, kwargs
+
+
+def _of_class(fn: types.FunctionType, cls: type[torch.nn.Module]) -> bool:
+    """Whether ``fn`` is a method of ``cls`` or the forward its own ``forward`` wraps."""
+    if getattr(cls.forward, "__wrapped__", None) is fn:
+        return True
+    return any(vars(c).get(fn.__name__) is fn for c in cls.__mro__)
 
 
 def _module_of(fn: Callable[..., Any]) -> torch.nn.Module | None:
@@ -359,6 +380,12 @@ def checkpoint(
             preserve_rng_state=preserve_rng_state,
         )
         return outside_compile(checkpoint, fn, *args, region=region, **torch_keywords, **kwargs)
+    if not isinstance(region, str):
+        raise TypeError(
+            f"tapesac_core.checkpoint: region must be a str (the block's region type), not "
+            f"{type(region).__name__}: a keyword argument named region cannot pass through to "
+            "the checkpointed function; rename it there"
+        )
     from_partial = isinstance(fn, functools.partial)
     fn, args, kwargs = _unfolded(fn, args, kwargs)
     module = _module_of(fn)

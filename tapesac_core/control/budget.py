@@ -117,14 +117,14 @@ class MemoryBudget:
         )
 
     def near_limit_note(self, memory: MemoryModel) -> str | None:
-        """What ``explain()`` says when the near-limit rule shrank the plans, if it did."""
+        """What ``explain()`` says when the near-limit rule lowered the capacity, if it did."""
         if memory.extra_fragmentation <= 0:
             return None
         return (
-            f"the near-limit rule shrank this plan: a metered step came within "
-            f"{100 * (1 - self.config.near_limit):.0f}% of the limit (or its allocator retried), "
-            f"so the fragmentation estimate was raised by {format_bytes(memory.extra_fragmentation)} "
-            "and the capacity is that much smaller (near_limit=1.0 turns the rule off)"
+            f"the near-limit rule lowered the capacity by "
+            f"{format_bytes(memory.extra_fragmentation)}: a metered step came within "
+            f"{100 * (1 - self.config.near_limit):.2g}% of the limit or its allocator retried "
+            "(near_limit=1.0 turns the rule off)"
         )
 
     def apply(self, correction: Correction, memory: MemoryModel) -> bool:
