@@ -1,7 +1,7 @@
 """TapeSAC at the ends of the frontier and in between, on the Hugging Face Qwen3 stack (issue 32).
 
-For each ``--hidden``: a fresh Controller (margin 0, no control steps, the near-limit rule at its
-default, a bucket's first planned step metered) at
+For each ``--hidden``: a fresh Controller (``--margin``, 0 by default; no control steps; the
+near-limit rule at its default; a bucket's first planned step metered) at
 
 - no checkpointing's measured step peak: its steps against no checkpointing's;
 - torch checkpoint's measured step peak (every block under ``checkpoint_wrapper``): its steps
@@ -18,6 +18,7 @@ for ``--rounds`` rounds of ``--reps`` steps each; reported as the median per-rou
 medians, with its IQR and the round count.
 
 Run: python -m benchmarks.limit_ends [--hidden 128,256] [--rounds 15] [--reps 3] [--share 0.1]
+[--margin 0.0]
 """
 
 from __future__ import annotations
@@ -61,14 +62,16 @@ def rise(run: Callable[[], None]) -> int:
     return meter.reading().peak - start
 
 
-def planned(hidden: int, ids: torch.Tensor, allowed: int, after: int = 3) -> Planned:
+def planned(
+    hidden: int, ids: torch.Tensor, allowed: int, margin: float = 0.0, after: int = 3
+) -> Planned:
     """A Controller whose limit lets its steps rise ``allowed`` bytes over what is live now."""
     model = _fresh(hidden, checkpointed=True)
     static = live_bytes(torch.device("cpu"))
     controller = tapesac_core.Controller(
         model,
         static + allowed,
-        margin=0.0,
+        margin=margin,
         control_steps=0,
         control_every=0,
         meter_every=0,
@@ -122,6 +125,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--share", type=float, default=0.1)
+    parser.add_argument("--margin", type=float, default=0.0, help="the Controllers' margin")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread; peaks in MiB above the bytes live before a step")
@@ -141,7 +145,7 @@ def main() -> None:
         }
         ends = (("none", none), ("full", full))
         for name, reference in ends:
-            p = planned(hidden, ids, peaks[name])
+            p = planned(hidden, ids, peaks[name], args.margin)
             against = ratio(p.run, lambda r=reference: _step(r, ids), args.rounds, args.reps)
             print(
                 f"| {hidden} | {name}'s peak, {peaks[name] / MiB:.2f} | {plan_entries(p.plan)} | "
@@ -149,7 +153,7 @@ def main() -> None:
             )
         low, high = peaks["must-only"], peaks["none"]
         limit = round(low + args.share * (high - low))
-        p = planned(hidden, ids, limit)
+        p = planned(hidden, ids, limit, args.margin)
         used = (p.metered - low) / (limit - low)
         above = (p.predicted - p.metered) / p.metered
         print(

@@ -132,19 +132,25 @@ class CallLog(TorchFunctionMode):
             return out
         key = self._key
         try:
-            t_args = _template(args, key)
+            t_args = _templates(args, key)
             t_kwargs = tuple((k, _template(v, key)) for k, v in kwargs.items())
         except _NotByValue as e:
             self.why_not = f"{_name(func)} takes {e}"
             return func(*args, **kwargs)
         state = _STATE.get(func)
-        first = len(self.ops.checks)
+        checks = self.ops.checks
+        first = len(checks)
         out = func(*args, **kwargs)
-        if _metadata_read(func, out) and len(self.ops.checks) == first:
+        end = len(checks)
+        if end == first and _metadata_read(func, out):
+            return out
+        if any(checks[i].node < 0 for i in range(first, end)):
+            # A host read (``.item()``): the tape's sizes may follow its data, which its calls
+            # cannot bind; said now, so that the rest of a recorded call is not logged for nothing.
+            self.why_not = f"{_name(func)} reads its tensor on the host"
             return out
         index = len(self.calls)
-        ops = (first, len(self.ops.checks))
-        self.calls.append(Call(_key(func), t_args, t_kwargs, ops, state and state()))
+        self.calls.append(Call(_key(func), t_args, t_kwargs, (first, end), state and state()))
         self.sources.made(out, index)
         return out
 
@@ -352,6 +358,22 @@ _NOT_RUN = object()
 
 class _NotByValue(Exception):
     """An argument of a type not compared by value."""
+
+
+def _templates(args: tuple, key: Callable[[Tensor], Any]) -> tuple:
+    """``_template`` of each argument, its commonest cases inlined: runs per call recorded."""
+    if len(args) > _LONGEST:
+        raise _NotByValue(f"{len(args)} arguments")
+    made = []
+    for a in args:
+        kind = type(a)
+        if kind in _BY_VALUE or kind in _NUMBERS:
+            made.append(a)
+        elif isinstance(a, Tensor):
+            made.append(From(key(a)))
+        else:
+            made.append(_template(a, key))
+    return tuple(made)
 
 
 def _template(x: Any, key: Callable[[Tensor], Any]) -> Any:
