@@ -187,9 +187,10 @@ def test_fragmentation_near_the_limit_shrinks_the_plan(caplog) -> None:
     assert second.capacity < first.capacity
 
 
-def _near_limit_step(limit, caplog):
-    """Three steps to the first plan, then one planned step whose peak reads 99.5% of the limit."""
-    model, meter, c = setup_controller(limit, CachingAllocatorMeter())
+def _near_limit_step(limit, caplog, meter=None):
+    """Three steps to the first plan, then one planned step whose peak reads 99.5% of the limit
+    (on a ``CachingAllocatorMeter`` unless ``meter`` is given)."""
+    model, meter, c = setup_controller(limit, meter or CachingAllocatorMeter())
     for _ in range(3):
         run_step(model, meter, c, 32)
     meter.extra = int(0.995 * limit) - meter.base - meter.per_token * 64
@@ -232,18 +233,11 @@ class LiveBytesMeter(CachingAllocatorMeter):
 def test_a_live_bytes_meter_near_the_limit_raises_nothing(caplog) -> None:
     """A plan that fills the limit on a meter of live bytes is what was asked for: the near-limit
     rule (fragmentation) has nothing to estimate there."""
-    limit = 8 * MiB + 650 * KiB
-    model, meter, c = setup_controller(limit, LiveBytesMeter())
-    for _ in range(3):
-        run_step(model, meter, c, 32)
-    meter.extra = int(0.995 * limit) - meter.base - meter.per_token * 64
+    model, meter, c, near = _near_limit_step(8 * MiB + 650 * KiB, caplog, LiveBytesMeter())
     with caplog.at_level(logging.WARNING):
-        near = run_step(model, meter, c, 32)
-        meter.extra = 0
         plans = [run_step(model, meter, c, 32).plan for _ in range(3)]
-    assert near.mode == PLANNED and near.plan.saved_bytes > 0
     assert _raises(caplog) == 0 and c.memory.extra_fragmentation == 0
-    assert all(p.coordinates() == near.plan.coordinates() for p in plans)
+    assert all(p.coordinates() == near.coordinates() for p in plans)
     assert "near-limit rule" not in plans[-1].explain()
 
 

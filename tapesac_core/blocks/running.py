@@ -63,7 +63,7 @@ from .refusals import (
     refuse_sharded_inside,
 )
 from .submodule_hooks import submodules_tracked
-from .torch_keywords import check_torch_keywords
+from .torch_keywords import TorchKeywords
 from .trace_scope import TORCH_CHECKPOINTING, TRACE, trace
 
 RECORDING: ContextVar[Block | None] = ContextVar("tapesac_recording", default=None)
@@ -370,16 +370,16 @@ def checkpoint(
     ``torch.utils.checkpoint.checkpoint``'s keywords (``torch_keywords.py``), never passing them on."""
     # Under torch.compile the block runs eagerly, outside the graph (see _checkpointed_forward in
     # wrapping.py).
+    keywords = TorchKeywords(
+        use_reentrant=use_reentrant,
+        context_fn=context_fn,
+        determinism_check=determinism_check,
+        debug=debug,
+        early_stop=early_stop,
+        preserve_rng_state=preserve_rng_state,
+    )
     if torch.compiler.is_compiling():
-        torch_keywords = dict(
-            use_reentrant=use_reentrant,
-            context_fn=context_fn,
-            determinism_check=determinism_check,
-            debug=debug,
-            early_stop=early_stop,
-            preserve_rng_state=preserve_rng_state,
-        )
-        return outside_compile(checkpoint, fn, *args, region=region, **torch_keywords, **kwargs)
+        return outside_compile(checkpoint, fn, *args, region=region, **vars(keywords), **kwargs)
     if not isinstance(region, str):
         raise TypeError(
             f"tapesac_core.checkpoint: region must be a str (the block's region type), not "
@@ -391,15 +391,7 @@ def checkpoint(
     module = _module_of(fn)
     config = block_config(module) if module is not None else None
     name = (config.path if config else None) or str(getattr(fn, "__qualname__", type(fn).__name__))
-    check_torch_keywords(
-        name,
-        use_reentrant=use_reentrant,
-        preserve_rng_state=preserve_rng_state,
-        determinism_check=determinism_check,
-        debug=debug,
-        early_stop=early_stop,
-        context_fn=context_fn,
-    )
+    keywords.check(name)
     # A Hugging Face layer calling TapeSAC as its checkpoint function hands over a partial.
     hf_layer = from_partial and module is not None and hf_layer_forward(module, fn)
     return run_block(fn, args, kwargs, region, module, name, hf_layer=hf_layer)

@@ -22,6 +22,7 @@ What each means here:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.checkpoint import noop_context_fn
@@ -31,40 +32,42 @@ from ..errors import TapeSACError
 DETERMINISM_CHECKS = ("default", "none")
 
 
-def check_torch_keywords(
-    name: str,
-    *,
-    use_reentrant: bool | None,
-    preserve_rng_state: bool,
-    determinism_check: str,
-    debug: bool,
-    early_stop: bool,
-    context_fn: Callable[[], Any],
-) -> None:
-    """Refuse torch's checkpoint keywords that TapeSAC cannot honour, naming the fix."""
-    if use_reentrant:
-        raise TapeSACError(
-            f"block {name!r}: use_reentrant=True asks for torch's reentrant checkpoint, which "
-            "TapeSAC does not run (it records and replays, as the non-reentrant one). Fix: pass "
-            "use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs="
-            "{'use_reentrant': False}), or call torch.utils.checkpoint.checkpoint for this block"
-        )
-    if context_fn is not noop_context_fn:
-        raise TapeSACError(
-            f"block {name!r}: context_fn (a selective-checkpointing policy) cannot combine with "
-            "TapeSAC's plan, which chooses what each block saves under memory_limit. Fix: drop "
-            "context_fn, or call torch.utils.checkpoint.checkpoint for this block"
-        )
-    if determinism_check not in DETERMINISM_CHECKS:
-        raise TapeSACError(
-            f"block {name!r}: determinism_check={determinism_check!r}; torch's checkpoint takes "
-            f"one of {DETERMINISM_CHECKS}"
-        )
-    for keyword, value in (
-        ("use_reentrant", use_reentrant),
-        ("preserve_rng_state", preserve_rng_state),
-        ("debug", debug),
-        ("early_stop", early_stop),
-    ):
-        if not isinstance(value, bool) and not (keyword == "use_reentrant" and value is None):
-            raise TapeSACError(f"block {name!r}: {keyword} must be a bool, not {value!r}")
+@dataclass(frozen=True, kw_only=True)
+class TorchKeywords:
+    """The keywords of ``torch.utils.checkpoint.checkpoint`` one call was given."""
+
+    use_reentrant: bool | None = None
+    context_fn: Callable[[], Any] = noop_context_fn
+    determinism_check: str = "default"
+    debug: bool = False
+    early_stop: bool = True
+    preserve_rng_state: bool = True
+
+    def check(self, name: str) -> None:
+        """Refuse those TapeSAC cannot honour for block ``name``, naming the fix."""
+        if self.use_reentrant:
+            raise TapeSACError(
+                f"block {name!r}: use_reentrant=True asks for torch's reentrant checkpoint, which "
+                "TapeSAC does not run (it records and replays, as the non-reentrant one). Fix: pass "
+                "use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs="
+                "{'use_reentrant': False}), or call torch.utils.checkpoint.checkpoint for this block"
+            )
+        if self.context_fn is not noop_context_fn:
+            raise TapeSACError(
+                f"block {name!r}: context_fn (a selective-checkpointing policy) cannot combine with "
+                "TapeSAC's plan, which chooses what each block saves under memory_limit. Fix: drop "
+                "context_fn, or call torch.utils.checkpoint.checkpoint for this block"
+            )
+        if self.determinism_check not in DETERMINISM_CHECKS:
+            raise TapeSACError(
+                f"block {name!r}: determinism_check={self.determinism_check!r}; torch's checkpoint takes "
+                f"one of {DETERMINISM_CHECKS}"
+            )
+        for keyword, value in (
+            ("use_reentrant", self.use_reentrant),
+            ("preserve_rng_state", self.preserve_rng_state),
+            ("debug", self.debug),
+            ("early_stop", self.early_stop),
+        ):
+            if not isinstance(value, bool) and not (keyword == "use_reentrant" and value is None):
+                raise TapeSACError(f"block {name!r}: {keyword} must be a bool, not {value!r}")

@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._compat import any_autocast_enabled, torch_function_modes
 from ..measure.memory import not_counted
-from .op_checks import OUTPUT_BITS, Check, Sources, same_number, shown
+from .op_checks import OUTPUT_BITS, Check, Divergence, Sources, same_number, shown
 
 Tensor = torch.Tensor
 
@@ -197,7 +197,7 @@ def eligible(
     return LoggedCalls(tuple(log.calls), drawing)
 
 
-class CallCheck(TorchFunctionMode):
+class CallCheck(TorchFunctionMode, Divergence):
     """The torch-function mode of one steady-state call: each call against the log (see the
     module). ``diverged`` says how the call first departed from it, if it did."""
 
@@ -280,17 +280,6 @@ class CallCheck(TorchFunctionMode):
         else:
             self.sources.made(out, c)
         return out
-
-    def diverge(self, why: str) -> None:
-        """The call departed from its tape: said once, and nothing more is compared."""
-        self.diverged, self.off = why, True
-
-    def pause(self) -> None:
-        """What a hook runs to hold what it saw is not the forward's."""
-        self.off = True
-
-    def resume(self) -> None:
-        self.off = self.diverged is not None
 
     def _differs(self, call: Call, args: tuple, kwargs: dict) -> str | None:
         if len(args) != len(call.args) or len(kwargs) != len(call.kwargs):

@@ -340,7 +340,27 @@ class _Compare:
         return True
 
 
-class SteadyCheck(DispatchModeWithoutDynamoGuard):
+class Divergence:
+    """What both checking modes (this module's, ``call_checks.CallCheck``) do on a departure
+    and around a hook: ``diverged`` says how the call first departed from its tape, if it did;
+    while ``off``, nothing is compared."""
+
+    diverged: str | None
+    off: bool
+
+    def diverge(self, why: str) -> None:
+        """The call departed from its tape: said once, and nothing more is compared."""
+        self.diverged, self.off = why, True
+
+    def pause(self) -> None:
+        """What a hook dispatches to hold what it saw is not the forward's."""
+        self.off = True
+
+    def resume(self) -> None:
+        self.off = self.diverged is not None
+
+
+class SteadyCheck(DispatchModeWithoutDynamoGuard, Divergence):
     """The dispatch mode of one steady-state call: each op against the tape's log (see the
     module). ``diverged`` says how the call first departed from it, if it did."""
 
@@ -416,17 +436,6 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard):
         state = generator.get_state()
         not_counted(state)  # bookkeeping, not the step's memory (``draws_bytes`` counts it)
         self.states[node] = state
-
-    def diverge(self, why: str) -> None:
-        """The call departed from its tape: said once, and nothing more is compared."""
-        self.diverged, self.off = why, True
-
-    def pause(self) -> None:
-        """What the pack hook dispatches to hold what it saw is not the forward's."""
-        self.off = True
-
-    def resume(self) -> None:
-        self.off = self.diverged is not None
 
     def _same_fast(self, fast: FastCheck, args: tuple, kwargs: dict) -> bool:
         """Whether the op's arguments are the tape's (False: ``_differs`` says how, if at all)."""
