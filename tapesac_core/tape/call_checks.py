@@ -54,8 +54,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._compat import any_autocast_enabled, torch_function_modes
-from ..measure.memory import not_counted
-from .op_checks import OUTPUT_BITS, Check, Divergence, Sources, same_number, shown
+from .op_checks import OUTPUT_BITS, Check, Checking, Sources, same_number, shown
 
 Tensor = torch.Tensor
 
@@ -197,7 +196,7 @@ def eligible(
     return LoggedCalls(tuple(log.calls), drawing)
 
 
-class CallCheck(TorchFunctionMode, Divergence):
+class CallCheck(TorchFunctionMode, Checking):
     """The torch-function mode of one steady-state call: each call against the log (see the
     module). ``diverged`` says how the call first departed from it, if it did."""
 
@@ -249,37 +248,35 @@ class CallCheck(TorchFunctionMode, Divergence):
         """``func`` checked, then called (``ran``: what a getter returned, already called: it
         has no side effects; else ``_NOT_RUN``)."""
         c = self.count
-        calls = self.calls
-        if c >= len(calls):
-            self.diverge(f"call {c} is {_name(func)}, the tape has no more calls")
-            return func(*args, **kwargs) if ran is _NOT_RUN else ran
-        call = calls[c]
+        why = self._departure(c, func, args, kwargs)
+        if why is not None:
+            self.diverge(why)
+        elif c in self.drawing:
+            self.read_state(self.drawing[c])
+        out = func(*args, **kwargs) if ran is _NOT_RUN else ran
+        if why is None:
+            if type(out) is Tensor:
+                self.made_by_id[id(out)] = (weakref.ref(out), c << OUTPUT_BITS)
+            else:
+                self.sources.made(out, c)
+        return out
+
+    def _departure(self, c: int, func: Any, args: tuple, kwargs: dict) -> str | None:
+        """How call ``c`` departs from the log, if it does (counted either way)."""
+        if c >= len(self.calls):
+            return f"call {c} is {_name(func)}, the tape has no more calls"
+        call = self.calls[c]
         self.count = c + 1
         hidden = _hidden_state(self.default_dtype)
         if hidden is not None:
-            self.diverge(f"{hidden} at call {c} ({_name(func)})")
-            return func(*args, **kwargs) if ran is _NOT_RUN else ran
+            return f"{hidden} at call {c} ({_name(func)})"
         key = _key(func)
         if call.func is not key and call.func != key:
-            self.diverge(f"call {c} is {_name(func)}, the tape has {_name(call.func)}")
-            return func(*args, **kwargs) if ran is _NOT_RUN else ran
+            return f"call {c} is {_name(func)}, the tape has {_name(call.func)}"
         why = self._differs(call, args, kwargs)
         if why is None and call.state is not None and _STATE[func]() != call.state:
             why = f"the global state it dispatches by is {_STATE[func]()}, the tape's {call.state}"
-        if why is not None:
-            self.diverge(f"call {c} ({_name(func)}): {why}")
-            return func(*args, **kwargs) if ran is _NOT_RUN else ran
-        node = self.drawing.get(c)
-        if node is not None:
-            state = self.nodes[node].rng[0].get_state()
-            not_counted(state)  # bookkeeping, not the step's memory (``draws_bytes`` counts it)
-            self.states[node] = state
-        out = func(*args, **kwargs) if ran is _NOT_RUN else ran
-        if type(out) is Tensor:
-            self.made_by_id[id(out)] = (weakref.ref(out), c << OUTPUT_BITS)
-        else:
-            self.sources.made(out, c)
-        return out
+        return None if why is None else f"call {c} ({_name(func)}): {why}"
 
     def _differs(self, call: Call, args: tuple, kwargs: dict) -> str | None:
         if len(args) != len(call.args) or len(kwargs) != len(call.kwargs):
@@ -292,7 +289,7 @@ class CallCheck(TorchFunctionMode, Divergence):
                 if entry is not None and entry[0]() is a:
                     if entry[1] == e.key:
                         continue
-                elif self._from(a, e.key):
+                elif self._unmade(a, e.key):
                     continue
                 return f"argument {i} is {shown(a)} {self._other(a, e.key)}"
             if a is not e and not same(a, e):
@@ -305,11 +302,15 @@ class CallCheck(TorchFunctionMode, Divergence):
 
     def _from(self, a: Any, key: Any) -> bool:
         """``a`` is a tensor with source ``key``."""
-        if not isinstance(a, Tensor):
-            return False
         entry = self.made_by_id.get(id(a))
         if entry is not None and entry[0]() is a:
             return bool(entry[1] == key)
+        return self._unmade(a, key)
+
+    def _unmade(self, a: Any, key: Any) -> bool:
+        """``_from`` for ``a`` not made by a call of this forward."""
+        if not isinstance(a, Tensor):
+            return False
         if type(key) is Leaf:
             return self.sources.named(a, key.name) and leaf_layout(a) == key.layout
         return bool(self.sources.key(a) == key)

@@ -340,13 +340,22 @@ class _Compare:
         return True
 
 
-class Divergence:
-    """What both checking modes (this module's, ``call_checks.CallCheck``) do on a departure
-    and around a hook: ``diverged`` says how the call first departed from its tape, if it did;
-    while ``off``, nothing is compared."""
+class Checking:
+    """What both checking modes (this module's, ``call_checks.CallCheck``) share: on a
+    departure, around a hook, and before a random op. ``diverged`` says how the call first
+    departed from its tape, if it did; while ``off``, nothing is compared; ``states`` holds the
+    generator state each random op of ``nodes`` drew from."""
 
     diverged: str | None
     off: bool
+    nodes: Sequence[Any]
+    states: dict[int, Tensor]
+
+    def read_state(self, node: int) -> None:
+        """Random op ``node`` is about to run: its generator's state, for its replay."""
+        state = self.nodes[node].rng[0].get_state()
+        not_counted(state)  # bookkeeping, not the step's memory (``draws_bytes`` counts it)
+        self.states[node] = state
 
     def diverge(self, why: str) -> None:
         """The call departed from its tape: said once, and nothing more is compared."""
@@ -360,7 +369,7 @@ class Divergence:
         self.off = self.diverged is not None
 
 
-class SteadyCheck(DispatchModeWithoutDynamoGuard, Divergence):
+class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
     """The dispatch mode of one steady-state call: each op against the tape's log (see the
     module). ``diverged`` says how the call first departed from it, if it did."""
 
@@ -408,7 +417,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Divergence):
                 if why is not None:
                     self.diverge(f"op {c} ({func}): {why}")
             if c in self.drawing:
-                self._read_state(self.drawing[c])
+                self.read_state(self.drawing[c])
             out = raw_call(func)(*args, **kwargs)  # a Python frame per op spared
             if type(out) is Tensor:
                 self.made_by_id[id(out)] = (weakref.ref(out), c << OUTPUT_BITS)
@@ -430,12 +439,6 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Divergence):
     def complete(self) -> bool:
         """Every logged op ran."""
         return self.count == len(self.checks)
-
-    def _read_state(self, node: int) -> None:
-        generator = self.nodes[node].rng[0]
-        state = generator.get_state()
-        not_counted(state)  # bookkeeping, not the step's memory (``draws_bytes`` counts it)
-        self.states[node] = state
 
     def _same_fast(self, fast: FastCheck, args: tuple, kwargs: dict) -> bool:
         """Whether the op's arguments are the tape's (False: ``_differs`` says how, if at all)."""
