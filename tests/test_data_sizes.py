@@ -5,6 +5,7 @@ transformers' MoE layers. Batches decide which experts run and how many tokens e
 from __future__ import annotations
 
 import copy
+import random
 import sys
 import threading
 from collections import Counter
@@ -209,3 +210,59 @@ def test_a_replay_memo_shared_by_threads_drops_each_oldest_entry_once() -> None:
     finally:
         sys.setswitchinterval(interval)
     assert errors == []
+
+
+def _spread(experts: tuple[int, ...], rng: random.Random, tokens: int = 16) -> dict[int, int]:
+    """``tokens`` tokens over ``experts``, each at least one, at random counts."""
+    cuts = sorted(rng.sample(range(1, tokens), len(experts) - 1))
+    return dict(zip(experts, (b - a for a, b in zip([0, *cuts], [*cuts, tokens]))))
+
+
+def _path(trace: tapesac_core.BlockTrace) -> str:
+    return "diverged" if trace.diverged else "steady" if trace.steady else "recorded"
+
+
+EVERY, ONE_IDLE = (0, 1, 2, 3), (0, 1, 3)
+
+
+def _two_sets_learned(rng: random.Random) -> tuple[Routed, Routed]:
+    """A reference and a checkpointed copy whose calls of both expert sets have been recorded
+    until each set's template is trusted."""
+    torch.manual_seed(0)
+    reference = Routed()
+    block = copy.deepcopy(reference)
+    tapesac_core.checkpoint_module(block)
+    warmup = [EVERY] * 3 + [ONE_IDLE] * 4 + [EVERY, ONE_IDLE, EVERY]
+    for i, experts in enumerate(warmup):
+        _run(block, reference, _batch(_spread(experts, rng), i))
+    return reference, block
+
+
+def test_calls_switch_between_the_templates_of_the_expert_sets_they_hit() -> None:
+    """Batches that hit experts {0, 1, 2, 3} and {0, 1, 3} in turn, at the same batch size: once
+    each set's template is trusted, a call that starts from one set's template and hits the
+    other set goes on against the other's (``structure_switch.py``), in steady state and
+    bitwise, where it diverged and recomputed before."""
+    rng = random.Random(0)
+    reference, block = _two_sets_learned(rng)
+    paths = [
+        _path(_run(block, reference, _batch(_spread((EVERY, ONE_IDLE)[i % 2], rng), 20 + i)))
+        for i in range(8)
+    ]
+    assert paths == ["steady"] * 8, paths
+
+
+def test_a_call_no_template_of_its_family_fits_diverges_and_is_bitwise() -> None:
+    """With the templates of {0, 1, 2, 3} and {0, 1, 3} trusted, a call that hits {0, 2} finds
+    no template it can switch to (it departs from both): it diverges, and its backward runs its
+    forward again, bitwise; calls of the known sets run in steady state again after it."""
+    rng = random.Random(0)
+    reference, block = _two_sets_learned(rng)
+    assert _path(_run(block, reference, _batch(_spread(ONE_IDLE, rng), 30))) == "steady"
+    trace = _run(block, reference, _batch(_spread((0, 2), rng), 31))
+    assert trace.diverged is not None
+    later = [
+        _path(_run(block, reference, _batch(_spread((EVERY, ONE_IDLE)[i % 2], rng), 40 + i)))
+        for i in range(8)
+    ]
+    assert "diverged" not in later and later[-4:] == ["steady"] * 4, later

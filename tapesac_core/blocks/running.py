@@ -50,6 +50,7 @@ from ..tape.recorder import Recorder
 from ..tape.signature import Signature, block_signature, call_arguments
 from ..tape.steady import Recorded, SteadyForward, SteadyTape, autograd_nodes, steady_tape
 from ..tape.steady_cache import SteadyCache, steady_cache
+from ..tape.structure_switch import Switch
 from ..tape.tape import Tape
 from ..tape.verify import HiddenWrites
 from ..tensors import tensor_leaves
@@ -231,8 +232,12 @@ def _run_steady(
     """A call with a cached tape: the forward under the saved-tensor hooks and the checking mode
     (``steady.py``), binding its sizes as it runs where they follow its data (``data_sizes.py``)."""
     template = entry.template
-    binding = DataBinding(template, block) if isinstance(template, DataTemplate) else None
-    forward = SteadyForward(block, entry, inputs, binding)
+    binding, switch = None, None
+    if isinstance(template, DataTemplate):
+        binding = DataBinding(template, block)
+        family = cache.family(signature)
+        switch = Switch(family) if family is not None and len(family.structures) > 1 else None
+    forward = SteadyForward(block, entry, inputs, binding, switch)
     # On CPU its wall time prices the steady-state path against recording (profile.py).
     timed = all(t.device.type == "cpu" for t in inputs)
     start = time.perf_counter() if timed else 0.0
@@ -253,7 +258,7 @@ def _run_steady(
         block.trace.forward_seconds = time.perf_counter() - start
     diverged = forward.finish(_tensors_out(out), inputs)
     if diverged is None:
-        cache.confirmed(signature)
+        cache.confirmed(signature, forward.entry)
     else:
         cache.diverged(signature, entry, block.name, diverged)
         block.held.clear()

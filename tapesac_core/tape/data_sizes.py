@@ -36,6 +36,7 @@ computes with, read by ``.item()``). Blocks that read floats from tensors stay r
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -141,6 +142,13 @@ class DataTemplate:
     doubted: int = 0  # recorded calls it must still predict after a divergence (DOUBTED_CALLS)
     # The calls' replay closures, shared: they follow the structure, not the sizes.
     memo: ReplayMemo = field(default_factory=ReplayMemo, init=False)
+    # How far its calls are the same as each other template's but for sizes, found at the
+    # first switch between them (``structure_switch.Agreement``), and its tape with its sizes
+    # zeroed, for finding that.
+    agreements: weakref.WeakKeyDictionary[DataTemplate, Any] = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False
+    )
+    zeroed: SteadyTape | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._changing = changing(self.base, self.sizes)
@@ -321,6 +329,22 @@ class DataFamily:
         """What a steady-state call starts from, if a template is trusted and active."""
         return self.active.entry if self.active is not None else None
 
+    def others(self, template: DataTemplate) -> list[DataTemplate]:
+        """The trusted templates a call of ``template`` may switch to, the most recent first
+        (``structure_switch.py``); doubted ones too: a switch checks the call against the
+        template as any steady-state call is checked, and a doubt only decides where calls
+        start."""
+        return [
+            s.template
+            for s in reversed(self.structures)
+            if s.template is not None and s.template is not template and s.template.trusted
+        ]
+
+    def ran(self, template: DataTemplate) -> None:
+        """A steady-state call ran ``template``'s ops to the end: the next call starts from it."""
+        if template.trusted and not template.doubted:
+            self.active = template
+
     def diverged(self, template: DataTemplate) -> None:
         """A call of ``template`` ran another structure or sizes its symbols do not give: the
         next call records (and finds its structure's template, or learns it)."""
@@ -337,6 +361,7 @@ class DataBinding:
         self.template, self.block = template, block
         self.x = [0] * len(template.sources)
         self.layouts: list[Layout] = []  # of the packs that matched, as the call made them
+        self.packed: list[tuple[int, ...]] = []  # their shapes, strides and offsets
         self._leaf_storage: dict[int, int] = {}
         self._made: SteadyTape | None = None
 
@@ -344,10 +369,26 @@ class DataBinding:
         """Pack ``k`` is ``t``: bind the symbols it carries; what differs from the tape, if
         anything."""
         template = self.template
-        packs = template.base.packs
-        if k >= len(packs):
+        if k >= len(template.base.packs):
             return f"saved tensor {k} is {tuple(t.shape)} {t.dtype}, the tape has no pack"
         got = (*t.shape, *t.stride(), t.storage_offset())
+        if not self._fits(k, got, t.dtype):
+            return (
+                f"saved tensor {k} is {tuple(t.shape)} {t.dtype} (strides {t.stride()}, offset "
+                f"{t.storage_offset()}): not the sizes, view or dtype its tape's calls give it"
+            )
+        leaf = template.base.leaf_packs.get(k)
+        if leaf is not None and t.untyped_storage().data_ptr() != self._storage_of(leaf):
+            name = template.base.tape.values[leaf].name
+            return f"saved tensor {k} is not a view of {name!r}, as in its tape"
+        self.layouts.append((t.shape, t.dtype))
+        self.packed.append(got)
+        return None
+
+    def _fits(self, k: int, got: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Whether pack ``k``'s integers ``got`` (binding the symbols they carry) and ``dtype``
+        are the template's."""
+        template = self.template
         spec = template.pack_specs[k]
         if spec is None:
             fits = got == template.pack_ints[k]
@@ -359,17 +400,21 @@ class DataBinding:
                 s == g if type(s) is int else s.at(x) == g  # type: ignore[union-attr]
                 for s, g in zip(spec, got)
             )
-        if not fits or t.dtype is not packs[k][1]:
-            return (
-                f"saved tensor {k} is {tuple(t.shape)} {t.dtype} (strides {t.stride()}, offset "
-                f"{t.storage_offset()}): not the sizes, view or dtype its tape's calls give it"
-            )
-        leaf = template.base.leaf_packs.get(k)
-        if leaf is not None and t.untyped_storage().data_ptr() != self._storage_of(leaf):
-            name = template.base.tape.values[leaf].name
-            return f"saved tensor {k} is not a view of {name!r}, as in its tape"
-        self.layouts.append((t.shape, t.dtype))
-        return None
+        return fits and dtype is template.base.packs[k][1]
+
+    def rebound(self, template: DataTemplate) -> DataBinding | None:
+        """This call's packs so far bound into ``template`` instead, if they fit it (a switch
+        of template, ``structure_switch.py``, whose agreement makes each pack's parameter the
+        same as in this binding's template)."""
+        other = DataBinding(template, self.block)
+        if len(self.packed) > len(template.base.packs):
+            return None
+        for k, (got, layout) in enumerate(zip(self.packed, self.layouts)):
+            if not other._fits(k, got, layout[1]):
+                return None
+        other.layouts, other.packed = list(self.layouts), list(self.packed)
+        other._leaf_storage = dict(self._leaf_storage)
+        return other
 
     def _storage_of(self, leaf: int) -> int:
         ptr = self._leaf_storage.get(leaf)

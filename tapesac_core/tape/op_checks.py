@@ -398,6 +398,23 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         # Where sizes follow the data: the ops' size arguments, gathered (``sizes``).
         self.size_arguments = size_arguments
         self.sizes: list[Any] = []
+        # Where the call may go on against another template at an op that departs from this
+        # one's (``structure_switch.py``): whether it does, having called ``follow``.
+        self.switch: Callable[[int], bool] | None = None
+
+    def follow(
+        self,
+        c: int,
+        checks: Sequence[Check],
+        kinds: OpKinds,
+        nodes: Sequence[Any],
+        fast: Sequence[FastCheck | None],
+        drawing: Mapping[int, int],
+    ) -> None:
+        """Check op ``c`` on against another tape's log, which agrees with this one before it."""
+        self.count = c
+        self.checks, self.kinds, self.nodes, self.fast = checks, kinds, nodes, fast
+        self.drawing = drawing
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
@@ -413,8 +430,12 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
             self.count = c + 1
             fast = self.fast[c]
             if fast is None or not self._same_fast(fast, args, kwargs):
+                gathered = len(self.sizes)
                 why = self._differs(checks[c], args, kwargs)
                 if why is not None:
+                    del self.sizes[gathered:]
+                    if self.switch is not None and self.switch(c):
+                        return self.__torch_dispatch__(func, types, args, kwargs)
                     self.diverge(f"op {c} ({func}): {why}")
             if c in self.drawing:
                 self.read_state(self.drawing[c])
@@ -431,7 +452,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
             out = func(*args, **kwargs)
             self.sources.same(out, args[0] if args else None)
             return out
-        return self._unexpected(func, args, kwargs, checks[c] if c < len(checks) else None)
+        return self._unexpected(func, types, args, kwargs)
 
     unit = "ops"
 
@@ -469,16 +490,20 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
             self.sizes.extend(kwargs.get(name, _MISSING) for name in fast.sized_kwargs)
         return True
 
-    def _unexpected(self, func: Any, args: tuple, kwargs: dict, check: Check | None) -> Any:
+    def _unexpected(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
         """An op the log does not have here: one of the kinds passed over that the recorded
         call did not dispatch (a profiler's), or a departure."""
-        out = func(*args, **kwargs)
         info = op_info(func)
+        departs = not (info.identity or info.unrecorded or info.collective)
+        c = self.count
+        if departs and self.switch is not None and self.switch(c):
+            return self.__torch_dispatch__(func, types, args, kwargs)
+        out = func(*args, **kwargs)
         if info.identity:
             self.sources.same(out, args[0] if args else None)
-        elif not (info.unrecorded or info.collective):
-            expected = "no more ops" if check is None else str(check.op)
-            self.diverge(f"op {self.count} is {func}, the tape has {expected}")
+        elif departs:
+            expected = str(self.checks[c].op) if c < len(self.checks) else "no more ops"
+            self.diverge(f"op {c} is {func}, the tape has {expected}")
         return out
 
     def _differs(self, check: Check, args: tuple, kwargs: dict) -> str | None:

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from .block import Block
     from .data_sizes import DataBinding, DataTemplate
     from .size_templates import SizeTemplate
+    from .structure_switch import Switch
 
 Tensor = torch.Tensor
 
@@ -361,6 +362,7 @@ class SteadyForward:
         entry: SteadyTape,
         inputs: Sequence[Tensor],
         binding: DataBinding | None = None,
+        switch: Switch | None = None,
     ) -> None:
         self.block, self.entry = block, entry
         self.binding = binding  # sizes that follow the data: bound and checked per pack
@@ -372,6 +374,9 @@ class SteadyForward:
         self.rng = generator_states(inputs)
         assert block.module is not None, "only module blocks run in steady state"
         self.check = _checking(entry, inputs, block.module, binding)
+        self._switch = switch  # to another template of the binding's family
+        if switch is not None and isinstance(self.check, SteadyCheck):
+            self.check.switch = self.switched
         block.adopt(entry)
         held = block.held
         for vid, t in zip(entry.inputs, inputs):
@@ -381,6 +386,25 @@ class SteadyForward:
             held[vid] = torch.empty_strided(
                 layout.shape, layout.stride, dtype=layout.dtype, device=layout.device
             )
+
+    def switched(self, c: int, pack: Tensor | None = None) -> bool:
+        """Whether the call, departing from its template at op ``c`` (or, inside op ``c - 1``,
+        at ``pack``), goes on against another template of its family
+        (``structure_switch.py``)."""
+        binding, switch, check = self.binding, self._switch, self.check
+        if self.diverged is not None or binding is None or switch is None:
+            return False
+        assert isinstance(check, SteadyCheck), "a bound call's ops are checked"
+        rebound = switch.target(binding, c, self.exits, pack)
+        if rebound is None:
+            return False
+        self.binding = rebound
+        entry = self.entry = rebound.template.entry
+        if entry.fast is None:
+            entry.fast = fast_checks(entry.checks, entry.tape.nodes, rebound.size_arguments)
+        check.follow(c, entry.checks, entry.op_kinds, entry.tape.nodes, entry.fast, entry.drawing)
+        self.block.adopt(entry)
+        return True
 
     def pack(self, t: Tensor) -> int:
         """Autograd saves ``t``: the tape's ``k``-th pack, held if the recorded call held it."""
@@ -412,8 +436,11 @@ class SteadyForward:
 
     def _pack_bound(self, k: int, t: Tensor, binding: DataBinding) -> int:
         """``pack`` where sizes follow the data: ``t`` binds and is checked (``data_sizes.py``)."""
-        self.diverged = binding.check(k, t)
-        if self.diverged is not None:
+        why = binding.check(k, t)
+        if why is not None and self.switched(self.check.count, t):
+            binding, why = self.binding, None  # type: ignore[assignment]
+        self.diverged = why
+        if why is not None:
             self.later.append((t.shape, t.dtype))
             return k
         holds = self.entry.hold.get(k)

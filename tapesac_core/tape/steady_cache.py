@@ -130,9 +130,18 @@ class SteadyCache:
         )
         self._told = True
 
-    def confirmed(self, signature: Signature) -> None:
-        """A steady-state call of ``signature`` ran its tape's ops: its tapes are trusted again."""
+    def confirmed(self, signature: Signature, entry: SteadyTape) -> None:
+        """A steady-state call of ``signature`` ran ``entry``'s ops: its tapes are trusted
+        again, and a template it ran (another than it started from, ``structure_switch.py``)
+        is where the next call starts."""
         self._doubted.pop(signature, None)
+        family = self._data.get(signature)
+        if family is not None and isinstance(entry.template, DataTemplate):
+            family.ran(entry.template)
+
+    def family(self, signature: Signature) -> DataFamily | None:
+        """The op structures of ``signature``'s calls whose sizes follow their data."""
+        return self._data.get(signature)
 
     def __reduce__(self) -> tuple:
         return (SteadyCache, ())
