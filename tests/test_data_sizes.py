@@ -266,3 +266,23 @@ def test_a_call_no_template_of_its_family_fits_diverges_and_is_bitwise() -> None
         for i in range(8)
     ]
     assert "diverged" not in later and later[-4:] == ["steady"] * 4, later
+
+
+def test_a_set_of_experts_seen_only_in_diverged_calls_gets_its_template() -> None:
+    """Once {0, 1, 2, 3}'s template is active, calls of {0, 1, 3} (one call in three) diverge
+    from it, and no call after them records: each diverged call's backward runs its forward
+    again recorded (``running._learned_again``), so that {0, 1, 3}'s template is fitted from
+    those runs, and later calls of that set switch to it, in steady state. Every call bitwise."""
+    torch.manual_seed(0)
+    reference = Routed()
+    block = copy.deepcopy(reference)
+    tapesac_core.checkpoint_module(block)
+    rng = random.Random(0)
+    for i in range(4):
+        _run(block, reference, _batch(_spread(EVERY, rng), i))
+    paths = [
+        _path(_run(block, reference, _batch(_spread((EVERY, EVERY, ONE_IDLE)[i % 3], rng), 10 + i)))
+        for i in range(18)
+    ]
+    assert "recorded" not in paths, paths
+    assert paths[-6:] == ["steady"] * 6, paths

@@ -13,6 +13,7 @@ import torch
 from .._compat import saved_tensors_hooks_on_top
 from ..errors import TapeSACError
 from ..tape.block import Block
+from ..tape.recompute import Recompute
 from ..tape.recorder import Recorder
 from ..tape.steady import SteadyForward
 from .block_settings import block_config
@@ -58,7 +59,7 @@ def hf_layer_forward(module: torch.nn.Module, fn: Any) -> bool:
 
 
 # The pack hooks of the calls whose submodules are hooked (``submodule_hooks.py``).
-_OWN_PACK_HOOKS = (Recorder.pack, SteadyForward.pack)
+_OWN_PACK_HOOKS = (Recorder.pack, SteadyForward.pack, Recompute.pack)
 
 
 def refuse_inner_saved_tensor_hooks(block: Block, submodule: str) -> None:

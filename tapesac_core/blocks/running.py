@@ -45,7 +45,7 @@ from ..plan.plan import BlockKind
 from ..tape.block import Block, BlockPlan
 from ..tape.call_checks import CallLog
 from ..tape.data_sizes import DataBinding, DataTemplate
-from ..tape.recompute import Recompute
+from ..tape.recompute import Recompute, never_unpacked
 from ..tape.recorder import Recorder
 from ..tape.signature import Signature, block_signature, call_arguments
 from ..tape.steady import Recorded, SteadyForward, SteadyTape, autograd_nodes, steady_tape
@@ -175,43 +175,116 @@ def run_block(
     # (a plain block saves it); on accelerators host time says nothing about the step's time.
     timed = scope is not None and scope.time_nodes and all(t.device.type == "cpu" for t in inputs)
     start = time.perf_counter() if timed else 0.0
-    recorder = Recorder(block)
-    recorder.register_inputs(inputs)
-    block.on_exit = recorder.module_exit
-    # A module block's calls, for its steady-state calls to check (``call_checks.py``).
-    calls = CallLog(inputs, module, recorder.ops) if module is not None else None
-    token = RECORDING.set(block)
-    try:
-        with (
-            _autocast_weight_cache_disabled(),
-            torch.autograd.graph.saved_tensors_hooks(recorder.pack, block.unpack),
-            recorder,
-            _submodules_tracked(module, block, True),
-            calls if calls is not None else nullcontext(),
-        ):
-            out = fn(*args, **kwargs)
-    finally:
-        RECORDING.reset(token)
-        block.on_exit = None  # the recorder holds the block: no cycle outlives the forward
-    outputs = _tensors_out(out)
-    output_vids = [recorder.vid_of(t) for t in outputs]
-    block.finish(frozenset(output_vids), recorder.alive)
+    recording = _Recording(block, inputs)
+    out = recording.run(fn, args, kwargs, recording.recorder.pack, block.unpack)
     if timed:
         block.trace.forward_seconds = time.perf_counter() - start
     # A steady-state call's walk comes after its timing too (_run_steady).
-    autograd = autograd_nodes(outputs, inputs, limit=2 * len(block.nodes) + 64)
+    autograd = recording.autograd()
     refuse_reentrant_checkpoint_inside(name, autograd)
     if block.probe is not None:
-        block.probe.forward_end(block.outliving(recorder.alive))
+        block.probe.forward_end(block.outliving(recording.recorder.alive))
     if cache is not None and signature is not None:
-        assert recorder.ops is not None, "a module block's recorder logs its ops"
-        assert calls is not None, "a module block logs its calls"
-        made = steady_tape(
-            block, inputs, outputs, output_vids, autograd, recorder.log, recorder.ops, calls
-        )
-        cache.put(signature, made, name)
-    recorder.forget()
+        cache.put(signature, recording.steady_tape(autograd), name)
+    recording.recorder.forget()
     return out
+
+
+class _Recording:
+    """One recorded forward of ``block`` (its first call, or a diverged call run again in its
+    backward, ``_learned_again``): the recorder, the call log and the outputs."""
+
+    def __init__(self, block: Block, inputs: list[torch.Tensor]) -> None:
+        self.block, self.inputs = block, inputs
+        self.recorder = recorder = Recorder(block)
+        recorder.register_inputs(inputs)
+        # A module block's calls, for its steady-state calls to check (``call_checks.py``).
+        self.calls = CallLog(inputs, block.module, recorder.ops) if block.module else None
+        self.outputs: list[torch.Tensor] = []
+        self.output_vids: list[int] = []
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        pack: Callable[[torch.Tensor], Any],
+        unpack: Callable[[Any], torch.Tensor],
+    ) -> Any:
+        """The forward, recorded, under the saved-tensor hooks ``pack`` and ``unpack``."""
+        block, recorder, calls = self.block, self.recorder, self.calls
+        block.on_exit = recorder.module_exit
+        token = RECORDING.set(block)
+        try:
+            with (
+                _autocast_weight_cache_disabled(),
+                torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+                recorder,
+                _submodules_tracked(block.module, block, True),
+                calls if calls is not None else nullcontext(),
+            ):
+                out = fn(*args, **kwargs)
+        finally:
+            RECORDING.reset(token)
+            block.on_exit = None  # the recorder holds the block: no cycle outlives the forward
+        self.outputs = _tensors_out(out)
+        self.output_vids = [recorder.vid_of(t) for t in self.outputs]
+        block.finish(frozenset(self.output_vids), recorder.alive)
+        return out
+
+    def autograd(self) -> tuple[str, ...] | None:
+        """The kinds of the autograd nodes the forward made (``autograd_nodes``)."""
+        return autograd_nodes(self.outputs, self.inputs, limit=2 * len(self.block.nodes) + 64)
+
+    def steady_tape(self, autograd: tuple[str, ...] | None) -> SteadyTape | Recorded:
+        """The recorded call as a steady-state entry, or why later calls must record."""
+        recorder = self.recorder
+        assert recorder.ops is not None, "a module block's recorder logs its ops"
+        assert self.calls is not None, "a module block logs its calls"
+        return steady_tape(
+            self.block,
+            self.inputs,
+            self.outputs,
+            self.output_vids,
+            autograd,
+            recorder.log,
+            recorder.ops,
+            self.calls,
+        )
+
+
+def _learned_again(block: Block, cache: SteadyCache, signature: Signature) -> Callable[..., None]:
+    """A diverged call's recomputation (``Recompute``), recorded for its family of op structures
+    to learn from (``data_sizes.DataFamily.learn``): a structure seen only in calls that
+    departed from the active template (an expert left idle now and then) gets its template too.
+    The recomputation's packs are taken as ever; nothing of the new tape reaches the call's
+    backward, and nothing the recording holds outlives it."""
+    plan = BlockPlan(
+        block.plan_coords,
+        block.plan_sequence,
+        block.plan_budget,
+        block.plan_anchors,
+        block.plan_modules,
+    )
+
+    def run(fn: Callable[..., Any], args: tuple, kwargs: dict, recompute: Recompute) -> None:
+        learner = Block(
+            block.name, block.region, block.module, plan, RECORDING.get, block.hidden_writes
+        )
+        config = block_config(block.module) if block.module is not None else None
+        if config is not None:
+            learner.deterministic_ops = config.deterministic_ops
+        recording = _Recording(learner, call_arguments(args, kwargs).tensors)
+        recompute.recorder_pack = recording.recorder.pack
+        try:
+            recording.run(fn, args, kwargs, recompute.pack, never_unpacked)
+            cache.put(signature, recording.steady_tape(recording.autograd()), block.name)
+        finally:
+            recompute.recorder_pack = None
+            recording.recorder.forget()
+            learner.held.clear()
+
+    return run
 
 
 def _plan_key(plan: BlockPlan) -> tuple:
@@ -272,6 +345,7 @@ def _run_steady(
             signature.autocast,
             forward.layouts(),
             _recording,
+            _learned_again(block, cache, signature) if binding is not None else None,
         )
     return out
 

@@ -304,7 +304,12 @@ class DataFamily:
         self.structures.append(found)
         suspect, self.suspect = self.suspect, None
         if suspect is not None and suspect is not found.template:
-            suspect.doubted = 0  # the call after the divergence ran another structure: it did too
+            # The call after the divergence (or the diverged call itself, recorded as its
+            # backward ran it again) ran another structure: calls of the suspect's start from
+            # it again.
+            suspect.doubted = 0
+            if self.active is None and any(s.template is suspect for s in self.structures):
+                self.active = suspect
         for gone in self.structures[:-STRUCTURES]:
             if gone.template is not None and gone.template is self.active:
                 self.active = None

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._compat import tree_map_only
+from .._compat import dispatch_disabled, torch_function_disabled, tree_map_only
 from ..errors import TapeSACError
 from .steady import Layout
 
@@ -34,9 +34,15 @@ class Recompute:
         autocast: Sequence[tuple[str, torch.dtype]],
         layouts: list[Layout],
         running: Callable[[Any], AbstractContextManager[Any]],
+        recorded: Callable[..., None] | None = None,
     ) -> None:
         self.name, self.fn, self.args, self.kwargs = name, fn, args, kwargs
         self.rng, self.autocast, self.layouts, self.running = rng, autocast, layouts, running
+        # Where the forward run again is recorded too (``running._learned_again``): called as
+        # ``recorded(fn, args, kwargs, self)``, it runs the forward under ``pack`` and
+        # ``never_unpacked`` with ``recorder_pack`` set to its recorder's pack.
+        self.recorded = recorded
+        self.recorder_pack: Callable[[Tensor], Any] | None = None
         self.packed: list[Tensor] | None = None
         self._packing: list[Tensor] = []
 
@@ -61,10 +67,13 @@ class Recompute:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(self.running(block))
-                stack.enter_context(
-                    torch.autograd.graph.saved_tensors_hooks(self.pack, _never_unpacked)
-                )
-                self.fn(*args, **kwargs)
+                if self.recorded is not None:
+                    self.recorded(self.fn, args, kwargs, self)
+                else:
+                    stack.enter_context(
+                        torch.autograd.graph.saved_tensors_hooks(self.pack, never_unpacked)
+                    )
+                    self.fn(*args, **kwargs)
         finally:
             for g, state in current:
                 g.set_state(state)
@@ -85,9 +94,14 @@ class Recompute:
         return packed
 
     def pack(self, t: Tensor) -> int:
-        self._packing.append(t.detach())
+        if self.recorder_pack is not None:
+            self.recorder_pack(t)
+            with dispatch_disabled(), torch_function_disabled():  # not the forward's ops
+                self._packing.append(t.detach())
+        else:
+            self._packing.append(t.detach())
         return len(self._packing) - 1
 
 
-def _never_unpacked(handle: int) -> Tensor:
+def never_unpacked(handle: int) -> Tensor:
     raise TapeSACError("a tensor saved while recomputing a TapeSAC block was unpacked")

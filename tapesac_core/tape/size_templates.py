@@ -331,7 +331,9 @@ def skeleton(entry: SteadyTape) -> tuple:
         tape.returned,
         tape.host_sync,
         tape.host_floats,
-        tuple(sorted(tape.freed.items())),
+        # Not ``tape.freed``: when the forward dropped its storages says nothing of what replay
+        # computes, and a diverged call's recomputation, recorded (``running._learned_again``),
+        # keeps its packs alive to the end.
     )
     calls = (
         zeroed.handles,

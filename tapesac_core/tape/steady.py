@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from .._compat import dispatch_disabled, torch_function_disabled
 from ..enums import TextEnum
 from ..tensors import (
     Meta,
@@ -324,7 +325,7 @@ def autograd_nodes(
     # Nodes, not their ids: the seen set keeps each Python wrapper alive, so that a freed one's
     # id cannot come back as another node's. The stack holds ``next_functions``' (node, input)
     # pairs as they come: no per-node unpacking on the way in.
-    stop = {t.grad_fn for t in inputs}
+    stop = {_gradient_node(t) for t in inputs}
     stack = [(t.grad_fn, 0) for t in reversed(outputs)]
     seen: set[Any] = set()
     kinds: list[type] = []
@@ -339,6 +340,16 @@ def autograd_nodes(
             return None
         push(reversed(fn.next_functions))
     return tuple(map(node_kind, kinds))
+
+
+def _gradient_node(t: Tensor) -> Any:
+    """The autograd node a gradient for ``t`` flows into: its ``grad_fn``, or a leaf's
+    ``AccumulateGrad`` (a block input that is a leaf: its walk stops there as at any input's,
+    whether the input is a leaf, as in a diverged call's recomputation, or not)."""
+    if t.grad_fn is not None or not t.requires_grad:
+        return t.grad_fn
+    with dispatch_disabled(), torch_function_disabled():  # it takes a view: not the forward's
+        return torch.autograd.graph.get_gradient_edge(t).node
 
 
 # Autograd nodes a composite op makes without a dispatch mode, and the one it makes under any
