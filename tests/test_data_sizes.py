@@ -10,12 +10,14 @@ import sys
 import threading
 from collections import Counter
 
+import pytest
 import torch
 from support import OpCounter, assert_bitwise, reference_and_copy, step, token_ids
 
 import tapesac_core
 from tapesac_core.tape.data_sizes import DataBinding
 from tapesac_core.tape.steady import Recorded
+from tapesac_core.tape.steady_cache import steady_cache
 from tapesac_core.tape.tape import ReplayMemo
 
 EXPERTS, D = 4, 8
@@ -225,11 +227,27 @@ def _path(trace: tapesac_core.BlockTrace) -> str:
 EVERY, ONE_IDLE = (0, 1, 2, 3), (0, 1, 3)
 
 
-def _two_sets_learned(rng: random.Random) -> tuple[Routed, Routed]:
+class LoopedOverHits(Routed):
+    """``Routed`` as transformers' eager experts loop: over the rows of ``nonzero`` of the
+    experts hit (one ``unbind`` with an output per expert hit: every value after it has another
+    id in a call that hits another number of experts), each expert's index a 0-d tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = x[:, :EXPERTS].argmax(-1)
+        hit = torch.bincount(chosen, minlength=EXPERTS).nonzero()
+        out = torch.zeros_like(x)
+        for row in hit:
+            e = row[0]
+            idx = torch.where(chosen == e)[0]
+            out = out.index_add(0, idx, torch.tanh(x[idx] @ self.w[e]))
+        return out + x
+
+
+def _two_sets_learned(rng: random.Random, kind: type[Routed] = Routed) -> tuple[Routed, Routed]:
     """A reference and a checkpointed copy whose calls of both expert sets have been recorded
     until each set's template is trusted."""
     torch.manual_seed(0)
-    reference = Routed()
+    reference = kind()
     block = copy.deepcopy(reference)
     tapesac_core.checkpoint_module(block)
     warmup = [EVERY] * 3 + [ONE_IDLE] * 4 + [EVERY, ONE_IDLE, EVERY]
@@ -238,13 +256,14 @@ def _two_sets_learned(rng: random.Random) -> tuple[Routed, Routed]:
     return reference, block
 
 
-def test_calls_switch_between_the_templates_of_the_expert_sets_they_hit() -> None:
+@pytest.mark.parametrize("kind", [Routed, LoopedOverHits])
+def test_calls_switch_between_the_templates_of_the_expert_sets_they_hit(kind: type) -> None:
     """Batches that hit experts {0, 1, 2, 3} and {0, 1, 3} in turn, at the same batch size: once
     each set's template is trusted, a call that starts from one set's template and hits the
     other set goes on against the other's (``structure_switch.py``), in steady state and
     bitwise, where it diverged and recomputed before."""
     rng = random.Random(0)
-    reference, block = _two_sets_learned(rng)
+    reference, block = _two_sets_learned(rng, kind)
     paths = [
         _path(_run(block, reference, _batch(_spread((EVERY, ONE_IDLE)[i % 2], rng), 20 + i)))
         for i in range(8)
@@ -286,3 +305,30 @@ def test_a_set_of_experts_seen_only_in_diverged_calls_gets_its_template() -> Non
     ]
     assert "recorded" not in paths, paths
     assert paths[-6:] == ["steady"] * 6, paths
+
+
+class OtherInBackward(Routed):
+    """``Routed`` that runs one more op when its forward runs inside a backward (as a layer
+    that reads a key-value cache its own forward appended to runs other ops when run again)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_backward = torch._C._current_graph_task_id() != -1
+        return super().forward(x.neg().neg() if in_backward else x)
+
+
+def test_a_recomputation_that_runs_other_ops_than_its_forward_is_not_learned() -> None:
+    """Calls of {0, 1, 3} diverge from {0, 1, 2, 3}'s template; their backward runs the forward
+    again, recorded, but it ran other ops than the forward (``structure_switch.ran_alike``):
+    no template learns from it, and every call stays bitwise."""
+    torch.manual_seed(0)
+    reference = OtherInBackward()
+    block = copy.deepcopy(reference)
+    tapesac_core.checkpoint_module(block)
+    rng = random.Random(0)
+    for i in range(4):
+        _run(block, reference, _batch(_spread(EVERY, rng), i))
+    for i in range(9):
+        _run(block, reference, _batch(_spread((EVERY, EVERY, ONE_IDLE)[i % 3], rng), 10 + i))
+    (family,) = steady_cache(block)._data.values()
+    learned = [p for s in family.structures for p in s.points]
+    assert learned and not any("neg" in n.name for p in learned for n in p.tape.nodes)

@@ -125,3 +125,25 @@ def test_planned_steps_are_bitwise_within_their_prediction_and_the_limit(
     limit = (must_only + max(everything, predicted_everything)) // 2
     _, metered, predicted = _planned(base, layer, limit)
     assert metered <= predicted <= limit, (family, experts, limit, predicted, metered)
+
+
+def test_planned_eager_experts_run_in_steady_state_whichever_experts_they_hit() -> None:
+    """Qwen3-MoE's eager experts under a Controller's plan, batches of 8 tokens over 4 experts
+    (some calls leave an expert idle, and then run another op sequence than the plan's
+    reference block): after warm-up, planned steps run their blocks from cached templates
+    (switching between the sets of experts hit, ``structure_switch.py``), bitwise at every
+    step. Blocks whose op sequence differed from the plan's recorded every call before."""
+    base, layer = moe_model("qwen3_moe", "eager")
+    base.config.use_cache = False  # as in training: a forward run again sees the same cache
+    reference, model = copy.deepcopy(base), copy.deepcopy(base)
+    tapesac_core.checkpoint_modules(model, {layer})
+    controller = Controller(model, 0.0, **SHORT_SCHEDULE)  # the lowest-peak plan
+    step = _lockstep(reference, model)
+    steady = blocks = 0
+    for i in range(72):
+        with controller.step(tokens=8) as report:
+            step(token_ids(i, batch=1, seq=8, vocab=VOCAB), i)
+        if report.mode == PLANNED and i >= 40:
+            steady, blocks = steady + report.steady_blocks, blocks + report.blocks
+    # 9% where a block whose op sequence differed from the plan's recorded every call (d1d8fb5).
+    assert blocks and steady >= 0.85 * blocks, (steady, blocks)

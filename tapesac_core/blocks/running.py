@@ -50,7 +50,7 @@ from ..tape.recorder import Recorder
 from ..tape.signature import Signature, block_signature, call_arguments
 from ..tape.steady import Recorded, SteadyForward, SteadyTape, autograd_nodes, steady_tape
 from ..tape.steady_cache import SteadyCache, steady_cache
-from ..tape.structure_switch import Switch
+from ..tape.structure_switch import Switch, ran_alike
 from ..tape.tape import Tape
 from ..tape.verify import HiddenWrites
 from ..tensors import tensor_leaves
@@ -253,12 +253,18 @@ class _Recording:
         )
 
 
-def _learned_again(block: Block, cache: SteadyCache, signature: Signature) -> Callable[..., None]:
+def _learned_again(
+    block: Block, cache: SteadyCache, signature: Signature, forward: SteadyForward
+) -> Callable[..., None]:
     """A diverged call's recomputation (``Recompute``), recorded for its family of op structures
     to learn from (``data_sizes.DataFamily.learn``): a structure seen only in calls that
     departed from the active template (an expert left idle now and then) gets its template too.
-    The recomputation's packs are taken as ever; nothing of the new tape reaches the call's
-    backward, and nothing the recording holds outlives it."""
+    Learned only if it can run in steady state and ran the forward's ops up to where the
+    forward departed (``structure_switch.ran_alike``). The recomputation's packs are taken as
+    ever; nothing of the new tape reaches the call's backward, and nothing the recording holds
+    outlives it."""
+    assert forward.binding is not None, "only calls whose sizes follow their data learn so"
+    started, matched = forward.binding.template, forward.matched()
     plan = BlockPlan(
         block.plan_coords,
         block.plan_sequence,
@@ -278,7 +284,9 @@ def _learned_again(block: Block, cache: SteadyCache, signature: Signature) -> Ca
         recompute.recorder_pack = recording.recorder.pack
         try:
             recording.run(fn, args, kwargs, recompute.pack, never_unpacked)
-            cache.put(signature, recording.steady_tape(recording.autograd()), block.name)
+            made = recording.steady_tape(recording.autograd())
+            if isinstance(made, SteadyTape) and ran_alike(started, made, matched):
+                cache.put(signature, made, block.name)
         finally:
             recompute.recorder_pack = None
             recording.recorder.forget()
@@ -345,7 +353,7 @@ def _run_steady(
             signature.autocast,
             forward.layouts(),
             _recording,
-            _learned_again(block, cache, signature) if binding is not None else None,
+            _learned_again(block, cache, signature, forward) if binding is not None else None,
         )
     return out
 

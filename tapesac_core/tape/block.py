@@ -153,7 +153,7 @@ class Block:
         self.memo: ReplayMemo | None = None  # a steady-state call's: its cached tape's closures
         # Some node writes in place: only then must replay guard what it must not write into.
         self.writes_in_place = False
-        self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
+        self._owners: dict[str, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
         self.device_types: set[str] = set()  # of the recorded layouts (ValueIds.layout)
         self.verify = False  # fingerprint packed values; replay compares (see verify.py)
         self.deterministic_ops: frozenset[str] = frozenset()  # custom ops declared not random
@@ -204,16 +204,17 @@ class Block:
 
     def kept_tensor(self, vid: int) -> torch.Tensor:
         t = self.held.get(vid)
-        return t if t is not None else self._fetch(self.values[vid])
+        return t if t is not None else self.fetch(self.values[vid])
 
-    def _fetch(self, value: Value) -> torch.Tensor:
+    def fetch(self, value: Value) -> torch.Tensor:
         """A parameter or buffer by name, as the module holds it now (FSDP2: the re-gathered one)."""
-        owner = self._owners.get(value.vid)
+        # A parameter or buffer value is named by its path in the block's module (by name, not
+        # value id: a call that switches templates, ``structure_switch.py``, renames values).
+        assert isinstance(value.name, str) and self.module is not None
+        owner = self._owners.get(value.name)
         if owner is None:
-            # A parameter or buffer value is named by its path in the block's module.
-            assert isinstance(value.name, str) and self.module is not None
             path, _, attr = value.name.rpartition(".")
-            owner = self._owners[value.vid] = (self.module.get_submodule(path), attr)
+            owner = self._owners[value.name] = (self.module.get_submodule(path), attr)
         module, attr = owner
         # The registry first: Module.__getattr__ is a Python frame per unpack of a parameter.
         t = (module._parameters if value.kind == PARAM else module._buffers).get(attr)
@@ -394,7 +395,7 @@ class Block:
         if t is not None:
             return t
         if self.is_kept(vid):
-            return self._fetch(self.values[vid])
+            return self.fetch(self.values[vid])
         return self._replay_for(gid).take(vid, handle)
 
     def _replay_for(self, gid: int) -> Replay:

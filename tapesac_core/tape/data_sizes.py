@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from .block import Block
 
 STRUCTURES = 4  # op structures a signature keeps (sets of experts hit), the most recent
-POINTS = 6  # recorded calls of one structure a template is fitted from, the most recent
+POINTS = 16  # recorded calls of one structure a template is fitted from, the most recent
 # Recorded calls a template that diverged must predict before calls run from it again: the call
 # that diverged ran unrecorded, and calls like it (other experts at the same counts) must get
 # recorded, so that a template fits them too, rather than calls it predicts re-trusting it.
@@ -410,7 +410,7 @@ class DataBinding:
     def rebound(self, template: DataTemplate) -> DataBinding | None:
         """This call's packs so far bound into ``template`` instead, if they fit it (a switch
         of template, ``structure_switch.py``, whose agreement makes each pack's parameter the
-        same as in this binding's template)."""
+        same as in this binding's template: checked here already)."""
         other = DataBinding(template, self.block)
         if len(self.packed) > len(template.base.packs):
             return None
@@ -418,15 +418,13 @@ class DataBinding:
             if not other._fits(k, got, layout[1]):
                 return None
         other.layouts, other.packed = list(self.layouts), list(self.packed)
-        other._leaf_storage = dict(self._leaf_storage)
         return other
 
     def _storage_of(self, leaf: int) -> int:
         ptr = self._leaf_storage.get(leaf)
         if ptr is None:
-            ptr = self._leaf_storage[leaf] = (
-                self.block.kept_tensor(leaf).untyped_storage().data_ptr()
-            )
+            value = self.template.base.tape.values[leaf]  # not the block's: it may switch
+            ptr = self._leaf_storage[leaf] = self.block.fetch(value).untyped_storage().data_ptr()
         return ptr
 
     def holds(self, k: int, holds: Holds) -> Holds:

@@ -301,23 +301,15 @@ def zeroed_sizes(entry: SteadyTape) -> SteadyTape:
     return map_sizes(entry, lambda n: 0)
 
 
-def node_skeleton(node: Node) -> tuple:
-    """A node of a tape whose size integers were zeroed (``map_sizes``), comparable with ``==``."""
-    n = node
-    return (n.op, n.k, tuple(n.inputs), tuple(n.deps), tuple(n.outs), n.writes, n.extra) + (
-        n.rng is not None,
-        n.rebuild,
-        n.module,
-        comparable(n.args),
-        comparable(n.kwargs),
-    )
-
-
 def skeleton(entry: SteadyTape) -> tuple:
     """Everything of ``entry`` but its size integers, comparable with ``==``."""
     zeroed = zeroed_sizes(entry)
     tape = zeroed.tape
-    nodes = tuple(map(node_skeleton, tape.nodes))
+    nodes = tuple(
+        (n.op, n.k, tuple(n.inputs), tuple(n.deps), tuple(n.outs), n.writes, n.extra)
+        + (n.rng is not None, n.rebuild, n.module, comparable(n.args), comparable(n.kwargs))
+        for n in tape.nodes
+    )
     graph = (
         tape.name,
         tape.region,

@@ -181,7 +181,7 @@ def steady_tape(
     blocked = tape_blocker(tape)
     if blocked is not None:
         return blocked
-    if block.trace.sequence_changed or block.trace.over_budget:
+    if block.trace.over_budget:
         return Recorded.DATA_DEPENDENT
     handles, values = tuple(block.handles), tape.values
     first_pack: dict[int, int] = {}
@@ -379,6 +379,7 @@ class SteadyForward:
         self.binding = binding  # sizes that follow the data: bound and checked per pack
         self.count = 0
         self.diverged: str | None = None
+        self.departed: int | None = None  # op checks passed before a pack departed
         self.later: list[Layout] = []  # packs after a divergence, for the recomputation's check
         self.exits = 0
         block.on_exit = self.exited
@@ -406,9 +407,18 @@ class SteadyForward:
         if self.diverged is not None or binding is None or switch is None:
             return False
         assert isinstance(check, SteadyCheck), "a bound call's ops are checked"
-        rebound = switch.target(binding, c, self.exits, pack)
-        if rebound is None:
+        if check.diverged is not None:
             return False
+        found = switch.target(binding, c, self.exits, pack)
+        if found is None:
+            return False
+        rebound, vids = found
+        held = self.block.held
+        if any(v not in vids for v in held):
+            return False
+        renamed = {vids[v]: t for v, t in held.items()}
+        held.clear()
+        held.update(renamed)
         self.binding = rebound
         entry = self.entry = rebound.template.entry
         if entry.fast is None:
@@ -452,6 +462,7 @@ class SteadyForward:
             binding, why = self.binding, None  # type: ignore[assignment]
         self.diverged = why
         if why is not None:
+            self.departed = self.check.count
             self.later.append((t.shape, t.dtype))
             return k
         holds = self.entry.hold.get(k)
@@ -494,6 +505,11 @@ class SteadyForward:
                 held[vid] = view_on(storage, layout)
             else:
                 held[vid] = on_storage(t, storage) if holds.copy else detached(t)
+
+    def matched(self) -> int:
+        """How many op checks the call passed before it departed from its tape (a check's
+        mode stops counting at its departure)."""
+        return self.check.count if self.departed is None else self.departed
 
     def layouts(self) -> list[Layout]:
         """Every pack's layout this forward: the tape's up to a divergence, then its own."""
