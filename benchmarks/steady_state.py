@@ -167,9 +167,10 @@ def hf_gpt2(hidden: int, layers: int = 4, dropout: float = 0.1) -> tuple:
     return HFCausalLM(GPT2LMHeadModel(config)), GPT2Block, 256, 4
 
 
-def hf_qwen3_moe(hidden: int, layers: int = 4) -> tuple:
-    """A Hugging Face Qwen3-MoE stack with eager experts (a loop over the experts hit):
-    ``layers`` layers at ``hidden``, 16 experts top-2, 4 x 128 tokens."""
+def hf_qwen3_moe(hidden: int, layers: int = 4, experts: str = "eager") -> tuple:
+    """A Hugging Face Qwen3-MoE stack with ``experts`` experts (``eager``: a loop over the
+    experts hit; ``grouped_mm``: one grouped GEMM): ``layers`` layers at ``hidden``, 16 experts
+    top-2, 4 x 128 tokens."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
@@ -179,7 +180,7 @@ def hf_qwen3_moe(hidden: int, layers: int = 4) -> tuple:
         num_experts=16,
         num_experts_per_tok=2,
         attn_implementation="sdpa",
-        experts_implementation="eager",
+        experts_implementation=experts,
     )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config)
@@ -212,9 +213,19 @@ def methods(
 def with_planned(
     runs: dict[str, tuple[torch.nn.Module, Callable[[], Any]]], ids: torch.Tensor
 ) -> dict[str, tuple[torch.nn.Module, Callable[[], Any]]]:
-    """``runs`` and ``tapesac_planned``: a copy of the steady model driven by a Controller with
-    default settings at ``full``'s measured step peak (CPU), stepped until it runs planned
-    steps."""
+    """``runs`` and ``tapesac_planned`` (``planned``)."""
+    model, controller = planned(runs, ids)
+    return {
+        **runs,
+        "tapesac_planned": (model, functools.partial(controller.step, tokens=ids.numel())),
+    }
+
+
+def planned(
+    runs: dict[str, tuple[torch.nn.Module, Callable[[], Any]]], ids: torch.Tensor
+) -> tuple[torch.nn.Module, tapesac_core.Controller]:
+    """A copy of the steady model driven by a Controller with default settings at ``full``'s
+    measured step peak (CPU), stepped on ``ids`` until it runs planned steps."""
     full, _ = runs["full"]
     model = copy.deepcopy(runs["tapesac_steady"][0])
     # Absolute, as a Controller counts: what lives now (every copy's weights) and full's step.
@@ -229,7 +240,7 @@ def with_planned(
             and controller.report.mode == tapesac_core.StepMode.PLANNED
         ):
             break
-    return {**runs, "tapesac_planned": (model, context)}
+    return model, controller
 
 
 def step(model: torch.nn.Module, context: Callable[[], Any], ids: torch.Tensor) -> float:
