@@ -116,9 +116,7 @@ def compare(name: str, hidden: int, rounds: int, reps: int, warmup: int, batches
     """One model's table: times, steady-state shares, recomputed FLOPs, peaks."""
     base, layer, seq, batch, title = build(name, hidden)
     g = torch.Generator().manual_seed(0)
-    pool = [
-        torch.randint(0, base.vocab_size, (batch, seq), generator=g) for _ in range(batches)
-    ]
+    pool = [torch.randint(0, base.vocab_size, (batch, seq), generator=g) for _ in range(batches)]
     every = methods(base, layer)
     runs: dict[str, Run] = {k: every[k] for k in ("none", "full", "tapesac_steady")}
     model, controller = planned(runs, pool[0])

@@ -243,17 +243,24 @@ class LoopedOverHits(Routed):
         return out + x
 
 
-def _two_sets_learned(rng: random.Random, kind: type[Routed] = Routed) -> tuple[Routed, Routed]:
-    """A reference and a checkpointed copy whose calls of both expert sets have been recorded
-    until each set's template is trusted."""
+def _learned(
+    sets: list[tuple[int, ...]], rng: random.Random, kind: type[Routed] = Routed
+) -> tuple[Routed, Routed]:
+    """A reference and a checkpointed copy that has run a call of each expert set of ``sets``,
+    bitwise."""
     torch.manual_seed(0)
     reference = kind()
     block = copy.deepcopy(reference)
     tapesac_core.checkpoint_module(block)
-    warmup = [EVERY] * 3 + [ONE_IDLE] * 4 + [EVERY, ONE_IDLE, EVERY]
-    for i, experts in enumerate(warmup):
+    for i, experts in enumerate(sets):
         _run(block, reference, _batch(_spread(experts, rng), i))
     return reference, block
+
+
+def _two_sets_learned(rng: random.Random, kind: type[Routed] = Routed) -> tuple[Routed, Routed]:
+    """``_learned`` with calls of both expert sets recorded until each set's template is
+    trusted."""
+    return _learned([EVERY] * 3 + [ONE_IDLE] * 4 + [EVERY, ONE_IDLE, EVERY], rng, kind)
 
 
 @pytest.mark.parametrize("kind", [Routed, LoopedOverHits])
@@ -292,13 +299,8 @@ def test_a_set_of_experts_seen_only_in_diverged_calls_gets_its_template() -> Non
     from it, and no call after them records: each diverged call's backward runs its forward
     again recorded (``running._learned_again``), so that {0, 1, 3}'s template is fitted from
     those runs, and later calls of that set switch to it, in steady state. Every call bitwise."""
-    torch.manual_seed(0)
-    reference = Routed()
-    block = copy.deepcopy(reference)
-    tapesac_core.checkpoint_module(block)
     rng = random.Random(0)
-    for i in range(4):
-        _run(block, reference, _batch(_spread(EVERY, rng), i))
+    reference, block = _learned([EVERY] * 4, rng)
     paths = [
         _path(_run(block, reference, _batch(_spread((EVERY, EVERY, ONE_IDLE)[i % 3], rng), 10 + i)))
         for i in range(18)
@@ -320,13 +322,8 @@ def test_a_recomputation_that_runs_other_ops_than_its_forward_is_not_learned() -
     """Calls of {0, 1, 3} diverge from {0, 1, 2, 3}'s template; their backward runs the forward
     again, recorded, but it ran other ops than the forward (``structure_switch.ran_alike``):
     no template learns from it, and every call stays bitwise."""
-    torch.manual_seed(0)
-    reference = OtherInBackward()
-    block = copy.deepcopy(reference)
-    tapesac_core.checkpoint_module(block)
     rng = random.Random(0)
-    for i in range(4):
-        _run(block, reference, _batch(_spread(EVERY, rng), i))
+    reference, block = _learned([EVERY] * 4, rng, OtherInBackward)
     for i in range(9):
         _run(block, reference, _batch(_spread((EVERY, EVERY, ONE_IDLE)[i % 3], rng), 10 + i))
     (family,) = steady_cache(block)._data.values()

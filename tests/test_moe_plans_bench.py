@@ -32,6 +32,8 @@ def test_moe_plans_prints_every_method_share_and_flops() -> None:
     for name, row in rows:
         recomputed = float(row.split()[-2])
         assert (recomputed == 0) == (name == "none"), (name, row)
-    shares = re.findall(r"^(tapesac_\w+) layer calls in steady state, timed rounds: (.*)$", out, re.M)
+    shares = re.findall(
+        r"^(tapesac_\w+) layer calls in steady state, timed rounds: (.*)$", out, re.M
+    )
     assert len(shares) == 4 and all(re.fullmatch(r"\d+\.\d% of \d+", s) for _, s in shares)
     assert len(re.findall(r"/ full per round: \d\.\d{3} \(IQR", out)) == 6

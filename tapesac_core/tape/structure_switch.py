@@ -4,23 +4,25 @@ Why. A MoE block's ops follow its routing: its loop over the experts hit runs on
 hit, so a batch that leaves an expert idle runs fewer iterations than one that hits them all.
 Each op structure gets its own template (``data_sizes.DataFamily``), but a call starts from one
 of them, the family's active template, before its routing is known. Without a switch, a call of
-another structure diverges (its backward runs the forward again) and the calls after it record:
-a quarter of an HF Qwen3-MoE layer's calls under a plan, where routing leaves an expert idle
-now and then.
+another structure diverges (its backward runs the forward again) and the calls after it record.
 
 Contract. Two templates A and B of one family agree on a prefix of their calls (``Agreement``):
 their first ``checks`` op checks are the same but for size arguments (same op, same tape node
 but for its size integers, same sources, same other arguments), their first ``packs`` packs are
 the same values with the same dtypes and views but for sizes, on the same parameters, holding
-the same values, and their first ``exits`` submodule exits hold the same values. A call checked
+the same values, and their first ``exits`` submodule exits hold the same values. Values are
+named by how they were made, not by id (``_value_keys``), and an op that returns a list may
+return lists of other lengths: the ``unbind`` of the experts hit has an output per expert. A call checked
 against A that departs from it at op ``c``, having made ``p`` packs and seen ``e`` exits, goes
 on against a trusted template B of its family if A and B agree that far, if the call's packs so
 far fit B's sizes (``DataBinding.rebound``), and if what B holds from those packs and exits is
 what A held, at the call's sizes. Everything B's check would have compared before op ``c``, A's
 compared the same way, but the size arguments, which are gathered as they come and compared
 with B's at the end of forward (``DataBinding.finish``): the call is then checked as if it had
-started from B. A template the call departed from is not tried again in that call, so a call
-switches at most once per template of its family; a call that finds no template diverges.
+started from B, its held values renamed to B's ids. A template the call departed from is not
+tried again in that call, so a call switches at most once per template of its family; a call
+that finds no template diverges, and its backward's recomputation, recorded, teaches the family
+its structure (``running._learned_again``, if it ran as the forward did: ``ran_alike``).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def agreement(a: DataTemplate, b: DataTemplate) -> Agreement:
     return found
 
 
-def value_keys(tape: Tape) -> list[tuple]:
+def _value_keys(tape: Tape) -> list[tuple]:
     """Per value id, a name two tapes give a value they made alike: its producer node and
     output position, or its leaf's kind and name (an external tensor's, its order). Ids are
     not such names: an op whose outputs follow the data (``unbind`` of the experts hit) makes
@@ -87,7 +89,7 @@ def ran_alike(template: DataTemplate, entry: SteadyTape, checks: int) -> bool:
 def _agreement(ea: SteadyTape, za: SteadyTape, eb: SteadyTape, zb: SteadyTape) -> Agreement:
     """How far calls of tapes ``ea`` and ``eb`` (``za``, ``zb``: with their sizes zeroed) are
     the same."""
-    ka, kb = value_keys(ea.tape), value_keys(eb.tape)
+    ka, kb = _value_keys(ea.tape), _value_keys(eb.tape)
     by_key = {key: vid for vid, key in enumerate(kb)}
     vids = {va: by_key[key] for va, key in enumerate(ka) if key in by_key}
 
@@ -144,7 +146,7 @@ def _agreement(ea: SteadyTape, za: SteadyTape, eb: SteadyTape, zb: SteadyTape) -
 
 def _same_node(x: Node, y: Node, kx: list[tuple], ky: list[tuple]) -> bool:
     """Whether two nodes of tapes with their sizes zeroed are the same op on the same values
-    (by ``value_keys``); an op that returns a list may return lists of other lengths (its
+    (by ``_value_keys``); an op that returns a list may return lists of other lengths (its
     length is a size: ``unbind`` of the experts hit), the other outputs being the same."""
 
     def ids(keys: list[tuple], vids: Sequence[int]) -> tuple:
