@@ -44,6 +44,7 @@ from ..tensors import (
     on_storage,
     view_on,
 )
+from ..units import format_bytes
 from .call_checks import CallCheck, CallLog, LoggedCalls, eligible
 from .draws import Draws, draws_by_layout
 from .op_checks import Check, FastCheck, OpKinds, OpLog, SteadyCheck, fast_checks
@@ -506,6 +507,22 @@ class SteadyForward:
             else:
                 held[vid] = on_storage(t, storage) if holds.copy else detached(t)
 
+    def _over_budget(self, binding: DataBinding) -> str | None:
+        """Where the values the plan keeps take more bytes at this call's sizes than the plan
+        allows the block, why the call must not keep them (a recorded call keeps fewer,
+        ``Block._within_budget``; held until here, the excess lives only during the forward)."""
+        budget = self.block.plan_budget
+        if budget is None:
+            return None
+        tape = binding.tape().tape
+        kept = tape.saved_bytes(tape.planned)
+        if kept <= budget:
+            return None
+        return (
+            f"the values its plan keeps take {format_bytes(kept)} at its sizes, over the "
+            f"{format_bytes(budget)} the plan allows the block"
+        )
+
     def matched(self) -> int:
         """How many op checks the call passed before it departed from its tape (a check's
         mode stops counting at its departure)."""
@@ -533,7 +550,7 @@ class SteadyForward:
             self.diverged = f"{self.exits} submodule calls, the tape has {entry.exits}"
         if self.diverged is None and self.binding is not None:
             assert isinstance(check, SteadyCheck), "a bound call's ops are checked"
-            self.diverged = self.binding.finish(check.sizes)
+            self.diverged = self.binding.finish(check.sizes) or self._over_budget(self.binding)
         if self.diverged is None:
             made = autograd_nodes(outputs, inputs, limit=len(entry.autograd))
             same = made == entry.autograd

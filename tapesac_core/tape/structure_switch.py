@@ -210,11 +210,8 @@ class Switch:
             if id(other) in self.tried:
                 continue
             agreed = agreement(current, other)
-            if (
-                agreed.checks < c
-                or agreed.packs < packs + (pack is not None)
-                or agreed.exits < exits
-            ):
+            # The op or pack the call departed at is the other template's own: checked next.
+            if agreed.checks < c or agreed.packs < packs or agreed.exits < exits:
                 continue
             rebound = binding.rebound(other)
             if rebound is None or not _holds_alike(binding, rebound, packs, exits, agreed.vids):
