@@ -199,7 +199,8 @@ class _Recording:
         self.recorder = recorder = Recorder(block)
         recorder.register_inputs(inputs)
         # A module block's calls, for its steady-state calls to check (``call_checks.py``).
-        self.calls = CallLog(inputs, block.module, recorder.ops) if block.module else None
+        module = block.module
+        self.calls = CallLog(inputs, module, recorder.ops) if module is not None else None
         self.outputs: list[torch.Tensor] = []
         self.output_vids: list[int] = []
 
