@@ -154,6 +154,9 @@ class Block:
         # Some node writes in place: only then must replay guard what it must not write into.
         self.writes_in_place = False
         self._owners: dict[str, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
+        # The parameters and buffers backward fetches by name, as the forward used them
+        # (``note_leaves``), for the forward's own where the module holds another at backward.
+        self._leaves_used: dict[str, torch.Tensor] = {}
         self.device_types: set[str] = set()  # of the recorded layouts (ValueIds.layout)
         self.verify = False  # fingerprint packed values; replay compares (see verify.py)
         self.deterministic_ops: frozenset[str] = frozenset()  # custom ops declared not random
@@ -226,7 +229,23 @@ class Block:
                 "backward time, not the unsharded tensor forward used. Fix: shard with FSDP2 at "
                 "the checkpointed module or above it (fully_shard(block) after checkpoint_module)"
             )
-        return t
+        used = self._leaves_used.get(value.name)
+        return t if used is None else used
+
+    def note_leaves(self) -> None:
+        """End of forward: the parameters and buffers backward fetches by name, as the module
+        holds them now. Backward takes these where the module holds other tensors by then:
+        ``torch.func.functional_call`` swaps its tensors in for the forward and back before
+        backward, which would otherwise see the module's own. FSDP2 gathers into the same
+        tensors it registered in forward, so under it nothing changes."""
+        values = self.values
+        self._leaves_used = {}
+        used = {
+            str(values[vid].name): self.fetch(values[vid])
+            for vid in self.kept
+            if values[vid].kind == PARAM or values[vid].kind == BUFFER
+        }
+        self._leaves_used = used
 
     def finish(
         self, outputs: frozenset[int], alive: Callable[[Collection[int]], dict[int, Any]]
@@ -274,6 +293,7 @@ class Block:
             )
         self.trace.tape = tape
         self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
+        self.note_leaves()
 
     def outliving(
         self, alive: Callable[[Collection[int]], dict[int, Any]]
