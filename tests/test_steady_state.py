@@ -847,9 +847,9 @@ def test_a_forward_that_raises_leaves_no_hook_on_its_submodules() -> None:
 def test_functional_call_with_other_parameters_is_bitwise_recorded_and_steady() -> None:
     """``torch.func.functional_call`` swaps other tensors in for a block's parameters during the
     forward and back before backward: backward takes the ones the forward used (not the
-    module's own, fetched by name), on the recorded call and the steady-state calls after it,
-    and a plain call afterwards uses the module's own again. Every call bitwise; before, the
-    gradients were off by up to 6.7."""
+    module's own, fetched by name), on the recorded call, the steady-state calls after it and
+    a call that diverged (its forward run again), and a plain call afterwards uses the module's
+    own again. Every call bitwise; before, the gradients were off by up to 6.7."""
     torch.manual_seed(0)
     reference = torch.nn.Sequential(
         torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)
@@ -866,7 +866,10 @@ def test_functional_call_with_other_parameters_is_bitwise_recorded_and_steady() 
         }
 
     ours, theirs = swapped(block), swapped(reference)
-    for i in range(3):
+    for i in range(4):
+        # A call whose eps changed diverges: its backward runs the forward again, with the
+        # swapped-in tensors put back for it.
+        reference[0].eps = block[0].eps = 1e-5 if i < 3 else 1e-3
         with tapesac_core.trace() as blocks:
             got = torch.func.functional_call(block, ours, (x,)).pow(2).sum()
             grads = torch.autograd.grad(got, [x, *ours.values()])
@@ -874,6 +877,6 @@ def test_functional_call_with_other_parameters_is_bitwise_recorded_and_steady() 
         want = torch.autograd.grad(expected, [x, *theirs.values()])
         assert torch.equal(got, expected)
         assert all(torch.equal(a, b) for a, b in zip(grads, want)), i
-        assert blocks[0].steady == (i > 0)
+        assert blocks[0].steady == (0 < i < 3) and (blocks[0].diverged is not None) == (i == 3)
     ref = step(reference, lambda: reference(x).pow(2).sum())
     assert_bitwise(ref, step(block, lambda: block(x).pow(2).sum()))

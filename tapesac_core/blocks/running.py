@@ -45,7 +45,7 @@ from ..plan.plan import BlockKind
 from ..tape.block import Block, BlockPlan
 from ..tape.call_checks import CallLog
 from ..tape.data_sizes import DataBinding, DataTemplate
-from ..tape.recompute import Recompute, never_unpacked
+from ..tape.recompute import Recompute, leaves_of, never_unpacked
 from ..tape.recorder import Recorder
 from ..tape.signature import Signature, block_signature, call_arguments
 from ..tape.steady import Recorded, SteadyForward, SteadyTape, autograd_nodes, steady_tape
@@ -354,6 +354,7 @@ def _run_steady(
             signature.autocast,
             forward.layouts(),
             _recording,
+            leaves_of(module) if (module := block.module) is not None else [],
             _learned_again(block, cache, signature, forward) if binding is not None else None,
         )
     return out

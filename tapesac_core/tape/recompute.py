@@ -4,9 +4,9 @@ says when a call diverges)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, ExitStack
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -34,10 +34,12 @@ class Recompute:
         autocast: Sequence[tuple[str, torch.dtype]],
         layouts: list[Layout],
         running: Callable[[Any], AbstractContextManager[Any]],
+        leaves: list[Leaf],
         recorded: Callable[..., None] | None = None,
     ) -> None:
         self.name, self.fn, self.args, self.kwargs = name, fn, args, kwargs
         self.rng, self.autocast, self.layouts, self.running = rng, autocast, layouts, running
+        self.leaves = leaves  # the module's parameters and buffers as the forward used them
         # Where the forward run again is recorded too (``running._learned_again``): called as
         # ``recorded(fn, args, kwargs, self)``, it runs the forward under ``pack`` and
         # ``never_unpacked`` with ``recorder_pack`` set to its recorder's pack.
@@ -67,6 +69,7 @@ class Recompute:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(self.running(block))
+                stack.enter_context(forward_leaves(self.leaves))
                 if self.recorded is not None:
                     self.recorded(self.fn, args, kwargs, self)
                 else:
@@ -101,6 +104,49 @@ class Recompute:
         else:
             self._packing.append(t.detach())
         return len(self._packing) - 1
+
+
+class Leaf(NamedTuple):
+    """One parameter or buffer of a module, in its owner's table under ``attr``."""
+
+    table: dict[str, Any]  # the owner's ``_parameters`` or ``_buffers``
+    attr: str
+    tensor: Tensor
+
+
+def leaves_of(module: torch.nn.Module) -> list[Leaf]:
+    """The parameters and buffers ``module`` holds now (its forward just ended)."""
+    return [
+        Leaf(table, attr, t)
+        for m in module.modules()
+        for table in (m._parameters, m._buffers)
+        for attr, t in table.items()
+        if t is not None
+    ]
+
+
+@contextmanager
+def forward_leaves(leaves: list[Leaf]) -> Iterator[None]:
+    """The parameters and buffers a forward used, put back into their modules for the forward
+    run again: ``torch.func.functional_call`` swaps its own tensors in for the forward and back
+    before backward (FSDP2 gathers into the tensors it registered, so nothing changes there)."""
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for table, attr, t in leaves:
+            current = table.get(attr, _ABSENT)
+            if current is not t:
+                swapped.append((table, attr, current))
+                table[attr] = t
+        yield
+    finally:
+        for table, attr, current in reversed(swapped):
+            if current is _ABSENT:
+                del table[attr]
+            else:
+                table[attr] = current
+
+
+_ABSENT = object()
 
 
 def never_unpacked(handle: int) -> Tensor:
