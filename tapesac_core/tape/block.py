@@ -219,17 +219,24 @@ class Block:
             path, _, attr = value.name.rpartition(".")
             owner = self._owners[value.name] = (self.module.get_submodule(path), attr)
         module, attr = owner
+        used = self._leaves_used.get(value.name)
         # The registry first: Module.__getattr__ is a Python frame per unpack of a parameter.
         t = (module._parameters if value.kind == PARAM else module._buffers).get(attr)
         if t is None:
-            t = getattr(module, attr)
+            t = getattr(module, attr, None)
+        if t is None and used is not None:
+            return used  # removed from the module since the forward (``note_leaves``)
+        if t is None:
+            raise TapeSACError(
+                f"block {self.name!r}: {value.kind} {value.name!r}, which its forward read, is "
+                "not on the module. Fix: keep it registered until the block's backward"
+            )
         if is_subclass_with_dispatch(t):
             raise TapeSACError(
                 f"block {self.name!r}: {value.kind} {value.name!r} is a {type(t).__name__} at "
                 "backward time, not the unsharded tensor forward used. Fix: shard with FSDP2 at "
                 "the checkpointed module or above it (fully_shard(block) after checkpoint_module)"
             )
-        used = self._leaves_used.get(value.name)
         return t if used is None else used
 
     def note_leaves(self) -> None:
