@@ -906,3 +906,42 @@ def test_a_parameter_removed_between_forward_and_backward_is_the_forwards(how: s
             grads.append(torch.autograd.grad(loss, [x, bias, m[1].weight]))
             m[1].bias = bias
         assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _Decaying(torch.nn.Module):
+    """A block whose forward replaces a buffer it read, out of place (a schedule kept as a
+    buffer, as TapeSAC's refusal of in-place writes to buffers suggests)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.register_buffer("scale", torch.full((16,), 2.0))
+        self.eps = 1e-5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.layer_norm(self.linear(x), (16,), eps=self.eps) * self.scale
+        self.scale = self.scale * 0.5
+        return torch.tanh(y)
+
+
+def test_a_buffer_the_forward_replaces_is_the_one_it_read_for_backward() -> None:
+    """Backward takes the buffer as the forward first read it, not the one the forward left on
+    the module: recorded, steady and diverged calls bitwise (a diverged call's forward, run
+    again in backward, reads it as the forward did, and leaves the module as it was), and the
+    buffer advances once per call as without checkpointing. Before, backward fetched the
+    replaced one: wrong gradients on every call."""
+    torch.manual_seed(0)
+    reference = _Decaying()
+    block = copy.deepcopy(reference)
+    tapesac_core.checkpoint_module(block)
+    x = torch.randn(4, 16, requires_grad=True)
+    paths = []
+    for i in range(5):
+        reference.eps = block.eps = 1e-3 if i == 3 else 1e-5
+        ref = step(reference, lambda: reference(x).pow(2).sum())
+        with tapesac_core.trace() as blocks:
+            got = step(block, lambda: block(x).pow(2).sum())
+        assert_bitwise(ref, got)
+        assert torch.equal(block.scale, reference.scale)
+        paths.append("diverged" if blocks[0].diverged else "steady" if blocks[0].steady else "")
+    assert paths == ["", "steady", "steady", "diverged", ""]

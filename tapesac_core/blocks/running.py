@@ -354,7 +354,7 @@ def _run_steady(
             signature.autocast,
             forward.layouts(),
             _recording,
-            leaves_of(module) if (module := block.module) is not None else [],
+            [] if block.module is None else leaves_of(block.module, forward.check.sources.read),
             _learned_again(block, cache, signature, forward) if binding is not None else None,
         )
     return out

@@ -155,8 +155,10 @@ class Block:
         self.writes_in_place = False
         self._owners: dict[str, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
         # The parameters and buffers backward fetches by name, as the forward used them
-        # (``note_leaves``), for the forward's own where the module holds another at backward.
+        # (``note_leaves``), for the forward's own where the module holds another at backward;
+        # and, while a recording runs, each as the forward first read it (``ValueIds``).
         self._leaves_used: dict[str, torch.Tensor] = {}
+        self.leaves_read: dict[str, torch.Tensor] = {}
         self.device_types: set[str] = set()  # of the recorded layouts (ValueIds.layout)
         self.verify = False  # fingerprint packed values; replay compares (see verify.py)
         self.deterministic_ops: frozenset[str] = frozenset()  # custom ops declared not random
@@ -239,19 +241,22 @@ class Block:
             )
         return t if used is None else used
 
-    def note_leaves(self) -> None:
-        """End of forward: the parameters and buffers backward fetches by name, as the module
-        holds them now. Backward takes these where the module holds other tensors by then:
-        ``torch.func.functional_call`` swaps its tensors in for the forward and back before
-        backward, which would otherwise see the module's own. FSDP2 gathers into the same
-        tensors it registered in forward, so under it nothing changes."""
+    def note_leaves(self, read: Mapping[str, torch.Tensor]) -> None:
+        """End of forward: the parameters and buffers backward fetches by name, as the forward
+        first read them (``read``, by name), else as the module holds them now. Backward takes
+        these where the module holds other tensors by then: ``torch.func.functional_call``
+        swaps its tensors in for the forward and back before backward, and a forward may
+        replace a buffer it read (``self.scale = self.scale * 0.5``). FSDP2 gathers into the
+        same tensors it registered in forward, so under it nothing changes."""
         values = self.values
         self._leaves_used = {}
-        used = {
-            str(values[vid].name): self.fetch(values[vid])
-            for vid in self.kept
-            if values[vid].kind == PARAM or values[vid].kind == BUFFER
-        }
+        used = {}
+        for vid in self.kept:
+            value = values[vid]
+            if value.kind == PARAM or value.kind == BUFFER:
+                name = str(value.name)
+                first = read.get(name)
+                used[name] = first if first is not None else self.fetch(value)
         self._leaves_used = used
 
     def finish(
@@ -300,7 +305,8 @@ class Block:
             )
         self.trace.tape = tape
         self.trace.saved = frozenset(v for v in self.held if self.values[v].kind == OP)
-        self.note_leaves()
+        self.note_leaves(self.leaves_read)
+        self.leaves_read = {}
 
     def outliving(
         self, alive: Callable[[Collection[int]], dict[int, Any]]

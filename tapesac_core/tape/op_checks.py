@@ -87,6 +87,10 @@ class Sources:
         self._leaves: dict[int, str] | None = None  # read at the first tensor not seen
         self._ptrs: dict[int, int] | None = None  # the leaves' storages, read at an alias
         self._externals: dict[int, int] = {}  # an external storage -> its order of first use
+        # Each parameter and buffer as the forward first read it, by name: one the forward
+        # replaces on its module later (``self.scale = self.scale * 0.5``) is this one for
+        # backward (``Block.note_leaves``).
+        self.read: dict[str, Tensor] = {}
         for i, t in enumerate(inputs):
             self.made_by_id[id(t)] = (weakref.ref(t), -1 - i)
 
@@ -96,6 +100,18 @@ class Sources:
             return entry[1]
         return self._unseen(t)
 
+    def note_leaf(self, t: Tensor) -> None:
+        """If ``t``, not made by the forward, is one of the module's parameters or buffers, it
+        is that one as the forward read it (``read``)."""
+        entry = self.made_by_id.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return
+        if self._leaves is None:
+            self._leaves = leaf_names(self._module)
+        name = self._leaves.get(id(t))
+        if name is not None:
+            self.read.setdefault(name, t)
+
     def named(self, t: Tensor, name: str) -> bool:
         """Whether ``t`` is the module's parameter or buffer ``name`` now: the key of a leaf,
         without listing every leaf of the module (``_unseen``)."""
@@ -104,7 +120,10 @@ class Sources:
             module = self._module.get_submodule(path)
         except AttributeError:
             return False
-        return getattr(module, leaf, None) is t
+        if getattr(module, leaf, None) is not t:
+            return False
+        self.read.setdefault(name, t)
+        return True
 
     def made(self, out: Any, check: int) -> None:
         """``out``, the result of logged op ``check``: each tensor's source is its position."""
@@ -126,6 +145,7 @@ class Sources:
             self._leaves = leaf_names(self._module)
         name = self._leaves.get(id(t))
         if name is not None:
+            self.read.setdefault(name, t)
             return name
         # Made outside the dispatcher (``.data``): known by the tensor whose storage it shares.
         layout = (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device)
@@ -348,8 +368,10 @@ class Checking:
 
     diverged: str | None
     off: bool
+    paused = False  # by a hook (``pause``)
     nodes: Sequence[Any]
     states: dict[int, Tensor]
+    sources: Sources
 
     def read_state(self, node: int) -> None:
         """Random op ``node`` is about to run: its generator's state, for its replay."""
@@ -363,10 +385,18 @@ class Checking:
 
     def pause(self) -> None:
         """What a hook dispatches to hold what it saw is not the forward's."""
-        self.off = True
+        self.off = self.paused = True
 
     def resume(self) -> None:
-        self.off = self.diverged is not None
+        self.off, self.paused = self.diverged is not None, False
+
+    def unchecked(self, args: tuple, kwargs: dict) -> None:
+        """An op or call that passes unchecked: after a divergence (not in a hook), the
+        parameters and buffers it reads, which the backward's run of the forward takes as the
+        forward read them (``recompute.forward_leaves``)."""
+        if self.diverged is not None and not self.paused:
+            for t in flat_tensors((args, kwargs)):
+                self.sources.note_leaf(t)
 
 
 class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
@@ -423,6 +453,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         if kwargs is None:
             kwargs = {}
         if self.off:
+            self.unchecked(args, kwargs)
             return func(*args, **kwargs)
         c = self.count
         checks = self.checks

@@ -4,7 +4,7 @@ says when a call diverges)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -114,11 +114,12 @@ class Leaf(NamedTuple):
     tensor: Tensor
 
 
-def leaves_of(module: torch.nn.Module) -> list[Leaf]:
-    """The parameters and buffers ``module`` holds now (its forward just ended)."""
+def leaves_of(module: torch.nn.Module, read: Mapping[str, Tensor]) -> list[Leaf]:
+    """The parameters and buffers the forward of ``module`` (just ended) used: each as it first
+    read it (``read``, by name), else as the module holds it now."""
     return [
-        Leaf(table, attr, t)
-        for m in module.modules()
+        Leaf(table, attr, read.get(f"{prefix}.{attr}" if prefix else attr, t))
+        for prefix, m in module.named_modules(remove_duplicate=False)
         for table in (m._parameters, m._buffers)
         for attr, t in table.items()
         if t is not None

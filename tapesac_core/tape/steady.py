@@ -566,7 +566,7 @@ class SteadyForward:
             block.draws = Draws(check.states)
             block.trace.draws_bytes = block.draws.nbytes
         self.rng = []  # only a recomputation needs it: the pack hook lives as long as the graph
-        block.note_leaves()
+        block.note_leaves(check.sources.read)
         block.refs = {
             vid: (weakref.ref(t), t._version)
             for vid, t in zip(entry.outputs, outputs)

@@ -181,6 +181,7 @@ class ValueIds:
         self.refuse_subclass(t)
         leaf = self._leaf_name(t)
         if leaf is not None:
+            self.block.leaves_read.setdefault(leaf[1], t)
             return self.new_value(t, -1, 0, leaf[0], leaf[1])
         alias = self._same_view(t)
         if alias is not None:
