@@ -252,6 +252,7 @@ class CallCheck(TorchFunctionMode, Checking):
         why = self._departure(c, func, args, kwargs)
         if why is not None:
             self.diverge(why)
+            self.unchecked(args, kwargs)
         elif c in self.drawing:
             self.read_state(self.drawing[c])
         out = func(*args, **kwargs) if ran is _NOT_RUN else ran

@@ -68,9 +68,15 @@ class OpKinds(NamedTuple):
 
 
 def leaf_names(module: torch.nn.Module) -> dict[int, str]:
-    """The module's parameters and buffers as they are now, by ``id``, named by path."""
-    names = {id(t): name for name, t in module.named_buffers(remove_duplicate=False)}
-    names.update((id(t), name) for name, t in module.named_parameters(remove_duplicate=False))
+    """The module's parameters and buffers as they are now, by ``id``, named by path: a tensor
+    under several names by its first, as the recorder names it (``ValueIds._leaf_name``)."""
+    names: dict[int, str] = {}
+    for named in (
+        module.named_parameters(remove_duplicate=False),
+        module.named_buffers(remove_duplicate=False),
+    ):
+        for name, t in named:
+            names.setdefault(id(t), name)
     return names
 
 
@@ -468,6 +474,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
                     if self.switch is not None and self.switch(c):
                         return self.__torch_dispatch__(func, types, args, kwargs)
                     self.diverge(f"op {c} ({func}): {why}")
+                    self.unchecked(args, kwargs)
             if c in self.drawing:
                 self.read_state(self.drawing[c])
             out = raw_call(func)(*args, **kwargs)  # a Python frame per op spared
@@ -535,6 +542,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         elif departs:
             expected = str(self.checks[c].op) if c < len(self.checks) else "no more ops"
             self.diverge(f"op {c} is {func}, the tape has {expected}")
+            self.unchecked(args, kwargs)
         return out
 
     def _differs(self, check: Check, args: tuple, kwargs: dict) -> str | None:

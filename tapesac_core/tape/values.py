@@ -189,6 +189,7 @@ class ValueIds:
             return alias
         leaf = self._leaf_view(t)
         if leaf is not None:
+            self.block.leaves_read.setdefault(leaf[1], t)
             return self.new_value(t, -1, 0, leaf[0], leaf[1])
         vid = self.new_value(t, -1, 0, EXTERNAL)
         self.holding.no_producer(vid, t)
@@ -242,7 +243,8 @@ class ValueIds:
             return None
         cached = getattr(module, _LEAVES, None)
         entry = cached.get(id(t)) if cached is not None else None
-        if entry is None and self._leaves is None:
+        # A stale entry (a freed leaf whose id Python gave ``t``) is a miss too.
+        if (entry is None or entry[0]() is not t) and self._leaves is None:
             cached = self._leaves = {}
             for kind, named in (
                 (PARAM, module.named_parameters(remove_duplicate=False)),
