@@ -242,10 +242,11 @@ class TapeSACConfig:
         },
     )
     torch_checkpoint_blocks: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "The peak-aware planner may also run blocks under torch.utils.checkpoint "
-            "where the bucket's full-checkpointing steps measured faster than its must-only ones"
+            "where the bucket's full-checkpointing steps measured faster than its must-only ones "
+            "(False: TapeSAC blocks only, and no full-checkpointing steps are measured)"
         },
     )
     torch_checkpoint_steps: int = field(
@@ -300,8 +301,9 @@ class TapeSACConfig:
             raise ValueError(f"memory_model is 'peak' or 'sum' (Eq. 8), got {self.memory_model!r}")
         if self.torch_checkpoint_blocks and self.memory_model != "peak":
             raise ValueError(
-                "torch_checkpoint_blocks needs memory_model='peak' (Eq. 8 cannot price a block "
-                "that recomputes its forward in backward): set one or the other"
+                "memory_model='sum' (Eq. 8) cannot price a block that recomputes its forward in "
+                "backward, and torch_checkpoint_blocks is on by default: pass "
+                "torch_checkpoint_blocks=False with memory_model='sum'"
             )
         if self.beam_width < 1 or self.max_set_size < 1 or self.knapsack_resolution < 1:
             raise ValueError("beam_width, max_set_size and knapsack_resolution must be >= 1")

@@ -71,8 +71,14 @@ def test_torch_checkpoint_blocks_run_where_measured_faster_under_the_limit(moe) 
     kinds = report.plan.regions[region].kinds
     assert BlockKind.TORCH_CHECKPOINT in kinds, report.plan.explain()
     assert report.torch_checkpointed == kinds.count(BlockKind.TORCH_CHECKPOINT)
-    assert "torch checkpoint" in report.plan.explain()
-    assert "torch_checkpoint_blocks=True" not in report.plan.explain()  # it is on
+    explained = report.plan.explain()
+    assert "torch checkpoint" in explained
+    assert "torch_checkpoint_blocks=True" not in explained  # it is on
+    # What it was priced from, in the user's units.
+    assert (
+        f"full-checkpointing steps measured {0.5 * must_only * 1e3:.1f} ms (median of 3) against "
+        f"must-only's {must_only * 1e3:.1f} ms (median of 3), faster" in explained
+    ), explained
     assert report.peak <= limit, (report.peak, limit)
     assert abs(report.peak / report.predicted_peak - 1) < 0.03, (report.peak, report.predicted_peak)
     torch.manual_seed(10)
@@ -84,6 +90,7 @@ def test_torch_checkpoint_blocks_run_where_measured_faster_under_the_limit(moe) 
     report, _ = _step(controller, model, ids, 11)
     assert BlockKind.TORCH_CHECKPOINT not in report.plan.regions[region].kinds
     assert report.torch_checkpointed == 0
+    assert "not faster: no block runs under it" in report.plan.explain()
 
 
 def test_full_checkpointing_is_not_measured_where_it_is_predicted_over_the_limit() -> None:
@@ -95,8 +102,9 @@ def test_full_checkpointing_is_not_measured_where_it_is_predicted_over_the_limit
     # does), the steps go on without it.
     full_peak = _full_checkpoint_peak(probe, key)
     controller = tapesac_core.Controller(model, full_peak - 256 * KiB, **SETTINGS)
-    modes = [str(_step(controller, model, ids, seed)[0].mode) for seed in range(4)]
-    assert modes == ["warmup", "profile", "control", "planned"], modes
+    reports = [_step(controller, model, ids, seed)[0] for seed in range(4)]
+    assert [str(r.mode) for r in reports] == ["warmup", "profile", "control", "planned"]
+    assert "torch.utils.checkpoint was not measured for this bucket" in reports[-1].plan.explain()
 
 
 def test_a_blocks_gain_is_the_measured_saving_shared_by_full_recompute_time() -> None:

@@ -73,6 +73,29 @@ class TorchCheckpointPricing:
             must_only_seconds,
         )
 
+    def note(self, key: Bucket) -> str | None:
+        """What ``explain()`` says of torch's checkpoint in bucket ``key``'s plan: the measured
+        steps it was priced from, or why it was not measured; None when not asked for."""
+        if not self.config.torch_checkpoint_blocks:
+            return None
+        times = self.times.of(key)
+        if not (times.full and times.must_only):
+            return (
+                "torch.utils.checkpoint was not measured for this bucket: no full-checkpointing "
+                "step was predicted within the capacity before its first plan, so none ran"
+            )
+        full, must_only = statistics.median(times.full), statistics.median(times.must_only)
+        verdict = (
+            "faster: its blocks may run under it where the capacity allows"
+            if full < must_only
+            else "not faster: no block runs under it"
+        )
+        return (
+            f"torch.utils.checkpoint: full-checkpointing steps measured {full * 1e3:.1f} ms "
+            f"(median of {len(times.full)}) against must-only's {must_only * 1e3:.1f} ms "
+            f"(median of {len(times.must_only)}), {verdict}"
+        )
+
     def priced(self, key: Bucket) -> None:
         """Bucket ``key``'s plan was just solved, priced from its full-checkpointing steps
         measured now."""

@@ -412,13 +412,14 @@ def _region_plan(
         if not torch_checkpoint_blocks:
             # Recording every call costs host time per op that torch's checkpoint does not.
             notes.append(
-                "torch_checkpoint_blocks=True would measure torch.utils.checkpoint, which records "
-                "nothing, on this region and run its blocks so where faster"
+                "torch_checkpoint_blocks=True (the default) would measure torch.utils.checkpoint, "
+                "which records nothing, on this region and run its blocks so where faster"
             )
     if BlockKind.TORCH_CHECKPOINT in kinds:
         notes.append(
-            "torch checkpoint: the block runs under torch.utils.checkpoint, which measured "
-            "faster than must-only here"
+            f"torch checkpoint: {kinds.count(BlockKind.TORCH_CHECKPOINT)} of its {len(kinds)} "
+            "blocks run under torch.utils.checkpoint, which measured faster than must-only here "
+            "and fits the capacity"
         )
     note = "; ".join(notes)
     largest = points[max((i for i in chosen if i < len(points)), default=0)]

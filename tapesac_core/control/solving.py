@@ -95,8 +95,8 @@ class BucketSolver:
         # removes replay temporaries, so only a plan predicted above it means nothing fits.
         if plan.predicted_peak > capacity:
             budget.say_unfit(plan, capacity, edges, memory)
-        note = budget.near_limit_note(memory)
-        return plan if note is None else replace(plan, notes=(*plan.notes, note))
+        notes = (self.pricing.note(key), budget.near_limit_note(memory))
+        return replace(plan, notes=(*plan.notes, *(n for n in notes if n is not None)))
 
     def must_only_seconds(self, key: Bucket, edges: dict[str, int]) -> float:
         """The modelled must-only step seconds of bucket ``key`` at ``edges``."""
