@@ -234,7 +234,8 @@ def limit(args: argparse.Namespace) -> dict[str, Any]:
         model, limit_bytes, warmup_steps=1, profile_steps=2, control_steps=1, control_every=0
     )
     steps = []
-    for _ in range(8):
+    # Warm-up, profiling, three must-only and three full-checkpointing steps, then planned ones.
+    for _ in range(12):
         with controller.step(tokens=ids.numel()) as report:
             model.zero_grad(set_to_none=True)
             model.loss(ids).backward()

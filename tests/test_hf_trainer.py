@@ -57,8 +57,15 @@ def losses(ranks: list[dict]) -> list[list[float]]:
 @pytest.mark.slow
 @pytest.mark.launch
 def test_trainer_is_bitwise_its_own_checkpointing_one_step_per_micro_batch(tmp_path) -> None:
-    # Every block recorded (no block plain): the plans save values and replay the rest.
-    tapesac = fit(tmp_path, "tapesac", *SHORT, tapesac_plain_blocks=False)
+    # Every block recorded (none plain, none under torch's checkpoint): the plans save values
+    # and replay the rest.
+    tapesac = fit(
+        tmp_path,
+        "tapesac",
+        *SHORT,
+        tapesac_plain_blocks=False,
+        tapesac_torch_checkpoint_blocks=False,
+    )
     baseline = fit(tmp_path, "hf", *SHORT, tapesac=False)
     assert losses(tapesac) == losses(baseline)  # attention dropout on, 2 micro-batches per step
     assert [len(r["steps"]) for r in tapesac] == [12, 12]
@@ -99,13 +106,16 @@ def test_trainer_is_bitwise_its_own_checkpointing_one_step_per_micro_batch(tmp_p
 @pytest.mark.launch
 def test_resume_from_a_checkpoint_elsewhere_needs_no_profiling(tmp_path) -> None:
     common = (*SHORT, "--memory-limit", "28MiB", "--save-steps", "3")
-    whole = fit(tmp_path, "whole", *common)
+    # Planned steps from the fifth micro-batch on (no full-checkpointing steps before them).
+    whole = fit(tmp_path, "whole", *common, tapesac_torch_checkpoint_blocks=False)
     moved = tmp_path / "elsewhere" / "checkpoint-3"
     shutil.copytree(tmp_path / "whole" / "output" / "checkpoint-3", moved)
     state = json.loads((moved / "trainer_state.json").read_text())
     assert state["stateful_callbacks"]["TapeSAC"]["plans"]
     assert any("tapesac/saved_bytes" in entry for entry in state["log_history"])
-    resumed = fit(tmp_path, "resumed", *common, "--resume", str(moved))
+    resumed = fit(
+        tmp_path, "resumed", *common, "--resume", str(moved), tapesac_torch_checkpoint_blocks=False
+    )
     assert [r["limit"] for r in resumed] == [28 * 2**20] * 2  # explicit beats the YAML
     assert losses(resumed) == [run[6:] for run in losses(whole)]
     assert [s["mode"] for s in resumed[0]["steps"]] == ["planned"] * 6  # no profiling again

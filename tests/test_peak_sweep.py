@@ -164,9 +164,7 @@ def test_a_zero_limit_runs_must_only_under_the_peak_aware_model(dense, caplog):
 def test_eq8_overcharges_the_same_step(dense):
     base, must_only, everything = dense
     limit = int((must_only + 0.6 * everything) / 0.98)
-    planned, measured_must_only, report = _run(
-        base, limit, memory_model="sum", torch_checkpoint_blocks=False
-    )
+    planned, measured_must_only, report = _run(base, limit, memory_model="sum")
     measured, predicted = planned[0]
     assert report.plan.memory_model == "sum"
     # Eq. 8 charges every saved byte at the must-only peak: far above what the step measures

@@ -30,7 +30,6 @@ def _run(base, limit, steps=6, seq=64):
         limit,
         **(SHORT_SCHEDULE | dict(profile_steps=2)),
         memory_model="sum",
-        torch_checkpoint_blocks=False,
     )
     peaks = []
     for step in range(steps):
@@ -99,7 +98,6 @@ def test_a_longer_sequence_mid_run_replans_and_stays_under_the_limit(sweep) -> N
         limit,
         **SHORT_SCHEDULE,
         memory_model="sum",
-        torch_checkpoint_blocks=False,
     )
     for step in range(4):
         _, report = _peak_of_step(model, optimizer, token_ids(step, batch=4, seq=64), controller)

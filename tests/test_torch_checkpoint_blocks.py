@@ -84,6 +84,14 @@ def test_torch_checkpoint_blocks_run_where_measured_faster_under_the_limit(moe) 
     torch.manual_seed(10)
     assert_bitwise(step(reference, lambda: reference.loss(ids)), got)
 
+    # With room for every block plain, plain beats it, however much faster torch's checkpoint
+    # measured: a plain block does all a torch-checkpoint block does but its forward again.
+    controller.replan(memory_limit="1GiB")
+    report, got = _step(controller, model, ids, 12)
+    assert report.plan.regions[region].kinds == (BlockKind.PLAIN,) * 4, report.plan.explain()
+    torch.manual_seed(12)
+    assert_bitwise(step(reference, lambda: reference.loss(ids)), got)
+
     # Measured slower: never chosen.
     controller.times.full[key] = [2.0 * must_only] * 3
     controller.replan()

@@ -266,7 +266,7 @@ def _with_extras(
     plain = profile.plain_point
     plain_bytes = profile.bytes_at(plain, tokens / profile.tokens)
     gain = {
-        BlockKind.PLAIN: points[0].time + profile.forward_overhead,
+        BlockKind.PLAIN: _plain_gain(profile, points, tokens, torch_checkpoint_gain),
         BlockKind.TORCH_CHECKPOINT: torch_checkpoint_gain,
     }
     size = {BlockKind.PLAIN: plain_bytes, BlockKind.TORCH_CHECKPOINT: 0}
@@ -278,6 +278,21 @@ def _with_extras(
         kinds=(BlockKind.TAPE,) * len(points) + kinds,
         plain_bytes=plain_bytes,
     )
+
+
+def _plain_gain(
+    profile: RegionProfile, points: tuple[Point, ...], tokens: int, torch_checkpoint_gain: float
+) -> float:
+    """What a plain block saves against must-only: its replay and its forward's overhead as
+    profiled, and at least what a block under torch's checkpoint measured saving plus the
+    forward that block runs again, which a plain block does not. Profiled op times leave out
+    host time per replayed node, so the measured saving can exceed the modelled one; without
+    the bound a plan would choose torch's checkpoint over a plain block that fits."""
+    modelled = points[0].time + profile.forward_overhead
+    if torch_checkpoint_gain <= 0:
+        return modelled
+    recompute = profile.full_recompute_time * tokens / profile.tokens
+    return max(modelled, torch_checkpoint_gain + recompute)
 
 
 def torch_checkpoint_peak(
