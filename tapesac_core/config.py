@@ -132,7 +132,8 @@ class TapeSACConfig:
         metadata={
             "help": "One step with torch.utils.checkpoint on every block per this many planned "
             "steps of a bucket (0: never), for the measured speedup vs full checkpointing; such "
-            "steps may peak above must-only and are not metered against the limit"
+            "steps may peak above must-only and are metered against the limit on accelerators "
+            "only"
         },
     )
     margin: float = field(

@@ -144,6 +144,34 @@ def test_a_step_above_its_prediction_asks_for_the_unexplained_error_only(caplog)
     assert not off.check(_reading(90 * MiB), 0, plan, 45 * MiB, memory).model_error
 
 
+def test_a_full_checkpointing_step_above_its_prediction_corrects_the_model_and_over_the_limit_says_so(
+    caplog,
+) -> None:
+    budget, memory = _budget(margin=0.02)
+    with caplog.at_level(logging.INFO, logger="tapesac_core.control.budget"):
+        assert not budget.check_full(_reading(46 * MiB), 0, 45 * MiB, memory)  # within the margin
+        assert "full-checkpointing step" not in caplog.text
+        asked = budget.check_full(_reading(60 * MiB), 0, 45 * MiB, memory)
+    # The unexplained error, as for a planned step; under the 100 MiB limit nothing is said.
+    assert (
+        asked == Correction(model_error=15 * MiB) and "full-checkpointing step" not in caplog.text
+    )
+    capacity = budget.capacity(memory)
+    assert budget.apply(asked, memory) and budget.capacity(memory) == capacity - 15 * MiB
+    # Above the limit (with the measured fragmentation, 2 MiB): said once, with the fix.
+    with caplog.at_level(logging.INFO, logger="tapesac_core.control.budget"):
+        over = budget.check_full(_reading(99 * MiB), 0, 45 * MiB, memory)
+        budget.check_full(_reading(99 * MiB), 0, 45 * MiB, memory)
+    assert over == Correction(model_error=(99 - 45 - 15) * MiB)
+    assert caplog.text.count("above the memory limit 100.00 MiB") == 1, caplog.text
+    assert "torch_checkpoint_blocks=False" in caplog.text
+    # Memory outside the blocks that moved is measured anew, not taken for an error.
+    budget, memory = _budget(margin=0.02)
+    assert budget.check_full(_reading(69 * MiB), 24 * MiB, 45 * MiB, memory) == Correction(
+        outside_growth=24 * MiB
+    )
+
+
 def test_memory_outside_the_blocks_that_moved_is_measured_anew_not_taken_for_errors() -> None:
     budget, memory = _budget(margin=0.02)  # the sample saw 0 bytes in use at the step's start
     plan = _plan()
@@ -314,7 +342,12 @@ def test_must_only_steps_are_metered_when_they_sample_memory() -> None:
     assert schedule.metered(PROFILE, (3,), profiled=0)  # the first profiling step
     assert not schedule.metered(PROFILE, (3,), profiled=1)
     assert schedule.metered(SAMPLE, (3,), profiled=1)
-    assert not any(schedule.metered(m, (3,), profiled=0) for m in (WARMUP, CONTROL, FULL))
+    assert not any(schedule.metered(m, (3,), profiled=0) for m in (WARMUP, CONTROL))
+    # Full-checkpointing steps on accelerators, where metering costs nothing; on CPU it slows
+    # the step whose time they measure.
+    assert schedule.metered(FULL, (3,), profiled=0)
+    cpu = StepSchedule(TapeSACConfig(memory_limit=0.5), "cpu")
+    assert not cpu.metered(FULL, (3,), profiled=0)
 
 
 def test_the_first_warmup_step_verifies_or_else_the_first_profile_step() -> None:

@@ -115,6 +115,19 @@ def test_full_checkpointing_is_not_measured_where_it_is_predicted_over_the_limit
     assert "torch.utils.checkpoint was not measured for this bucket" in reports[-1].plan.explain()
 
 
+def test_full_checkpointing_steps_are_metered_against_their_prediction_on_accelerators() -> None:
+    _, model, ids = _models(moe=False)
+    controller = tapesac_core.Controller(model, "1GiB", **SETTINGS)
+    controller.schedule.on_cpu = False  # as on an accelerator, where metering costs nothing
+    reports = [_step(controller, model, ids, seed)[0] for seed in range(8)]
+    full = [r for r in reports if str(r.mode) == "full"]
+    assert len(full) == 3
+    for r in full:
+        assert r.peak is not None and r.predicted_peak, (r.peak, r.predicted_peak)
+        assert r.peak <= r.predicted_peak <= 1.03 * r.peak, (r.peak, r.predicted_peak)
+    assert controller.memory.model_error == 0  # within the margin: nothing to correct
+
+
 def test_a_blocks_gain_is_the_measured_saving_shared_by_full_recompute_time() -> None:
     _, model, ids = _models(moe=False)
     controller = tapesac_core.Controller(model, "1GiB", **SHORT_SCHEDULE)

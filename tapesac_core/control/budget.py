@@ -62,6 +62,7 @@ class MemoryBudget:
         self.total = total
         self._said_unfit = False
         self._said_over_budget = False
+        self._said_full_over = False
 
     def limit_bytes(self) -> int:
         """The memory limit in bytes on this device (or host, on CPU)."""
@@ -113,6 +114,34 @@ class MemoryBudget:
             fragmentation=0
             if growth is not None or unfit
             else self._near_limit_raise(reading, memory),
+            outside_growth=growth,
+        )
+
+    def check_full(
+        self, reading: MemoryReading, static: int, predicted_peak: int | None, memory: MemoryModel
+    ) -> Correction:
+        """What a metered full-checkpointing step asks of the memory model: memory outside the
+        blocks measured anew if it moved, and its peak's error beyond the margin against the
+        timeline model's prediction (``_peak_error``). The error lowers the capacity, against
+        which such steps and plans' blocks under torch's checkpoint are then predicted. A step
+        above the limit is also said, once."""
+        growth = self.outside_moved(static, memory)
+        moved = 0 if growth is None else growth - memory.static_growth
+        used = step_footprint(reading, memory.measured_fragmentation)
+        if used > self.limit_bytes() and not self._said_full_over:
+            self._said_full_over = True
+            logger.warning(
+                "TapeSAC: a full-checkpointing step (every block under torch.utils.checkpoint, "
+                "measured to price such blocks) needed %s, above the memory limit %s; its "
+                "predicted peak was %s. The error is added to the memory model, and such steps "
+                "run only where predicted within the capacity it leaves "
+                "(torch_checkpoint_blocks=False turns them off)",
+                format_bytes(used),
+                format_bytes(self.limit_bytes()),
+                "unknown" if predicted_peak is None else format_bytes(predicted_peak),
+            )
+        return Correction(
+            model_error=self._peak_error(reading, moved, predicted_peak, memory, "peak"),
             outside_growth=growth,
         )
 

@@ -243,6 +243,8 @@ class Controller:
             limit=self.limit_bytes(),
             local_tokens=local,
         )
+        if mode == FULL:  # what its meter, where it has one, is checked against
+            report.predicted_peak = self.solver.full_step_peak(key, self.memory)
         self._open = OpenStep.open(
             report,
             meter=self._meter if self.schedule.metered(mode, key, self.profiling.done) else None,
@@ -291,7 +293,11 @@ class Controller:
             # This rank's memory is that of its own batch: samples carry its own token count.
             self.memory.add(MemorySample.of(reading, tokens=primary, static=static))
         self._time(report, blocks, metered=reading is not None, recorded=recorded)
-        if reading is not None:  # must-only steps (no plan) ask only for outside memory anew
+        if reading is not None and mode == FULL:
+            self._pending = self.budget.check_full(
+                reading, static, report.predicted_peak, self.memory
+            )
+        elif reading is not None:  # must-only steps (no plan) ask only for outside memory anew
             self._pending = self.budget.check(
                 reading, static, report.plan, report.predicted_peak, self.memory
             )

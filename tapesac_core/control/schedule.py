@@ -62,9 +62,12 @@ class StepSchedule:
         """Memory is metered in the first profiling step (``profiled``: profiling steps done in
         the current run of them), sample steps, and planned steps: on accelerators every one
         (allocator statistics cost nothing); on CPU, where metering slows the step, a bucket's
-        first and then one in ``meter_every``."""
+        first and then one in ``meter_every``. Full-checkpointing steps are metered on
+        accelerators: on CPU their time is what they measure."""
         if mode == PROFILE:
             return profiled == 0
+        if mode == FULL:
+            return not self.on_cpu
         if mode == PLANNED:
             every, since = self.config.meter_every, self._unmetered.get(key)
             return not self.on_cpu or since is None or bool(every and since >= every - 1)

@@ -129,11 +129,17 @@ class BucketSolver:
         """Whether bucket ``key`` (``planned``: it has a plan) still measures full checkpointing
         against must-only before its first plan (``torch_checkpoint_blocks``): its peak predicted
         within the limit on every rank."""
-        if not (
-            self.pricing.measures_full(key, planned) and self.profiling.profiles and memory.samples
-        ):
+        if not self.pricing.measures_full(key, planned):
             return False
+        peak = self.full_step_peak(key, memory)
+        return self.ranks.every(peak is not None and peak <= budget.capacity(memory))
+
+    def full_step_peak(self, key: Bucket, memory: MemoryModel) -> int | None:
+        """The predicted peak of a full-checkpointing step of bucket ``key`` at its token counts;
+        None before profiles and memory samples exist, or where the timeline does not match
+        them."""
+        if not (self.profiling.profiles and memory.samples):
+            return None
         edges = self.buckets.edges(key)
         primary = self.buckets.primary(edges)
-        peak = self.pricing.full_peak(self.profiling.of(edges), edges, memory, primary)
-        return self.ranks.every(peak is not None and peak <= budget.capacity(memory))
+        return self.pricing.full_peak(self.profiling.of(edges), edges, memory, primary)

@@ -367,7 +367,7 @@ def run_summary(
         lines.append(
             f"peak memory {format_bytes(max(peaks))} (max over {len(peaks)} metered steps) "
             f"against the limit {format_bytes(limit)}; full-checkpointing control steps "
-            "are not metered (they may peak above must-only)"
+            "are metered on accelerators only (they may peak above must-only)"
         )
     if headroom is not None and headroom[1] > headroom[0]:
         lines.append(_headroom_line(limit, *headroom))
