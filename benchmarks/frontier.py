@@ -173,10 +173,8 @@ def parser(prog: str = "python -m benchmarks.frontier") -> argparse.ArgumentPars
     )
     p.add_argument(
         "--torch-checkpoint-blocks",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="TapeSAC's plans may run blocks under torch.utils.checkpoint where measured faster "
-        "(TapeSAC's default; --no-torch-checkpoint-blocks turns it off)",
+        action="store_true",
+        help="TapeSAC's plans may run blocks under torch.utils.checkpoint where measured faster",
     )
     p.add_argument(
         "--torch-checkpoint-steps",

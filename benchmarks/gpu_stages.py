@@ -234,8 +234,7 @@ def limit(args: argparse.Namespace) -> dict[str, Any]:
         model, limit_bytes, warmup_steps=1, profile_steps=2, control_steps=1, control_every=0
     )
     steps = []
-    # Warm-up, profiling, three must-only and three full-checkpointing steps, then planned ones.
-    for _ in range(12):
+    for _ in range(8):
         with controller.step(tokens=ids.numel()) as report:
             model.zero_grad(set_to_none=True)
             model.loss(ids).backward()

@@ -55,7 +55,6 @@ def run(base, ids, limit, memory_model):
         control_steps=1,
         control_every=0,
         memory_model=memory_model,
-        torch_checkpoint_blocks=False,  # the two memory models compared on TapeSAC blocks alone
         peak_correction=False,
     )
     must_only = peak = report = None

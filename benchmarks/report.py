@@ -180,14 +180,14 @@ def write_outputs(result: dict[str, Any], out_dir: Path, markdown: Path | None) 
 
 
 def run_name(result: dict[str, Any]) -> tuple[str, ...]:
-    """Model and size, the save-set cap when it is not the default, and whether plans were kept
-    from running blocks under torch.utils.checkpoint (each its own files and section)."""
+    """Model and size, the save-set cap when it is not the default, and whether plans may run
+    blocks under torch.utils.checkpoint (each its own files and section)."""
     cap = result.get("max_set_size", 12)
-    torch_checkpoint = result.get("tapesac_planning", {}).get("torch_checkpoint_blocks", True)
+    torch_checkpoint = result.get("tapesac_planning", {}).get("torch_checkpoint_blocks", False)
     return (
         (result["model"], result["size"])
         + (() if cap == 12 else (f"set{cap}",))
-        + (() if torch_checkpoint else ("tapesac_only",))
+        + (("torch_checkpoint",) if torch_checkpoint else ())
     )
 
 
@@ -221,9 +221,9 @@ def markdown_section(result: dict[str, Any], paths: dict[str, Path], base: Path)
             else ""
         )
         + (
-            ""
-            if plan.get("torch_checkpoint_blocks", True)
-            else ", TapeSAC's plans without blocks under torch.utils.checkpoint"
+            ", TapeSAC's plans may run blocks under torch.utils.checkpoint"
+            if plan.get("torch_checkpoint_blocks")
+            else ""
         ),
         "",
         f"Command: `{result['command']}`  ",

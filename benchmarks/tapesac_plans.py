@@ -95,7 +95,7 @@ def plan_tapesac(
     ids: torch.Tensor,
     targets: Callable[[int], dict[str, int]],
     max_set_size: int = 12,
-    torch_checkpoint_blocks: bool = True,
+    torch_checkpoint_blocks: bool = False,
     torch_checkpoint_steps: int = 3,
 ) -> tuple[dict[str, tuple[int, Any, int]], dict[str, Any]]:
     """Plans by TapeSAC's Controller: a probe controller with no effective limit profiles the

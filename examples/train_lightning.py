@@ -167,19 +167,6 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="record every block (no block runs plain, as without checkpointing)",
     )
-    p.add_argument(
-        "--no-torch-checkpoint-blocks",
-        action="store_true",
-        help="plans never run blocks under torch.utils.checkpoint (no full-checkpointing steps "
-        "measured before a bucket's first plan)",
-    )
-    p.add_argument(
-        "--torch-checkpoint-steps",
-        type=int,
-        default=3,
-        help="must-only and full-checkpointing steps of each, alternating, before a bucket's "
-        "first plan",
-    )
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--min-len", type=int, default=64)
@@ -272,8 +259,6 @@ def run(
             save_distributed_checkpoint=not args.full_checkpoint,
             full_control_every=args.full_control_every,
             plain_blocks=not args.no_plain_blocks,
-            torch_checkpoint_blocks=not args.no_torch_checkpoint_blocks,
-            torch_checkpoint_steps=args.torch_checkpoint_steps,
             **options,
         )
     record = Record(Path(args.out) if args.out else None)

@@ -243,11 +243,13 @@ class TapeSACConfig:
         },
     )
     torch_checkpoint_blocks: bool = field(
-        default=True,
+        default=False,
         metadata={
             "help": "The peak-aware planner may also run blocks under torch.utils.checkpoint "
-            "where the bucket's full-checkpointing steps measured faster than its must-only ones "
-            "(False: TapeSAC blocks only, and no full-checkpointing steps are measured)"
+            "where the bucket's full-checkpointing steps measured faster than its must-only ones. "
+            "Only for blocks whose forward may run twice: torch's checkpoint runs it again in "
+            "backward (a forward drawing from its own generator, replacing a buffer it read or "
+            "appending to a list gets other gradients)"
         },
     )
     torch_checkpoint_steps: int = field(
@@ -302,9 +304,8 @@ class TapeSACConfig:
             raise ValueError(f"memory_model is 'peak' or 'sum' (Eq. 8), got {self.memory_model!r}")
         if self.torch_checkpoint_blocks and self.memory_model != "peak":
             raise ValueError(
-                "memory_model='sum' (Eq. 8) cannot price a block that recomputes its forward in "
-                "backward, and torch_checkpoint_blocks is on by default: pass "
-                "torch_checkpoint_blocks=False with memory_model='sum'"
+                "torch_checkpoint_blocks needs memory_model='peak' (Eq. 8 cannot price a block "
+                "that recomputes its forward in backward): set one or the other"
             )
         if self.beam_width < 1 or self.max_set_size < 1 or self.knapsack_resolution < 1:
             raise ValueError("beam_width, max_set_size and knapsack_resolution must be >= 1")

@@ -139,16 +139,8 @@ SMALL = dict(
 )
 
 # A short controller schedule: one warm-up, one profiling and one must-only control step, then
-# planned steps with no further control steps, and no full-checkpointing steps before the first
-# plan (torch_checkpoint_blocks is on by default; its own tests turn it on here). Vary it with
-# ``SHORT_SCHEDULE | {...}``.
-SHORT_SCHEDULE = dict(
-    warmup_steps=1,
-    profile_steps=1,
-    control_steps=1,
-    control_every=0,
-    torch_checkpoint_blocks=False,
-)
+# planned steps with no further control steps. Vary it with ``SHORT_SCHEDULE | {...}``.
+SHORT_SCHEDULE = dict(warmup_steps=1, profile_steps=1, control_steps=1, control_every=0)
 
 
 # A wider decoder of 4 layers, whose blocks' times and peaks stand well above a host's noise.

@@ -426,9 +426,7 @@ def _micro_batches(seq: int = 32) -> list[torch.Tensor]:
 def test_several_micro_batches_in_one_step_are_an_error_saying_to_bracket_each() -> None:
     # Under Eq. 8: the peak-aware model plans several micro-batches in one step correctly
     # (tests/test_peak_sweep.py::test_two_micro_batches_in_one_step_the_second_starts_from_freed_memory).
-    model, meter, c = setup_controller(
-        64 * MiB + 2 * MiB, memory_model="sum", torch_checkpoint_blocks=False
-    )
+    model, meter, c = setup_controller(64 * MiB + 2 * MiB, memory_model="sum")
     for _ in range(4):
         run_step(model, meter, c, 32)
     first, second = _micro_batches()

@@ -277,11 +277,10 @@ def test_a_bucket_runs_control_full_and_planned_steps_at_their_cadence(settings,
 
 
 def test_torch_checkpoint_blocks_alternate_must_only_and_full_steps_where_full_fits() -> None:
-    # On by default, three of each.
-    assert _cadence(8, full_fits=True, control_every=0) == "cfcfcfpp"
-    assert _cadence(3, full_fits=False, control_every=0) == "cpp"  # predicted over the limit
-    off = dict(control_every=0, torch_checkpoint_blocks=False)
-    assert _cadence(3, full_fits=True, **off) == "cpp"
+    settings = dict(control_every=0, torch_checkpoint_blocks=True, torch_checkpoint_steps=3)
+    assert _cadence(8, full_fits=True, **settings) == "cfcfcfpp"
+    assert _cadence(3, full_fits=False, **settings) == "cpp"  # predicted over the limit: none
+    assert _cadence(3, full_fits=True, control_every=0) == "cpp"  # off by default
 
 
 def test_profiling_and_sampling_come_before_the_cadence() -> None:

@@ -231,7 +231,8 @@ def _torch_checkpoint_scenario(rank: int) -> dict:
         controller = Controller(
             model,
             limit,
-            **(SHORT_SCHEDULE | dict(torch_checkpoint_blocks=True)),
+            **SHORT_SCHEDULE,
+            torch_checkpoint_blocks=True,
             full_control_every=full_every,
         )
         modes, plans, solved = [], [], []

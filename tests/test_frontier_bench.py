@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import frontier, report
+from benchmarks import frontier
 from benchmarks.figures import method_frontier_figure, normalised_frontier_figure
 from tapesac_core.units import MiB
 
@@ -194,41 +194,29 @@ def test_a_save_set_cap_other_than_the_default_gets_its_own_files_and_section(
 
 @pytest.mark.slow
 @pytest.mark.bench
-def test_plans_that_may_run_blocks_under_torch_checkpoint_say_what_they_measured(
+def test_plans_with_torch_checkpoint_blocks_get_their_own_files_and_section(
     tmp_path: Path,
 ) -> None:
     markdown = tmp_path / "RESULTS.md"
     result = frontier.main(
         [
             *("--size", "tiny", "--steps", "1", "--warmup", "0", "--fractions", "1"),
-            *("--families", "none,full,tapesac", "--torch-checkpoint-steps", "4"),
+            *("--families", "none,full,tapesac", "--torch-checkpoint-blocks"),
+            *("--torch-checkpoint-steps", "4"),
             *("--out-dir", str(tmp_path), "--markdown", str(markdown)),
         ]
     )
     planning = result["tapesac_planning"]
-    # On by default: four must-only and four full-checkpointing steps (torch_checkpoint_steps)
-    # measured before the probe planned.
+    # Four must-only and four full-checkpointing steps (torch_checkpoint_steps) measured before
+    # the probe planned.
     assert planning["torch_checkpoint_blocks"] is True
     assert len(planning["must_only_steps_s"]) == len(planning["full_steps_s"]) == 4
-    assert (tmp_path / "frontier_dense_tiny.json").is_file()
+    assert (tmp_path / "frontier_dense_tiny_torch_checkpoint.json").is_file()
     text = markdown.read_text()
-    assert "<!-- frontier dense:tiny -->" in text
+    assert "<!-- frontier dense:tiny:torch_checkpoint -->" in text
     assert "4 full-checkpointing steps" in text
     planned = [r for r in result["rows"] if r["method"].startswith("tapesac@")]
     assert planned and all("per block: DecoderLayer " in r["note"] for r in planned)
-
-
-def test_plans_kept_from_torch_checkpoint_blocks_get_their_own_files_and_section() -> None:
-    def run(on: bool) -> dict:
-        return {
-            "model": "dense",
-            "size": "tiny",
-            "tapesac_planning": {"torch_checkpoint_blocks": on},
-        }
-
-    assert report.run_name(run(True)) == ("dense", "tiny")  # the default
-    assert report.run_name(run(False)) == ("dense", "tiny", "tapesac_only")
-    assert report.run_name({"model": "dense", "size": "tiny"}) == ("dense", "tiny")
 
 
 @pytest.mark.bench

@@ -57,15 +57,8 @@ def losses(ranks: list[dict]) -> list[list[float]]:
 @pytest.mark.slow
 @pytest.mark.launch
 def test_trainer_is_bitwise_its_own_checkpointing_one_step_per_micro_batch(tmp_path) -> None:
-    # Every block recorded (none plain, none under torch's checkpoint): the plans save values
-    # and replay the rest.
-    tapesac = fit(
-        tmp_path,
-        "tapesac",
-        *SHORT,
-        tapesac_plain_blocks=False,
-        tapesac_torch_checkpoint_blocks=False,
-    )
+    # Every block recorded (no block plain): the plans save values and replay the rest.
+    tapesac = fit(tmp_path, "tapesac", *SHORT, tapesac_plain_blocks=False)
     baseline = fit(tmp_path, "hf", *SHORT, tapesac=False)
     assert losses(tapesac) == losses(baseline)  # attention dropout on, 2 micro-batches per step
     assert [len(r["steps"]) for r in tapesac] == [12, 12]
@@ -106,16 +99,13 @@ def test_trainer_is_bitwise_its_own_checkpointing_one_step_per_micro_batch(tmp_p
 @pytest.mark.launch
 def test_resume_from_a_checkpoint_elsewhere_needs_no_profiling(tmp_path) -> None:
     common = (*SHORT, "--memory-limit", "28MiB", "--save-steps", "3")
-    # Planned steps from the fifth micro-batch on (no full-checkpointing steps before them).
-    whole = fit(tmp_path, "whole", *common, tapesac_torch_checkpoint_blocks=False)
+    whole = fit(tmp_path, "whole", *common)
     moved = tmp_path / "elsewhere" / "checkpoint-3"
     shutil.copytree(tmp_path / "whole" / "output" / "checkpoint-3", moved)
     state = json.loads((moved / "trainer_state.json").read_text())
     assert state["stateful_callbacks"]["TapeSAC"]["plans"]
     assert any("tapesac/saved_bytes" in entry for entry in state["log_history"])
-    resumed = fit(
-        tmp_path, "resumed", *common, "--resume", str(moved), tapesac_torch_checkpoint_blocks=False
-    )
+    resumed = fit(tmp_path, "resumed", *common, "--resume", str(moved))
     assert [r["limit"] for r in resumed] == [28 * 2**20] * 2  # explicit beats the YAML
     assert losses(resumed) == [run[6:] for run in losses(whole)]
     assert [s["mode"] for s in resumed[0]["steps"]] == ["planned"] * 6  # no profiling again
@@ -258,12 +248,7 @@ def test_trl_sft_trainer_is_bitwise_its_own_checkpointing(tmp_path, fresh_accele
     pytest.importorskip("trl")
     from tapesac_lightning import TapeSACTrainerCallback
 
-    # The micro-batches' lengths fall in two buckets (one per 10% by default), and one
-    # full-checkpointing step beside must-only's (by default three) leaves planned steps.
-    callback = TapeSACTrainerCallback(
-        memory_limit="20MiB", warmup_steps=1, torch_checkpoint_steps=1, primary_bucket_factor=1.5
-    )
+    callback = TapeSACTrainerCallback(memory_limit="20MiB", warmup_steps=1)
     assert sft_losses(tmp_path / "tapesac", [callback]) == sft_losses(tmp_path / "own", [])
     assert callback.controller.steps == 8  # one step per micro-batch
-    # Planned steps (a plan was solved for them) and full-checkpointing ones ran, bitwise too.
-    assert callback.controller.plans and callback.controller.times.full
+    assert callback.controller.report.mode == "planned"

@@ -32,11 +32,7 @@ def losses(ranks: list[list[dict]]) -> list[list[float]]:
     return [[s["loss"] for s in steps] for steps in ranks]
 
 
-# One full-checkpointing step beside a must-only one before the plan (three of each by
-# default), so that planned steps follow.
-SHORT = ("--steps", "10", "--min-len", "96", "--max-len", "96", "--torch-checkpoint-steps", "1")
-# Planned steps right after the first must-only one: no full-checkpointing steps before them.
-NO_FULL = ("--no-torch-checkpoint-blocks",)
+SHORT = ("--steps", "10", "--min-len", "96", "--max-len", "96")
 
 
 RECORDED = ("--no-plain-blocks",)  # every block recorded: plans save, none runs plain
@@ -91,9 +87,8 @@ def test_fit_is_bitwise_torch_checkpoint_and_really_uses_tapesac(
     # Beyond must-only: each planned step saved values or ran blocks plain (not recorded).
     assert planned and all(not s["plan_empty"] for s in planned)
     assert all(s["saved_bytes"] > 0 or s["blocks"] < 4 for s in planned)
-    if RECORDED[0] in variant:  # none plain: each block recorded or under torch's checkpoint
-        assert all(s["blocks"] + s["torch_checkpointed"] == 4 for s in planned)
-        assert all(s["saved_bytes"] > 0 for s in planned if s["blocks"])
+    if RECORDED[0] in variant:
+        assert all(s["blocks"] == 4 and s["saved_bytes"] > 0 for s in planned)
     else:  # the default: with memory to spare, the plans run blocks plain
         assert any(s["blocks"] < 4 for s in planned)
     must_only = [s["replayed"] for s in tapesac[0] if s["mode"] not in ("planned", "full")]
@@ -171,7 +166,6 @@ def test_resume_reuses_the_stored_plan_and_continues_with_identical_losses(tmp_p
         "96",
         "--dropout",
         "0.0",
-        *NO_FULL,
     ) + (("--full-checkpoint",) if full else ())
     whole = fit(tmp_path / "whole", *common, "--checkpoint-dir", str(tmp_path / "ckpt"))
     (first_epoch,) = glob.glob(str(tmp_path / "ckpt" / "epoch=0*"))
@@ -201,7 +195,6 @@ def test_ranks_with_batches_of_different_lengths_keep_their_plans(tmp_path) -> N
         "256",
         "--full-control-every",
         "0",
-        *NO_FULL,
     )
     assert [s["tokens"] for s in ranks[0]] != [s["tokens"] for s in ranks[1]]
     plans = [Plan.from_json(s["plan"]) for s in ranks[0] if s["mode"] == "planned"]
@@ -226,7 +219,6 @@ def test_a_growing_batch_replans_and_stays_under_the_limit(tmp_path) -> None:
         "8",
         "--memory-limit",
         "20MiB",
-        *NO_FULL,
     )
     steps = ranks[0]
     before = Plan.from_json(steps[7]["plan"])
@@ -242,7 +234,7 @@ def test_a_growing_batch_replans_and_stays_under_the_limit(tmp_path) -> None:
 @pytest.mark.launch
 def test_a_hugging_face_model_is_bitwise_fsdp2_with_torch_checkpoint(tmp_path) -> None:
     args = ("--hf", "--steps", "8", "--min-len", "64", "--max-len", "64")
-    tapesac = fit(tmp_path / "tapesac", *args, *RECORDED, *NO_FULL)
+    tapesac = fit(tmp_path / "tapesac", *args, *RECORDED)
     assert losses(tapesac) == losses(fit(tmp_path / "torch", *args, "--baseline", "torch"))
     planned = [s for s in tapesac[0] if s["mode"] == "planned"]
     assert planned and planned[-1]["saved_bytes"] > 0

@@ -2,14 +2,17 @@
 beat must-only, priced by the peak model (nothing kept from forward, the whole forward again at
 the block's first unpack), metered under the limit and bitwise."""
 
+import copy
 import statistics
 
 import pytest
 import torch
 from support import SHORT_SCHEDULE, WIDE, assert_bitwise, reference_and_copy, step, token_ids
+from torch.utils._pytree import tree_flatten
 
 import tapesac_core
 from examples.models import DecoderLM
+from tapesac_core import TORCH_CHECKPOINT
 from tapesac_core.control.solve import torch_checkpoint_gains, torch_checkpoint_peak
 from tapesac_core.plan.plan import BlockKind
 from tapesac_core.units import KiB
@@ -47,7 +50,7 @@ def _full_checkpoint_peak(controller, key) -> int:
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_torch_checkpoint_blocks_run_where_measured_faster_under_the_limit(moe) -> None:
+def test_torch_checkpoint_blocks_run_where_measured_faster_under_the_limit(moe, caplog) -> None:
     reference, model, ids = _models(moe)
     controller = tapesac_core.Controller(model, "1GiB", **SETTINGS)
     reports = [_step(controller, model, ids, seed)[0] for seed in range(9)]
@@ -83,6 +86,11 @@ def test_torch_checkpoint_blocks_run_where_measured_faster_under_the_limit(moe) 
     assert abs(report.peak / report.predicted_peak - 1) < 0.03, (report.peak, report.predicted_peak)
     torch.manual_seed(10)
     assert_bitwise(step(reference, lambda: reference.loss(ids)), got)
+    # A run resumed with the option off solves that plan again, and says why.
+    off = tapesac_core.Controller(model, limit, **(SETTINGS | dict(torch_checkpoint_blocks=False)))
+    with caplog.at_level("INFO", logger="tapesac_core"):
+        off.load_state_dict(controller.state_dict())
+    assert key not in off.plans and "torch_checkpoint_blocks" in caplog.text
 
     # With room for every block plain, plain beats it, however much faster torch's checkpoint
     # measured: a plain block does all a torch-checkpoint block does but its forward again.
@@ -112,7 +120,11 @@ def test_full_checkpointing_is_not_measured_where_it_is_predicted_over_the_limit
     controller = tapesac_core.Controller(model, full_peak - 256 * KiB, **SETTINGS)
     reports = [_step(controller, model, ids, seed)[0] for seed in range(4)]
     assert [str(r.mode) for r in reports] == ["warmup", "profile", "control", "planned"]
-    assert "torch.utils.checkpoint was not measured for this bucket" in reports[-1].plan.explain()
+    explained = reports[-1].plan.explain()
+    assert (
+        "torch.utils.checkpoint was not measured for this bucket: a full-checkpointing step is predicted at"
+        in explained
+    ), explained
 
 
 def test_full_checkpointing_steps_are_metered_against_their_prediction_on_accelerators() -> None:
@@ -126,6 +138,40 @@ def test_full_checkpointing_steps_are_metered_against_their_prediction_on_accele
         assert r.peak is not None and r.predicted_peak, (r.peak, r.predicted_peak)
         assert r.peak <= r.predicted_peak <= 1.03 * r.peak, (r.peak, r.predicted_peak)
     assert controller.memory.model_error == 0  # within the margin: nothing to correct
+
+
+class _Keyworded(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, *, hidden: torch.Tensor, p: float) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.linear(hidden), p)
+
+
+def test_a_block_under_torch_checkpoint_shows_torch_its_tensors_given_as_keywords(
+    monkeypatch,
+) -> None:
+    # torch's checkpoint keeps the random states of the devices of the tensors among its
+    # positional arguments: a block's tensors given as keywords must be among them (on an
+    # accelerator it would otherwise draw other dropout masks in backward).
+    seen: list[torch.Tensor] = []
+    infer = torch.utils.checkpoint._infer_device_type
+
+    def spy(*args):
+        seen.extend(t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor))
+        return infer(*args)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "_infer_device_type", spy)
+    reference = _Keyworded()
+    block = tapesac_core.checkpoint_module(copy.deepcopy(reference))
+    x = torch.randn(4, 8, requires_grad=True)
+    with tapesac_core.use_plan({"_Keyworded": [TORCH_CHECKPOINT]}):
+        torch.manual_seed(0)
+        got = step(block, lambda: block(hidden=x, p=0.5).sum())
+    assert any(t is x for t in seen)
+    torch.manual_seed(0)
+    assert_bitwise(step(reference, lambda: reference(hidden=x, p=0.5).sum()), got)
 
 
 def test_a_blocks_gain_is_the_measured_saving_shared_by_full_recompute_time() -> None:

@@ -401,10 +401,15 @@ def outside_compile(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def _torch_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """``fn(*args, **kwargs)`` under ``torch.utils.checkpoint`` (non-reentrant), ``kwargs``
-    bound first: torch's checkpoint would take those it knows (``debug``, ``early_stop``) for
-    itself."""
-    call = functools.partial(fn, **kwargs) if kwargs else fn
-    return torch.utils.checkpoint.checkpoint(call, *args, use_reentrant=False)
+    passed in one positional dict: torch's checkpoint would take those it knows (``debug``,
+    ``early_stop``) for itself, and it looks for the devices whose random states it restores
+    in its positional arguments only (a block given its tensors as keywords would draw other
+    dropout masks again on an accelerator)."""
+    return torch.utils.checkpoint.checkpoint(_call, fn, args, kwargs, use_reentrant=False)
+
+
+def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    return fn(*args, **kwargs)
 
 
 def _unfolded(

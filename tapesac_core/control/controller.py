@@ -396,7 +396,7 @@ class Controller:
         """Restore what ``state_dict`` saved; plans from another model are refused."""
         check_model(state, self.model_key)
         self.steps = state["steps"]
-        self.plan_cache.restore(saved_plans(state, self.model_key), self.buckets)
+        self.plan_cache.restore(saved_plans(state, self.model_key, self.config), self.buckets)
         self.pricing.forget()  # restored plans count from the steps measured at their check
         self.memory = MemoryModel.from_state(state)
         self.times.load_state_dict(state, self.buckets.edges)

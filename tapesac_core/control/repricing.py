@@ -26,6 +26,8 @@ class TorchCheckpointPricing:
         self.times = times
         # Per bucket, the full-checkpointing steps its plan priced torch's checkpoint from.
         self._priced_from: dict[Bucket, int] = {}
+        # Per bucket, why its last step that could have measured full checkpointing did not.
+        self._unmeasured: dict[Bucket, str] = {}
 
     def measures_full(self, key: Bucket, planned: bool) -> bool:
         """Whether bucket ``key`` still measures full checkpointing against must-only, where it
@@ -80,10 +82,10 @@ class TorchCheckpointPricing:
             return None
         times = self.times.of(key)
         if not (times.full and times.must_only):
-            return (
-                "torch.utils.checkpoint was not measured for this bucket: no full-checkpointing "
-                "step was predicted within the capacity before its first plan, so none ran"
-            )
+            why = self._unmeasured.get(key, "no full-checkpointing step ran before its first plan")
+            if self.config.torch_checkpoint_steps == 0:
+                why = "torch_checkpoint_steps is 0"
+            return f"torch.utils.checkpoint was not measured for this bucket: {why}"
         full, must_only = statistics.median(times.full), statistics.median(times.must_only)
         verdict = (
             "faster: its blocks may run under it where the capacity allows"
@@ -95,6 +97,10 @@ class TorchCheckpointPricing:
             f"(median of {len(times.full)}) against must-only's {must_only * 1e3:.1f} ms "
             f"(median of {len(times.must_only)}), {verdict}"
         )
+
+    def unmeasured(self, key: Bucket, why: str) -> None:
+        """Bucket ``key`` could have measured a full-checkpointing step now and did not: ``why``."""
+        self._unmeasured[key] = why
 
     def priced(self, key: Bucket) -> None:
         """Bucket ``key``'s plan was just solved, priced from its full-checkpointing steps

@@ -8,8 +8,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from ..config import TapeSACConfig
 from ..errors import TapeSACError
-from ..plan.plan import Plan
+from ..plan.plan import BlockKind, Plan
 from ..tape.verify import HiddenWrites
 from .measured_times import StepTimes
 from .memory_model import MemoryModel
@@ -58,9 +59,11 @@ def check_model(state: Mapping[str, Any], model: ModelKey) -> None:
         )
 
 
-def saved_plans(state: Mapping[str, Any], model: ModelKey) -> dict[Bucket, Plan]:
-    """The plans of a state of this TapeSAC's version or an older one; none (said at info level)
-    when they are too old to use."""
+def saved_plans(
+    state: Mapping[str, Any], model: ModelKey, config: TapeSACConfig
+) -> dict[Bucket, Plan]:
+    """The plans of a state of this TapeSAC's version or an older one that ``config`` allows;
+    none (said at info level) when they are too old to use."""
     found = state.get("version", 1)
     if found < _OLDEST_USABLE and state["plans"]:
         logger.info(
@@ -71,4 +74,24 @@ def saved_plans(state: Mapping[str, Any], model: ModelKey) -> dict[Bucket, Plan]
             len(state["plans"]),
         )
         return {}
-    return plans_from_state(state["plans"], model)
+    plans = plans_from_state(state["plans"], model)
+    refused = {k for k, p in plans.items() if _refused_kind(p, config) is not None}
+    if refused:
+        logger.info(
+            "TapeSAC: %d restored plans run blocks %s, which this run's settings turn off: they "
+            "are solved again",
+            len(refused),
+            sorted({_refused_kind(plans[k], config) for k in refused}),
+        )
+    return {k: p for k, p in plans.items() if k not in refused}
+
+
+def _refused_kind(plan: Plan, config: TapeSACConfig) -> str | None:
+    """How ``plan`` runs some block that ``config`` does not allow (plain, or under torch's
+    checkpoint), if it does."""
+    kinds = {k for region in plan.regions.values() for k in region.kinds}
+    if BlockKind.TORCH_CHECKPOINT in kinds and not config.torch_checkpoint_blocks:
+        return "under torch.utils.checkpoint (torch_checkpoint_blocks)"
+    if BlockKind.PLAIN in kinds and not config.plain_blocks:
+        return "plain (plain_blocks)"
+    return None

@@ -427,8 +427,8 @@ def _region_plan(
         if not torch_checkpoint_blocks:
             # Recording every call costs host time per op that torch's checkpoint does not.
             notes.append(
-                "torch_checkpoint_blocks=True (the default) would measure torch.utils.checkpoint, "
-                "which records nothing, on this region and run its blocks so where faster"
+                "torch_checkpoint_blocks=True would measure torch.utils.checkpoint, which records "
+                "nothing, on this region and run its blocks so where faster"
             )
     if BlockKind.TORCH_CHECKPOINT in kinds:
         notes.append(

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from ..plan.plan import Plan
+from ..units import format_bytes
 from .budget import MemoryBudget
 from .measured_times import StepTimes
 from .memory_model import MemoryModel
@@ -131,8 +132,20 @@ class BucketSolver:
         within the limit on every rank."""
         if not self.pricing.measures_full(key, planned):
             return False
-        peak = self.full_step_peak(key, memory)
-        return self.ranks.every(peak is not None and peak <= budget.capacity(memory))
+        peak, capacity = self.full_step_peak(key, memory), budget.capacity(memory)
+        fits = self.ranks.every(peak is not None and peak <= capacity)
+        if not fits:
+            self.pricing.unmeasured(
+                key,
+                "the memory model cannot predict a full-checkpointing step's peak (no memory "
+                "timeline of blocks matching the profiles)"
+                if peak is None
+                else f"a full-checkpointing step is predicted at {format_bytes(peak)}, above the "
+                f"{format_bytes(capacity)} the limit leaves, so none ran"
+                if peak > capacity
+                else "another rank predicts a full-checkpointing step above its capacity",
+            )
+        return fits
 
     def full_step_peak(self, key: Bucket, memory: MemoryModel) -> int | None:
         """The predicted peak of a full-checkpointing step of bucket ``key`` at its token counts;
