@@ -187,6 +187,8 @@ def run_block(
     if cache is not None and signature is not None:
         cache.put(signature, recording.steady_tape(autograd), name)
     recording.recorder.forget()
+    if scope is not None and scope.offload is not None:  # after the cache read what it holds
+        scope.offload.store(block)
     return out
 
 
@@ -341,6 +343,9 @@ def _run_steady(
     diverged = forward.finish(_tensors_out(out), inputs)
     if diverged is None:
         cache.confirmed(signature, forward.entry)
+        scope = TRACE.get()
+        if scope is not None and scope.offload is not None:
+            scope.offload.store(block)
     else:
         cache.diverged(signature, entry, block.name, diverged)
         block.held.clear()

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import TapeSACError
 from ..tape.block import BlockTrace
+from ..tape.offload import Offload
 
 TRACE: ContextVar[TraceScope | None] = ContextVar("tapesac_trace", default=None)
 TORCH_CHECKPOINTING: ContextVar[list[str] | None] = ContextVar(
@@ -28,8 +29,10 @@ class TraceScope:
         plain: list[str] | None = None,
         torch_checkpointed: list[str] | None = None,
         record: bool = False,
+        offload: Offload | None = None,
     ) -> None:
         self.time_nodes = time_nodes
+        self.offload = offload
         self.one_micro_batch = one_micro_batch
         self.verify = verify
         self.probe = probe
@@ -62,6 +65,7 @@ def trace(
     plain: list[str] | None = None,
     torch_checkpointed: list[str] | None = None,
     record: bool = False,
+    offload: Offload | None = None,
 ) -> Iterator[list[BlockTrace]]:
     """Collect a ``BlockTrace`` for every block recorded inside (and what its backward replays).
 
@@ -75,15 +79,20 @@ def trace(
     blocks a plan ran plain or under torch.utils.checkpoint. ``record``: every block records,
     none runs from a cached tape (steady state); a tape that differs from the cached one under
     the same signature is said at warning level. Timing, verifying and probing record too.
+    ``offload`` (internal, until plans choose offload): every block copies the values it holds
+    to host memory at the end of its forward (``tapesac_core.tape.offload``); its host buffers
+    go back to their pool when the trace ends.
     """
     scope = TraceScope(
-        time_nodes, one_micro_batch, verify, probe, plain, torch_checkpointed, record
+        time_nodes, one_micro_batch, verify, probe, plain, torch_checkpointed, record, offload
     )
     token = TRACE.set(scope)
     try:
         yield scope.blocks
     finally:
         TRACE.reset(token)
+        if offload is not None:
+            offload.close()
 
 
 def traced_blocks() -> list[BlockTrace] | None:

@@ -25,6 +25,7 @@ from .verify import HiddenWrites
 
 if TYPE_CHECKING:
     from .draws import Draws
+    from .offload import OffloadedBlock
     from .recompute import Recompute
     from .steady import SteadyTape
 
@@ -165,6 +166,9 @@ class Block:
         self.fingerprints: dict[int, torch.Tensor] = {}
         self.forced = hidden_writes.of(region)  # coordinates held as mandatory: hidden writes
         self.probe: BlockProbe | None = None  # on metered sample steps
+        # What the step's ``Offload`` copied to host memory (``offload.py``): back at the first
+        # unpack.
+        self.offloaded: OffloadedBlock | None = None
         self.trace = BlockTrace(
             Tape(
                 name,
@@ -415,6 +419,8 @@ class Block:
 
     def _unpack(self, handle: int) -> torch.Tensor:
         gid = graph_task_id()
+        if self.offloaded is not None:
+            self.offloaded.restore(self)
         if self.recompute is not None:
             return self.recompute.take(handle, self)
         vid = self.handles[handle]

@@ -1,0 +1,162 @@
+"""Offload's mechanism (issue 42): what a block holds for backward, copied to host memory at the
+end of its forward and back at its backward, forced by ``trace(offload=...)`` (the planner does not
+choose offload yet). On CPU the copies are synchronous: bitwise, nothing outliving its step, the
+host pool reused."""
+
+import pytest
+import torch
+from support import assert_bitwise, reference_and_copy, step, token_ids
+
+import tapesac_core
+from tapesac_core.errors import TapeSACError
+from tapesac_core.measure.memory import memory_meter
+from tapesac_core.tape.host_pool import HostPool
+from tapesac_core.tape.offload import Offload
+from tapesac_core.tape.tape import OP
+
+# Matrix products' outputs saved (every one of a dense layer, the attention's of a MoE layer,
+# whose experts' follow the routing): values for the blocks to hold, and so to offload.
+MM = "aten.mm.default"
+PLAN = {
+    "DecoderLayer": {(MM, k, 0) for k in range(7)},
+    "MoEDecoderLayer": {(MM, k, 0) for k in range(4)},
+}
+CPU = torch.device("cpu")
+
+
+def _step(model, ids, seed, offload):
+    with tapesac_core.use_plan(PLAN), tapesac_core.trace(offload=offload) as blocks:
+        got = step(model, lambda: model.loss(ids), seed)
+    return got, blocks
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_offloaded_values_come_back_bitwise_and_the_pool_is_reused(moe) -> None:
+    reference, model = reference_and_copy(moe=moe)
+    ids = token_ids(0)
+    pool = HostPool(CPU)
+    allocations = []
+    for seed in range(4):
+        offload = Offload(pool)
+        got, blocks = _step(model, ids, seed, offload)
+        assert offload.bytes > 0
+        assert pool.outstanding == 0  # every buffer back once its block's backward ran
+        assert_bitwise(step(reference, lambda: reference.loss(ids), seed), got)
+        allocations.append(pool.allocations)
+    # Steady-state calls (from the second step) offload too; the pool made no buffer after the
+    # first step.
+    assert all(b.steady for b in blocks)
+    assert allocations == [allocations[0]] * 4
+
+
+def test_a_block_holds_no_value_an_op_made_between_its_forward_and_its_backward() -> None:
+    _, model = reference_and_copy()
+    ids = token_ids(0)
+    pool = HostPool(CPU)
+    offload = Offload(pool)
+    with tapesac_core.use_plan(PLAN), tapesac_core.trace(offload=offload) as traces:
+        loss = model.loss(ids)
+        blocks = [t.block() for t in traces]
+        assert all(b.offloaded is not None for b in blocks)
+        assert not any(b.values[v].kind == OP for b in blocks for v in b.held)
+        loss.backward()
+        assert all(b.offloaded is None for b in blocks)
+    assert offload.bytes == pool.bytes and pool.outstanding == 0
+
+
+def test_offloading_frees_what_it_copied_out_and_prefetching_costs_at_most_a_block() -> None:
+    _, model = reference_and_copy()
+    ids = token_ids(0, seq=128)
+    pool = HostPool(CPU)
+
+    def measured(offload):
+        with memory_meter(CPU) as meter:
+            with tapesac_core.use_plan(PLAN), tapesac_core.trace(offload=offload) as blocks:
+                loss = model.loss(ids)
+                after_forward = meter.reading().current
+                loss.backward()
+            model.zero_grad(set_to_none=True)
+        return after_forward, meter.reading().peak, len(blocks)
+
+    measured(Offload(pool))  # the pool's buffers made, outside the measured steps
+    offload = Offload(pool)
+    (kept, kept_peak, _), (offloaded, peak, blocks) = measured(None), measured(offload)
+    # Between forward and backward the device holds exactly the offloaded bytes less; in
+    # backward each block's values come back one block early (4 equal blocks here).
+    assert kept - offloaded == offload.bytes > 0
+    assert peak <= kept_peak + offload.bytes // blocks, (peak, kept_peak, offload.bytes)
+
+
+def test_a_failed_backward_gives_every_buffer_back() -> None:
+    _, model = reference_and_copy()
+    ids = token_ids(0)
+    pool = HostPool(CPU)
+
+    def fail(*_):
+        raise RuntimeError("a hook failed")
+
+    handle = model.layers[1].register_full_backward_hook(fail)
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        _step(model, ids, 0, Offload(pool))
+    handle.remove()
+    assert pool.bytes > 0 and pool.outstanding == 0
+
+
+def test_a_backward_after_its_step_ended_is_an_error_naming_the_fix() -> None:
+    _, model = reference_and_copy()
+    ids = token_ids(0)
+    pool = HostPool(CPU)
+    with tapesac_core.use_plan(PLAN), tapesac_core.trace(offload=Offload(pool)):
+        loss = model.loss(ids)
+    assert pool.outstanding == 0
+    with pytest.raises(TapeSACError, match="run the backward inside the same step"):
+        loss.backward()
+
+
+def test_the_pool_gives_buffers_of_a_size_class_again() -> None:
+    pool = HostPool(CPU)
+    first = pool.take(1000)
+    assert first.numel() == 1024 and pool.allocations == 1 and pool.outstanding == 1024
+    pool.give(first)
+    again = pool.take(700)  # the same class: the same buffer
+    assert again.data_ptr() == first.data_ptr() and pool.allocations == 1
+    pool.take(1000)  # the class's only buffer is out: a new one
+    assert pool.allocations == 2 and pool.bytes == 2048
+
+
+def _hf_qwen3_moe():
+    pytest.importorskip("transformers")
+    from moe_families import VOCAB, moe_model
+
+    base, layer = moe_model("qwen3_moe", "eager")
+    return base, layer, lambda m, ids: m(input_ids=ids, labels=ids).loss, VOCAB
+
+
+def _hf_qwen3():
+    pytest.importorskip("transformers")
+    from benchmarks.steady_state import hf_stack
+
+    base, layer, _, _ = hf_stack(64, layers=2)
+    return base, layer, lambda m, ids: m.loss(ids), 1024
+
+
+@pytest.mark.parametrize("build", [_hf_qwen3_moe, _hf_qwen3], ids=["qwen3_moe_eager", "qwen3"])
+def test_hugging_face_layers_offloaded_are_bitwise_every_step(build) -> None:
+    import copy
+
+    base, layer, loss, vocab = build()
+    reference, model = copy.deepcopy(base), copy.deepcopy(base)
+    tapesac_core.checkpoint_modules(model, {layer})
+    # The attention's four projections saved (the MoE's routing also holds what it indexes by).
+    plan = {layer.__name__: {(MM, k, 0) for k in range(4)}}
+    pool = HostPool(CPU)
+    offloaded = []
+    for seed in range(4):
+        ids = token_ids(seed, batch=2, seq=24, vocab=vocab)  # routing changes every step
+        offload = Offload(pool)
+        with tapesac_core.use_plan(plan), tapesac_core.trace(offload=offload):
+            got = step(model, lambda: loss(model, ids), seed)
+        assert_bitwise(step(reference, lambda: loss(reference, ids), seed), got)
+        assert pool.outstanding == 0
+        offloaded.append(offload.bytes)
+    assert all(offloaded)
