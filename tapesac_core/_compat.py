@@ -37,6 +37,7 @@ __all__ = [
     "parse_schema",
     "raw_call",
     "saved_tensors_hooks_on_top",
+    "storage_use_count",
     "tree_flatten",
     "tree_leaves",
     "torch_function_disabled",
@@ -64,6 +65,13 @@ torch_function_disabled = torch._C.DisableTorchFunction
 torch_function_modes: Callable[[], int] = torch._C._len_torch_function_stack
 # Every dispatch mode off, in Python: where a C++ guard is not enough (a mode's own state).
 disable_current_modes = _disable_current_modes
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many tensors and Python storage objects reference ``storage``: torch has no public
+    count, and offloading a storage something outside a block holds would free nothing
+    (``offload.py``)."""
+    return torch._C._storage_Use_Count(storage._cdata)
 
 
 def saved_tensors_hooks_on_top() -> Any:

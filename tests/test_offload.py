@@ -160,3 +160,93 @@ def test_hugging_face_layers_offloaded_are_bitwise_every_step(build) -> None:
         assert pool.outstanding == 0
         offloaded.append(offload.bytes)
     assert all(offloaded)
+
+
+class _Tanh(torch.nn.Module):
+    """A block whose saved value (tanh's result) is its output: alive outside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+def test_a_storage_alive_outside_the_block_stays_and_conjugate_views_stay() -> None:
+    block = tapesac_core.checkpoint_module(_Tanh())
+    x = torch.randn(32, 64, requires_grad=True)
+    pool = HostPool(CPU)
+    offload = Offload(pool)
+    with tapesac_core.use_plan({"_Tanh": {("aten.tanh.default", 0, 0)}}):
+        with tapesac_core.trace(offload=offload):
+            block(x).sum().backward()
+    assert offload.bytes == 0  # copying it would free nothing
+
+    # A layout does not carry the conjugate bit: such a value stays on the device, bitwise.
+    w = torch.randn(8, 8, dtype=torch.cfloat, requires_grad=True)
+    w2 = torch.randn(4, 8, dtype=torch.cfloat, requires_grad=True)
+    x = torch.randn(4, 8, dtype=torch.cfloat)
+
+    def conjugated(h: torch.Tensor) -> torch.Tensor:
+        return (h @ w).conj() * w2
+
+    def grads(run) -> list[torch.Tensor]:
+        w.grad = w2.grad = None
+        (run().abs() ** 2).sum().backward()
+        return [w.grad, w2.grad]
+
+    want = grads(lambda: conjugated(x))
+    offload = Offload(pool)
+    with tapesac_core.use_plan({"r": {("aten._conj.default", 0, 0)}}):
+        with tapesac_core.trace(offload=offload):
+            got = grads(lambda: tapesac_core.checkpoint(conjugated, x, region="r"))
+    assert all(torch.equal(a, b) for a, b in zip(want, got)) and offload.bytes == 0
+
+
+def test_restored_values_go_with_the_block_and_a_freed_block_gives_its_buffers_back() -> None:
+    _, model = reference_and_copy()
+    ids = token_ids(0)
+    pool = HostPool(CPU)
+    with memory_meter(CPU) as meter:
+        start = meter.reading().current
+        offload = Offload(pool)
+        with tapesac_core.use_plan(PLAN), tapesac_core.trace(offload=offload):
+            model.loss(ids).backward()
+            model.zero_grad(set_to_none=True)
+            # Nothing restored outlives its block: what stays is the pool's (host) buffers.
+            assert meter.reading().current == start + pool.bytes
+            # A forward whose backward never runs: its buffers come back when it is freed.
+            model.loss(ids)
+            assert pool.outstanding == 0
+    assert offload.bytes > 0
+
+
+def test_a_failed_copy_back_gives_each_buffer_back_once_and_training_goes_on(monkeypatch) -> None:
+    import tapesac_core.tape.offload as offload_module
+
+    reference, model = reference_and_copy()
+    ids = token_ids(0)
+    pool = HostPool(CPU)
+    calls = []
+
+    class Torch:  # the module's torch, with the second copy back's allocation failing
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def empty(self, *args, **kwargs):
+            if kwargs.get("dtype") is torch.uint8 and args and args[0] > 0:
+                calls.append(args[0])
+                if len(calls) == 2:
+                    raise torch.OutOfMemoryError("out of memory (simulated)")
+            return torch.empty(*args, **kwargs)
+
+    monkeypatch.setattr(offload_module, "torch", Torch())
+    with pytest.raises(torch.OutOfMemoryError):
+        _step(model, ids, 0, Offload(pool))
+    monkeypatch.undo()
+    free = [b.data_ptr() for buffers in pool._free.values() for b, _ in buffers]
+    assert len(free) == len(set(free)) == pool.allocations and pool.outstanding == 0
+    for seed in range(1, 3):  # the loop skips the batch and goes on
+        got, _ = _step(model, ids, seed, Offload(pool))
+        assert_bitwise(step(reference, lambda: reference.loss(ids), seed), got)

@@ -6,31 +6,39 @@ Contract. At the end of a block's forward (recorded or steady state, not a diver
 backward runs the forward again and holds nothing), every value the block holds that an op made
 (the plan's saved values and S0; not its inputs, parameters or buffers) is offloaded, storage by
 storage: the whole storage is copied once into a host buffer of the step's ``HostPool``, and the
-block keeps each value's layout on it instead of the tensor. The device storage is freed with
-the block's last reference to it (a storage also alive elsewhere, such as the block's output,
-frees nothing). At the block's first unpack in backward its storages are back on the device, each
+block keeps each value's layout on it instead of the tensor, so the device storage is freed. A
+storage that is also alive outside what the block holds (the block's output, a tensor the
+caller keeps) stays: copying it would free nothing, and a later in-place write into it would
+race the copy. So do values with the conjugate or negative bit, which a layout does not carry. At the block's first unpack in backward its storages are back on the device, each
 value a view of its layout, bitwise what was copied; the block before it in forward order (the
 next in backward) starts its copy back then, so one block's copies run ahead of its backward. A
 block whose copy back did not start early (models whose backward does not run in reverse forward
-order) copies at its first unpack. Host buffers return to the pool once copied back, and every
-buffer still out returns when the step ends (``close``); an unpack after that is an error.
+order) copies at its first unpack. The restored storages are the block's alone: they go with its
+held values. Host buffers return to the pool once copied back, when the block is freed without a
+backward, and, every buffer still out, when the step ends (``close``), a failed step included;
+an unpack after that is an error.
 
 Ordering on accelerators. Copies run on a side stream of their own (not FSDP2's, not the compute
 stream): a copy out waits on an event recorded on the compute stream after the block's forward,
 and the device tensor it reads is kept until the copy's event completes; a copy back writes into
 memory allocated on the compute stream after that stream's event, and the compute stream waits
-on the copy's event before the block's backward reads it. Nothing waits on a whole-device
-synchronize. On CPU there is no separate host memory and no stream: copies are synchronous (the
+on the copy's event before the block's backward reads it. Each device storage a copy reads or
+writes is marked used by the side stream (``record_stream``), so the allocator does not hand it
+out again before the copy completes, whenever the block lets go of it. Nothing waits on a
+whole-device synchronize. On CPU there is no separate host memory and no stream: copies are synchronous (the
 mechanism runs, and is tested, there; plans on CPU will never offload).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch
 
+from .._compat import storage_use_count
 from ..errors import TapeSACError
 from ..tensors import Meta, layout_of, view_on
 from .host_pool import HostPool
@@ -52,25 +60,23 @@ class Offload:
         self.bytes = 0
         self._blocks: list[OffloadedBlock] = []  # in forward order
         self._copies: dict[torch.device, _Copies] = {}
-        self._closed = False
 
     def store(self, block: Block) -> None:
         """End of ``block``'s forward: offload the values it holds that ops made."""
         if self.regions is not None and block.region not in self.regions:
             return
-        for earlier in self._blocks:
-            earlier.settle()
         groups = _storages(block)
         if not groups:
             return
         record = OffloadedBlock(self, block, len(self._blocks))
+        # Known before any copy: a failed one leaves what was copied restorable and releasable.
+        self._blocks.append(record)
+        block.offloaded = record
+        weakref.finalize(block, record.release)  # a block freed without its backward
         for values in groups:
-            tensor = block.held[values[0]]
-            record.copy_out(tensor, [(vid, layout_of(block.held[vid])) for vid in values])
+            record.copy_out(block.held[values[0]], [(v, layout_of(block.held[v])) for v in values])
             for vid in values:
                 del block.held[vid]
-        block.offloaded = record
-        self._blocks.append(record)
 
     def copies(self, device: torch.device) -> _Copies | None:
         """The side stream of ``device``'s copies; None on CPU (copies are synchronous)."""
@@ -84,49 +90,48 @@ class Offload:
         """The block stored ``index``-th started its backward: the latest block stored before
         it whose values are still on the host starts its copy back."""
         for record in reversed(self._blocks[:index]):
-            if record.on_host:
+            if record.state is State.ON_HOST:
                 record.copy_back()
                 return
 
     def close(self) -> None:
         """The step ended: every host buffer still out returns to the pool; a later unpack of
         an offloaded value is an error."""
-        self._closed = True
         for record in self._blocks:
             record.release()
         self._blocks = []
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
+
+class State(Enum):
+    """Where a block's offloaded values are."""
+
+    ON_HOST = "on host"
+    COMING_BACK = "coming back"  # copies back issued, not yet taken by the block
+    RESTORED = "restored"  # in the block's held values again
+    RELEASED = "released"  # the step ended (or the block was freed) first
 
 
 @dataclass
 class _Stored:
-    """One storage copied out: its host buffer, its bytes, its device and the layouts of the
-    values the block holds on it."""
+    """One storage copied out: its host buffer (None once given back to the pool), its bytes,
+    its device and the layouts of the values the block holds on it."""
 
-    buffer: Tensor
+    buffer: Tensor | None
     nbytes: int
     device: torch.device
     values: list[tuple[int, Meta]]
 
 
 class OffloadedBlock:
-    """What one block offloaded, and the state of its copies: on the host, on the way back
-    (``_back``: the device storages and the copies' event), restored, or released at the step's
-    end."""
+    """What one block offloaded and where it is (``state``); coming back, the device storages
+    and the copies' event."""
 
     def __init__(self, offload: Offload, block: Block, index: int) -> None:
         self.offload, self.index, self.name = offload, index, block.name
-        self.stored: list[_Stored] = []
-        self._back: tuple[list[torch.UntypedStorage], torch.Event | None] | None = None
-        self._pending: list[tuple[Tensor, torch.Event]] = []  # device tensors copies still read
-        self.released = False
-
-    @property
-    def on_host(self) -> bool:
-        return self._back is None and not self.released
+        self.state = State.ON_HOST
+        self._stored: list[_Stored] = []
+        self._back: list[torch.UntypedStorage] = []
+        self._event: torch.Event | None = None
 
     def copy_out(self, tensor: Tensor, values: list[tuple[int, Meta]]) -> None:
         """Copy ``tensor``'s whole storage to a host buffer; ``values``: the held values on it."""
@@ -135,67 +140,70 @@ class OffloadedBlock:
         buffer = self.offload.pool.take(nbytes)
         source = _bytes_of(storage, tensor.device)
         copies = self.offload.copies(tensor.device)
-        if copies is None:
-            buffer[:nbytes].copy_(source)
-        else:
-            with copies.after_compute():
-                buffer[:nbytes].copy_(source, non_blocking=True)
-            self._pending.append((source, copies.done()))  # freed once the copy read it
-        self.stored.append(_Stored(buffer, nbytes, tensor.device, values))
+        try:
+            if copies is None:
+                buffer[:nbytes].copy_(source)
+            else:
+                with copies.after_compute() as stream:
+                    buffer[:nbytes].copy_(source, non_blocking=True)
+                source.record_stream(stream)  # not reused before the copy read it
+                self._event = copies.done()
+        except BaseException:
+            self.offload.pool.give(buffer)  # the values stay held
+            raise
+        self._stored.append(_Stored(buffer, nbytes, tensor.device, values))
         self.offload.bytes += nbytes
-
-    def settle(self) -> None:
-        """Let go of the device tensors whose copies out have completed: their memory is free
-        once nothing else holds them."""
-        self._pending = [(t, event) for t, event in self._pending if not event.query()]
 
     def copy_back(self) -> None:
         """Start copying every stored storage back to its device (synchronous on CPU)."""
-        storages, event = [], None
-        for stored in self.stored:
+        for stored in self._stored:
+            assert stored.buffer is not None
             target = torch.empty(stored.nbytes, dtype=torch.uint8, device=stored.device)
             copies = self.offload.copies(stored.device)
             if copies is None:
                 target.copy_(stored.buffer[: stored.nbytes])
-                self.offload.pool.give(stored.buffer)
             else:
-                with copies.after_compute():  # the target's memory was the compute stream's
+                with copies.after_compute() as stream:  # the target's memory was compute's
                     target.copy_(stored.buffer[: stored.nbytes], non_blocking=True)
-                event = copies.done()
-                self.offload.pool.give(stored.buffer, event)
-            storages.append(target.untyped_storage())
-        self._back = (storages, event)
-        self._pending = []
+                target.record_stream(stream)  # not reused before the copy wrote it
+                self._event = copies.done()
+            self._back.append(target.untyped_storage())
+            self._give(stored)
+        self.state = State.COMING_BACK
 
     def restore(self, block: Block) -> None:
         """``block``'s first unpack: its values back in ``block.held``, and the block before it
         starting its copy back."""
-        if self.released:
+        if self.state is State.RELEASED:
             raise TapeSACError(
                 f"block {self.name!r}: its backward ran after the step (trace) it ran its forward "
                 "in had ended, and the values offloaded to host memory were given back then. "
                 "Fix: run the backward inside the same step"
             )
-        if self._back is None:
+        if self.state is State.ON_HOST:
             self.copy_back()
-        assert self._back is not None
-        storages, event = self._back
-        if event is not None:
-            torch.accelerator.current_stream(self.stored[0].device).wait_event(event)
-        for stored, storage in zip(self.stored, storages):
+        if self._event is not None:
+            torch.accelerator.current_stream(self._stored[0].device).wait_event(self._event)
+        for stored, storage in zip(self._stored, self._back):
             for vid, meta in stored.values:
                 block.held[vid] = view_on(storage, meta)
         block.offloaded = None
-        self.stored = []
+        self.state, self._stored, self._back = State.RESTORED, [], []
         self.offload.started_backward(self.index)
 
     def release(self) -> None:
-        """The step ended: buffers still holding values go back to the pool."""
-        if self._back is None:
-            for stored in self.stored:
-                self.offload.pool.give(stored.buffer, _event_of(self._pending))
-        self.stored, self._pending, self._back = [], [], None
-        self.released = True
+        """The step ended, or the block was freed, before its values were taken back: host
+        buffers still out go back to the pool (after the last copy, on accelerators)."""
+        if self.state is State.RESTORED or self.state is State.RELEASED:
+            return
+        for stored in self._stored:
+            self._give(stored)
+        self.state, self._stored, self._back = State.RELEASED, [], []
+
+    def _give(self, stored: _Stored) -> None:
+        if stored.buffer is not None:
+            self.offload.pool.give(stored.buffer, self._event)
+            stored.buffer = None
 
 
 class _Copies:
@@ -217,24 +225,31 @@ class _Copies:
 
 def _storages(block: Block) -> list[list[int]]:
     """The held values to offload, grouped by storage: storages whose every held value an op
-    made (a storage shared with an input stays, with all its values)."""
+    made, without the conjugate or negative bit, that nothing but those values holds."""
     groups: dict[int, list[int]] = {}
     stays: set[int] = set()
     values = block.values
     for vid, t in block.held.items():
         key = t.untyped_storage().data_ptr()
-        if values[vid].kind == OP and t.untyped_storage().nbytes() > 0:
+        if values[vid].kind == OP and not (t.is_conj() or t.is_neg()):
             groups.setdefault(key, []).append(vid)
         else:
             stays.add(key)
-    return [vids for key, vids in groups.items() if key not in stays]
+    held = block.held
+    return [
+        vids
+        for key, vids in groups.items()
+        if key not in stays
+        and _held_only(held[vids[0]].untyped_storage(), len({id(held[v]) for v in vids}))
+    ]
+
+
+def _held_only(storage: torch.UntypedStorage, held: int) -> bool:
+    """Whether ``storage`` (not empty) is referenced by the ``held`` tensors on it alone: its use
+    count counts them and the Python storage objects alive, here ``storage`` itself."""
+    return storage.nbytes() > 0 and storage_use_count(storage) == held + 1
 
 
 def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> Tensor:
     """``storage``'s bytes as a uint8 tensor on it."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-
-
-def _event_of(pending: list[tuple[Tensor, torch.Event]]) -> torch.Event | None:
-    """The last pending copy's event: the side stream runs copies in order."""
-    return pending[-1][1] if pending else None
