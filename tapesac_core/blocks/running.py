@@ -187,6 +187,7 @@ def run_block(
     if cache is not None and signature is not None:
         cache.put(signature, recording.steady_tape(autograd), name)
     recording.recorder.forget()
+    block.watch_writes([*recording.outputs, *inputs])
     if scope is not None and scope.offload is not None:  # after the cache read what it holds
         scope.offload.store(block)
     return out
@@ -340,9 +341,11 @@ def _run_steady(
     block.recording = False
     if timed:
         block.trace.forward_seconds = time.perf_counter() - start
-    diverged = forward.finish(_tensors_out(out), inputs)
+    outputs = _tensors_out(out)
+    diverged = forward.finish(outputs, inputs)
     if diverged is None:
         cache.confirmed(signature, forward.entry)
+        block.watch_writes([*outputs, *inputs])
         scope = TRACE.get()
         if scope is not None and scope.offload is not None:
             scope.offload.store(block)

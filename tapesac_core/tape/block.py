@@ -169,6 +169,9 @@ class Block:
         # What the step's ``Offload`` copied to host memory (``offload.py``): back at the first
         # unpack.
         self.offloaded: OffloadedBlock | None = None
+        # The block's outputs and inputs on storages it holds, with their versions at the end of
+        # forward (``watch_writes``), checked at the first unpack.
+        self._watched: list[tuple[weakref.ref, int]] = []
         self.trace = BlockTrace(
             Tape(
                 name,
@@ -417,8 +420,36 @@ class Block:
                 return self._unpack(handle)
         return self._unpack(handle)
 
+    def watch_writes(self, tensors: Sequence[torch.Tensor]) -> None:
+        """End of forward: of ``tensors`` (the block's outputs and inputs), those on storages the
+        block holds, and their versions. Code after the block may write into them in place, and
+        backward would then read the new values: autograd raises for the tensors it saves itself,
+        and a plan keeps more of them. (A tensor held here has a version counter of its own:
+        ``detach`` inside a dispatch mode does not share the caller's.)"""
+        held = {t.untyped_storage().data_ptr() for t in self.held.values()}
+        self._watched = [
+            (weakref.ref(t), t._version) for t in tensors if t.untyped_storage().data_ptr() in held
+        ]
+
+    def _check_writes(self) -> None:
+        """At the first unpack: a watched tensor written in place since the forward is an error,
+        as autograd's for the tensors it saves."""
+        watched, self._watched = self._watched, []
+        for ref, version in watched:
+            t = ref()
+            if t is not None and t._version != version:
+                raise TapeSACError(
+                    f"block {self.name!r}: its output or input {tuple(t.shape)} {t.dtype}, whose "
+                    "storage the block keeps for backward, was written in place after its forward "
+                    f"(version {version}, now {t._version}): backward would read the new values "
+                    "and give wrong gradients. Fix: write into a copy (.clone(), or an out-of-"
+                    "place op) of the block's outputs and inputs"
+                )
+
     def _unpack(self, handle: int) -> torch.Tensor:
         gid = graph_task_id()
+        if self._watched:
+            self._check_writes()
         if self.offloaded is not None:
             self.offloaded.restore(self)
         if self.recompute is not None:

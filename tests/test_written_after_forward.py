@@ -1,0 +1,72 @@
+"""A tensor a block keeps for backward that code after the block writes in place (the block's
+output, or its input) is an error at the block's first unpack, recorded and steady-state calls
+alike: backward would read the new values. Autograd raises so for the tensors it saves itself;
+a plan keeps more of them. Before, the gradients were wrong, silently."""
+
+import copy
+
+import pytest
+import torch
+
+import tapesac_core
+from tapesac_core.errors import TapeSACError
+
+MM = ("aten.mm.default", 0, 0)
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x @ self.w
+        return h, h.exp() * 2  # autograd saves exp's result, not h
+
+
+def _grads(block: Block, x: torch.Tensor, write: bool) -> list[torch.Tensor]:
+    block.w.grad = x.grad = None
+    h, e = block(x)
+    if write:
+        h.add_(1)  # legal for autograd: it saved no tensor on h's storage
+    (h.sin() + e).sum().backward()
+    return [block.w.grad.clone(), x.grad.clone()]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("plan", [{"r": {MM}}, {}], ids=["keeps_h", "must_only"])
+def test_an_output_written_in_place_after_the_forward_is_an_error_where_the_block_keeps_it(
+    plan,
+) -> None:
+    torch.manual_seed(0)
+    reference = Block()
+    block = tapesac_core.checkpoint_module(copy.deepcopy(reference), "r")
+    x = torch.randn(8, 16, requires_grad=True)
+    for call in range(3):  # recorded, then steady-state calls
+        with tapesac_core.use_plan(plan), tapesac_core.trace() as traces:
+            if plan:
+                with pytest.raises(TapeSACError, match="written in place after its forward"):
+                    _grads(block, x, write=True)
+            else:  # h is not kept: writing into it is as legal as without checkpointing
+                assert _same(_grads(reference, x, write=True), _grads(block, x, write=True))
+            # Without the write, bitwise either way.
+            assert _same(_grads(reference, x, write=False), _grads(block, x, write=False))
+        # A block keeping a value autograd does not save records every call; else the calls
+        # after the first run in steady state.
+        assert [t.steady for t in traces] == ([False, False] if plan else [call > 0, True])
+
+
+def test_an_input_written_in_place_after_the_forward_is_an_error() -> None:
+    torch.manual_seed(0)
+    block = tapesac_core.checkpoint_module(Block(), "r")
+    x = torch.randn(8, 16)
+    with tapesac_core.trace() as traces:
+        for call in range(2):  # recorded, then in steady state
+            h, e = block(x)
+            x.mul_(2)  # the block keeps its input: autograd saved x for the matrix product too
+            with pytest.raises(TapeSACError, match="written in place after its forward"):
+                (h.sin() + e).sum().backward()
+    assert [t.steady for t in traces] == [False, True]
