@@ -17,7 +17,7 @@ from ..measure.timeline import BlockProbe
 from ..measure.timing import NodeTimer
 from ..plan.coords import Anchor, Coord
 from ..plan.plan import BlockKind
-from ..tensors import is_subclass_with_dispatch
+from ..tensors import detached, is_subclass_with_dispatch
 from .lifetimes import StorageLifetimes
 from .replay import Replay
 from .tape import BUFFER, OP, PARAM, Mandatory, Node, ReplayMemo, Tape, Value
@@ -169,9 +169,9 @@ class Block:
         # What the step's ``Offload`` copied to host memory (``offload.py``): back at the first
         # unpack.
         self.offloaded: OffloadedBlock | None = None
-        # The block's outputs and inputs on storages it holds, with their versions at the end of
-        # forward (``watch_writes``), checked at the first unpack.
-        self._watched: list[tuple[weakref.ref, int]] = []
+        # Per storage the block holds that its outputs or inputs are on, one of them and its
+        # version at the end of forward (``watch_writes``), checked as backward reads the storage.
+        self._watched: dict[int, tuple[torch.Tensor, int]] = {}
         self.trace = BlockTrace(
             Tape(
                 name,
@@ -216,7 +216,9 @@ class Block:
 
     def kept_tensor(self, vid: int) -> torch.Tensor:
         t = self.held.get(vid)
-        return t if t is not None else self.fetch(self.values[vid])
+        if t is None:
+            return self.fetch(self.values[vid])
+        return self._unwritten(t) if self._watched else t
 
     def fetch(self, value: Value) -> torch.Tensor:
         """A parameter or buffer by name, as the module holds it now (FSDP2: the re-gathered one)."""
@@ -422,34 +424,39 @@ class Block:
 
     def watch_writes(self, tensors: Sequence[torch.Tensor]) -> None:
         """End of forward: of ``tensors`` (the block's outputs and inputs), those on storages the
-        block holds, and their versions. Code after the block may write into them in place, and
+        block holds, with their versions. Code after the block may write into them in place, and
         backward would then read the new values: autograd raises for the tensors it saves itself,
-        and a plan keeps more of them. (A tensor held here has a version counter of its own:
-        ``detach`` inside a dispatch mode does not share the caller's.)"""
-        held = {t.untyped_storage().data_ptr() for t in self.held.values()}
-        self._watched = [
-            (weakref.ref(t), t._version) for t in tensors if t.untyped_storage().data_ptr() in held
-        ]
+        and a plan keeps more of them. Each is kept as a ``detach`` made here, which shares the
+        caller's version counter (views of it share it too; a value the block holds was detached
+        inside the recorder's dispatch mode and has a counter of its own)."""
+        held = set()
+        for t in self.held.values():
+            storage = t.untyped_storage()
+            if storage.nbytes() > 0:  # every empty storage's address is 0
+                held.add(storage.data_ptr())
+        self._watched = {}
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in held:
+                self._watched[ptr] = (detached(t), t._version)
 
-    def _check_writes(self) -> None:
-        """At the first unpack: a watched tensor written in place since the forward is an error,
-        as autograd's for the tensors it saves."""
-        watched, self._watched = self._watched, []
-        for ref, version in watched:
-            t = ref()
-            if t is not None and t._version != version:
-                raise TapeSACError(
-                    f"block {self.name!r}: its output or input {tuple(t.shape)} {t.dtype}, whose "
-                    "storage the block keeps for backward, was written in place after its forward "
-                    f"(version {version}, now {t._version}): backward would read the new values "
-                    "and give wrong gradients. Fix: write into a copy (.clone(), or an out-of-"
-                    "place op) of the block's outputs and inputs"
-                )
+    def _unwritten(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, a tensor the block holds, unless code after the block wrote into its storage
+        through one of the block's outputs or inputs: then a TapeSACError naming the fix."""
+        watched = self._watched.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        if watched is not None and watched[0]._version != watched[1]:
+            outside = watched[0]
+            raise TapeSACError(
+                f"block {self.name!r}: its output or input {tuple(outside.shape)} "
+                f"{outside.dtype}, whose storage the block keeps for backward, was written in "
+                f"place after its forward (version {watched[1]}, now {outside._version}): backward "
+                "would read the new values and give wrong gradients. Fix: write into a copy "
+                "(.clone(), or an out-of-place op) of the block's outputs and inputs"
+            )
+        return t
 
     def _unpack(self, handle: int) -> torch.Tensor:
         gid = graph_task_id()
-        if self._watched:
-            self._check_writes()
         if self.offloaded is not None:
             self.offloaded.restore(self)
         if self.recompute is not None:
@@ -463,7 +470,7 @@ class Block:
     def _take(self, vid: int, handle: int, gid: int) -> torch.Tensor:
         t = self.held.get(vid)
         if t is not None:
-            return t
+            return self._unwritten(t) if self._watched else t
         if self.is_kept(vid):
             return self.fetch(self.values[vid])
         return self._replay_for(gid).take(vid, handle)
