@@ -116,3 +116,28 @@ def test_a_backward_that_reads_no_written_storage_and_empty_storages_are_no_erro
 
     for _ in range(2):  # recorded, then in steady state
         assert torch.equal(grad(reference), grad(block))
+
+
+class Toggled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16))
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.w
+        return (h * 1.0 if self.extra else h).sin()
+
+
+def test_an_input_written_in_place_is_an_error_for_a_call_that_diverged_from_its_tape() -> None:
+    torch.manual_seed(0)
+    block = tapesac_core.checkpoint_module(Toggled(), "r")
+    for call in range(3):
+        block.extra = call == 2  # another op: the call departs from its tape, backward reruns it
+        x = torch.randn(8, 16)
+        with tapesac_core.trace() as traces:
+            y = block(x)
+            x.mul_(2)
+            with pytest.raises(TapeSACError, match="written in place after its forward"):
+                y.sum().backward()
+        assert bool(traces[0].diverged) == (call == 2)

@@ -75,13 +75,13 @@ def saved_plans(
         )
         return {}
     plans = plans_from_state(state["plans"], model)
-    refused = {k for k, p in plans.items() if _refused_kind(p, config) is not None}
+    refused = {k: kind for k, p in plans.items() if (kind := _refused_kind(p, config)) is not None}
     if refused:
         logger.info(
             "TapeSAC: %d restored plans run blocks %s, which this run's settings turn off: they "
             "are solved again",
             len(refused),
-            sorted({_refused_kind(plans[k], config) for k in refused}),
+            sorted(set(refused.values())),
         )
     return {k: p for k, p in plans.items() if k not in refused}
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .._compat import dispatch_disabled, torch_function_disabled, tree_map_only
+from .._compat import dispatch_disabled, torch_function_disabled, tree_leaves, tree_map_only
 from ..errors import TapeSACError
 from .steady import Layout
 
@@ -47,6 +47,11 @@ class Recompute:
         self.recorder_pack: Callable[[Tensor], Any] | None = None
         self.packed: list[Tensor] | None = None
         self._packing: list[Tensor] = []
+        # The forward's tensor arguments and their versions: run again from them, it would read
+        # what code after the block wrote into them in place.
+        self._versions = [
+            (t, t._version) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)
+        ]
 
     def take(self, handle: int, block: Block) -> Tensor:
         """The tensor of pack ``handle``, running ``block``'s forward again at the first."""
@@ -55,6 +60,15 @@ class Recompute:
         return self.packed[handle]
 
     def _run(self, block: Block) -> list[Tensor]:
+        for t, version in self._versions:
+            if t._version != version:
+                raise TapeSACError(
+                    f"block {self.name!r}: its input {tuple(t.shape)} {t.dtype}, from which its "
+                    f"backward runs its forward again, was written in place after its forward "
+                    f"(version {version}, now {t._version}): backward would read the new values "
+                    "and give wrong gradients. Fix: write into a copy (.clone(), or an out-of-"
+                    "place op) of the block's outputs and inputs"
+                )
         args, kwargs = tree_map_only(
             Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (self.args, self.kwargs)
         )
