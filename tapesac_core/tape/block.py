@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .._compat import graph_task_id
-from ..errors import TapeSACError
+from ..errors import TapeSACError, written_after_forward
 from ..measure.timeline import BlockProbe
 from ..measure.timing import NodeTimer
 from ..plan.coords import Anchor, Coord
@@ -169,8 +169,8 @@ class Block:
         # What the step's ``Offload`` copied to host memory (``offload.py``): back at the first
         # unpack.
         self.offloaded: OffloadedBlock | None = None
-        # Per storage the block holds that its outputs or inputs are on, one of them and its
-        # version at the end of forward (``watch_writes``), checked as backward reads the storage.
+        # Per held value on a storage the block's outputs or inputs are on, one of them and its
+        # version at the end of forward (``watch_writes``), checked as backward reads the value.
         self._watched: dict[int, tuple[torch.Tensor, int]] = {}
         self.trace = BlockTrace(
             Tape(
@@ -218,7 +218,7 @@ class Block:
         t = self.held.get(vid)
         if t is None:
             return self.fetch(self.values[vid])
-        return self._unwritten(t) if self._watched else t
+        return self._unwritten(vid, t) if self._watched else t
 
     def fetch(self, value: Value) -> torch.Tensor:
         """A parameter or buffer by name, as the module holds it now (FSDP2: the re-gathered one)."""
@@ -423,35 +423,32 @@ class Block:
         return self._unpack(handle)
 
     def watch_writes(self, tensors: Sequence[torch.Tensor]) -> None:
-        """End of forward: of ``tensors`` (the block's outputs and inputs), those on storages the
-        block holds, with their versions. Code after the block may write into them in place, and
-        backward would then read the new values: autograd raises for the tensors it saves itself,
-        and a plan keeps more of them. Each is kept as a ``detach`` made here, which shares the
-        caller's version counter (views of it share it too; a value the block holds was detached
-        inside the recorder's dispatch mode and has a counter of its own)."""
-        held = set()
-        for t in self.held.values():
-            storage = t.untyped_storage()
-            if storage.nbytes() > 0:  # every empty storage's address is 0
-                held.add(storage.data_ptr())
+        """End of forward: the held values on storages that ``tensors`` (the block's outputs and
+        inputs) are on, each with one of those tensors and its version. Code after the block may
+        write into them in place, and backward would then read the new values: autograd raises
+        for the tensors it saves itself, and a plan keeps more of them. Each tensor is kept as a
+        ``detach`` made here, which shares the caller's version counter (views of it share it
+        too; a value the block holds was detached inside the recorder's dispatch mode and has a
+        counter of its own). Empty values are not watched: every empty storage's address is 0."""
+        outside = {t.untyped_storage().data_ptr(): t for t in tensors}
         self._watched = {}
-        for t in tensors:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in held:
-                self._watched[ptr] = (detached(t), t._version)
+        for vid, t in self.held.items():
+            seen = outside.get(t.untyped_storage().data_ptr()) if t.numel() else None
+            if seen is not None:
+                self._watched[vid] = (detached(seen), seen._version)
 
-    def _unwritten(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``, a tensor the block holds, unless code after the block wrote into its storage
-        through one of the block's outputs or inputs: then a TapeSACError naming the fix."""
-        watched = self._watched.get(t.untyped_storage().data_ptr()) if t.numel() else None
+    def _unwritten(self, vid: int, t: torch.Tensor) -> torch.Tensor:
+        """``t``, held value ``vid``, unless code after the block wrote into its storage through
+        one of the block's outputs or inputs: then a TapeSACError naming the fix."""
+        watched = self._watched.get(vid)
         if watched is not None and watched[0]._version != watched[1]:
-            outside = watched[0]
-            raise TapeSACError(
-                f"block {self.name!r}: its output or input {tuple(outside.shape)} "
-                f"{outside.dtype}, whose storage the block keeps for backward, was written in "
-                f"place after its forward (version {watched[1]}, now {outside._version}): backward "
-                "would read the new values and give wrong gradients. Fix: write into a copy "
-                "(.clone(), or an out-of-place op) of the block's outputs and inputs"
+            seen, version = watched
+            raise written_after_forward(
+                self.name,
+                f"its output or input {tuple(seen.shape)} {seen.dtype}, whose storage the block "
+                "keeps for backward,",
+                version,
+                seen._version,
             )
         return t
 
@@ -470,7 +467,7 @@ class Block:
     def _take(self, vid: int, handle: int, gid: int) -> torch.Tensor:
         t = self.held.get(vid)
         if t is not None:
-            return self._unwritten(t) if self._watched else t
+            return self._unwritten(vid, t) if self._watched else t
         if self.is_kept(vid):
             return self.fetch(self.values[vid])
         return self._replay_for(gid).take(vid, handle)

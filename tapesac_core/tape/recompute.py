@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .._compat import dispatch_disabled, torch_function_disabled, tree_leaves, tree_map_only
-from ..errors import TapeSACError
+from ..errors import TapeSACError, written_after_forward
 from .steady import Layout
 
 if TYPE_CHECKING:
@@ -62,13 +62,11 @@ class Recompute:
     def _run(self, block: Block) -> list[Tensor]:
         for t, version in self._versions:
             if t._version != version:
-                raise TapeSACError(
-                    f"block {self.name!r}: its input {tuple(t.shape)} {t.dtype}, from which its "
-                    f"backward runs its forward again, was written in place after its forward "
-                    f"(version {version}, now {t._version}): backward would read the new values "
-                    "and give wrong gradients. Fix: write into a copy (.clone(), or an out-of-"
-                    "place op) of the block's outputs and inputs"
+                what = (
+                    f"its input {tuple(t.shape)} {t.dtype}, from which its backward runs its "
+                    "forward again,"
                 )
+                raise written_after_forward(self.name, what, version, t._version)
         args, kwargs = tree_map_only(
             Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (self.args, self.kwargs)
         )
