@@ -5,11 +5,19 @@ class TapeSACError(RuntimeError):
     """A TapeSAC block cannot be recorded or replayed as written; the message says why and how to fix it."""
 
 
-def written_after_forward(block: str, what: str, version: int, now: int) -> TapeSACError:
+COPY_FIX = "write into a copy (.clone(), or an out-of-place op) of the block's outputs and inputs"
+LEAF_FIX = (
+    "change parameters and buffers after backward (optimizer.step() after loss.backward()), "
+    "or replace them instead of writing into them (module.weight = torch.nn.Parameter(new))"
+)
+
+
+def written_after_forward(
+    block: str, what: str, version: int, now: int, fix: str = COPY_FIX
+) -> TapeSACError:
     """The error for ``what``, a tensor block ``block``'s backward reads, written in place by
     code after the block: its version was ``version`` at the end of forward, ``now`` now."""
     return TapeSACError(
         f"block {block!r}: {what} was written in place after its forward (version {version}, now "
-        f"{now}): backward would read the new values and give wrong gradients. Fix: write into a "
-        "copy (.clone(), or an out-of-place op) of the block's outputs and inputs"
+        f"{now}): backward would read the new values and give wrong gradients. Fix: {fix}"
     )

@@ -141,3 +141,67 @@ def test_an_input_written_in_place_is_an_error_for_a_call_that_diverged_from_its
             with pytest.raises(TapeSACError, match="written in place after its forward"):
                 y.sum().backward()
         assert bool(traces[0].diverged) == (call == 2)
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 16)
+        self.register_buffer("scale", torch.full((32,), 0.5))
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * self.scale
+        return self.b(torch.nn.functional.gelu(h * 1.0 if self.extra else h))
+
+
+WRITES = {
+    # Autograd saved no tensor on it (its consumers' inputs are saved): legal without
+    # checkpointing, but a must-only backward recomputes from it.
+    "a.bias": lambda m: m.a.bias.add_(1),
+    # Autograd saved it: an error without checkpointing too.
+    "a.weight": lambda m: m.a.weight.mul_(2),
+    "scale": lambda m: m.scale.add_(1),
+}
+
+
+@pytest.mark.parametrize("leaf", list(WRITES))
+def test_a_parameter_or_buffer_written_in_place_before_backward_is_an_error(leaf: str) -> None:
+    torch.manual_seed(0)
+    block = tapesac_core.checkpoint_module(Scaled(), "r")
+    x = torch.randn(8, 16, requires_grad=True)
+    with tapesac_core.trace() as traces:
+        for call in range(3):  # recorded, then in steady state; the last one diverged
+            block.extra = call == 2
+            y = block(x)
+            with torch.no_grad():
+                WRITES[leaf](block)  # an optimizer step before backward, say
+            with pytest.raises(
+                TapeSACError, match=f"'{leaf}'.* was written in place after its forward"
+            ):
+                y.square().sum().backward()
+    assert [t.steady for t in traces] == [False, True, False]
+    assert [bool(t.diverged) for t in traces] == [False, False, True]
+
+
+def test_a_parameter_replaced_or_written_after_backward_is_no_error() -> None:
+    torch.manual_seed(0)
+    reference = Scaled()
+    block = tapesac_core.checkpoint_module(copy.deepcopy(reference), "r")
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def grads(m: Scaled) -> list[torch.Tensor]:
+        x.grad = None
+        m.zero_grad()
+        y = m(x)
+        m.scale = m.scale + 1  # replaced, not written: backward uses the forward's
+        y.square().sum().backward()
+        with torch.no_grad():
+            m.a.bias.add_(1)  # after backward, as an optimizer steps
+        return [x.grad.clone(), *(p.grad.clone() for p in m.parameters())]
+
+    with tapesac_core.trace():
+        for call in range(3):
+            reference.extra = block.extra = call == 2
+            assert _same(grads(reference), grads(block))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .._compat import graph_task_id
-from ..errors import TapeSACError, written_after_forward
+from ..errors import LEAF_FIX, TapeSACError, written_after_forward
 from ..measure.timeline import BlockProbe
 from ..measure.timing import NodeTimer
 from ..plan.coords import Anchor, Coord
@@ -155,10 +155,11 @@ class Block:
         # Some node writes in place: only then must replay guard what it must not write into.
         self.writes_in_place = False
         self._owners: dict[str, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
-        # The parameters and buffers backward fetches by name, as the forward used them
-        # (``note_leaves``), for the forward's own where the module holds another at backward;
-        # and, while a recording runs, each as the forward first read it (``ValueIds``).
-        self._leaves_used: dict[str, torch.Tensor] = {}
+        # The parameters and buffers backward fetches by name, as the forward used them and
+        # with their versions then (``note_leaves``), for the forward's own where the module
+        # holds another at backward; and, while a recording runs, each as the forward first
+        # read it (``ValueIds``).
+        self._leaves_used: dict[str, tuple[torch.Tensor, int]] = {}
         self.leaves_read: dict[str, torch.Tensor] = {}
         self.device_types: set[str] = set()  # of the recorded layouts (ValueIds.layout)
         self.verify = False  # fingerprint packed values; replay compares (see verify.py)
@@ -235,20 +236,34 @@ class Block:
         t = (module._parameters if value.kind == PARAM else module._buffers).get(attr)
         if t is None:
             t = getattr(module, attr, None)
-        if t is None and used is not None:
-            return used  # removed from the module since the forward (``note_leaves``)
-        if t is None:
+        if t is None and used is None:
             raise TapeSACError(
                 f"block {self.name!r}: {value.kind} {value.name!r}, which its forward read, is "
                 "not on the module. Fix: keep it registered until the block's backward"
             )
-        if is_subclass_with_dispatch(t):
+        if t is not None and is_subclass_with_dispatch(t):
             raise TapeSACError(
                 f"block {self.name!r}: {value.kind} {value.name!r} is a {type(t).__name__} at "
                 "backward time, not the unsharded tensor forward used. Fix: shard with FSDP2 at "
                 "the checkpointed module or above it (fully_shard(block) after checkpoint_module)"
             )
-        return t if used is None else used
+        if used is not None:
+            return self._unwritten_leaf(
+                value, *used
+            )  # the forward's, where the module's may differ
+        assert t is not None  # refused above
+        return t
+
+    def _unwritten_leaf(self, value: Value, t: torch.Tensor, version: int) -> torch.Tensor:
+        """``t``, parameter or buffer ``value`` as the forward used it, unless code wrote into it
+        in place since (an optimizer step before backward): backward recomputes from it, so
+        it would read the new values where autograd raises (or, for a tensor autograd did not
+        save, reads the old ones). Then a TapeSACError naming the fix."""
+        if t._version != version:
+            raise written_after_forward(
+                self.name, f"its {value.kind} {value.name!r}", version, t._version, LEAF_FIX
+            )
+        return t
 
     def note_leaves(self, read: Mapping[str, torch.Tensor]) -> None:
         """End of forward: the parameters and buffers backward fetches by name, as the forward
@@ -265,7 +280,8 @@ class Block:
             if value.kind == PARAM or value.kind == BUFFER:
                 name = str(value.name)
                 first = read.get(name)
-                used[name] = first if first is not None else self.fetch(value)
+                t = first if first is not None else self.fetch(value)
+                used[name] = (t, t._version)
         self._leaves_used = used
 
     def finish(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .._compat import dispatch_disabled, torch_function_disabled, tree_leaves, tree_map_only
-from ..errors import TapeSACError, written_after_forward
+from ..errors import LEAF_FIX, TapeSACError, written_after_forward
 from .steady import Layout
 
 if TYPE_CHECKING:
@@ -67,6 +67,12 @@ class Recompute:
                     "forward again,"
                 )
                 raise written_after_forward(self.name, what, version, t._version)
+        for leaf in self.leaves:
+            if leaf.tensor._version != leaf.version:
+                what = f"its parameter or buffer {leaf.name!r}, from which its backward runs its forward again,"
+                raise written_after_forward(
+                    self.name, what, leaf.version, leaf.tensor._version, LEAF_FIX
+                )
         args, kwargs = tree_map_only(
             Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (self.args, self.kwargs)
         )
@@ -119,23 +125,28 @@ class Recompute:
 
 
 class Leaf(NamedTuple):
-    """One parameter or buffer of a module, in its owner's table under ``attr``."""
+    """One parameter or buffer of a module, in its owner's table under ``attr``, and its
+    version at the end of the forward."""
 
     table: dict[str, Any]  # the owner's ``_parameters`` or ``_buffers``
     attr: str
     tensor: Tensor
+    name: str  # its path in the module
+    version: int
 
 
 def leaves_of(module: torch.nn.Module, read: Mapping[str, Tensor]) -> list[Leaf]:
     """The parameters and buffers the forward of ``module`` (just ended) used: each as it first
     read it (``read``, by name), else as the module holds it now."""
-    return [
-        Leaf(table, attr, read.get(f"{prefix}.{attr}" if prefix else attr, t))
-        for prefix, m in module.named_modules(remove_duplicate=False)
-        for table in (m._parameters, m._buffers)
-        for attr, t in table.items()
-        if t is not None
-    ]
+    leaves = []
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        for table in (m._parameters, m._buffers):
+            for attr, t in table.items():
+                if t is not None:
+                    name = f"{prefix}.{attr}" if prefix else attr
+                    used = read.get(name, t)
+                    leaves.append(Leaf(table, attr, used, name, used._version))
+    return leaves
 
 
 @contextmanager
@@ -145,7 +156,7 @@ def forward_leaves(leaves: list[Leaf]) -> Iterator[None]:
     before backward (FSDP2 gathers into the tensors it registered, so nothing changes there)."""
     swapped: list[tuple[dict[str, Any], str, Any]] = []
     try:
-        for table, attr, t in leaves:
+        for table, attr, t, _, _ in leaves:
             current = table.get(attr, _ABSENT)
             if current is not t:
                 swapped.append((table, attr, current))
