@@ -2,10 +2,12 @@
 
 import logging
 
+import pytest
 import torch
 from support import FakeMeter, assert_bitwise, step
 
 import tapesac_core
+from tapesac_core.errors import TapeSACError
 from tapesac_core.tape.tape import INVISIBLE_WRITE
 
 
@@ -139,3 +141,39 @@ def test_a_controller_state_keeps_the_findings_for_a_resumed_run() -> None:
         got = step(resumed, lambda: resumed(x).sum())
     assert report.block_traces[0].invisible_writes == []
     assert_bitwise(ref, got)
+
+
+class RReLU(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.nn.functional.rrelu(self.proj(x), training=True).sin()
+
+
+def test_a_write_without_a_version_bump_is_what_backward_reads() -> None:
+    """aten.rrelu_with_noise fills ``noise``, which autograd saved before the op, without
+    bumping its version: autograd reads the written noise, so the block must give it that
+    (it gave the allocation's content before the write, and wrong gradients, every call)."""
+    torch.manual_seed(0)
+    module, x = RReLU(), torch.randn(4, 8, requires_grad=True)
+    refs = [step(module, lambda: module(x).sum(), seed=s) for s in range(3)]
+    tapesac_core.checkpoint_module(module, region="rrelu")
+    for plan in ({}, {"rrelu": {("aten.rrelu_with_noise.default", 0, 0)}}):
+        with tapesac_core.use_plan(plan), tapesac_core.trace():
+            for s in range(3):
+                assert_bitwise(refs[s], step(module, lambda: module(x).sum(), seed=s))
+
+
+def test_a_view_saved_before_a_write_without_a_version_bump_is_refused() -> None:
+    class Viewed(torch.nn.Module):
+        def forward(self, x):
+            noise = torch.empty_like(x)
+            y = x[:2] * noise[:2].zero_()  # autograd saves the view of noise
+            return torch.ops.aten.rrelu_with_noise(x, noise, 0.1, 0.3, True).sum() + y.sum()
+
+    module = tapesac_core.checkpoint_module(Viewed(), region="viewed")
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(TapeSACError, match="rrelu_with_noise.*saved a view of"):
+        module(x)

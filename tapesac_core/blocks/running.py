@@ -231,6 +231,7 @@ class _Recording:
         finally:
             RECORDING.reset(token)
             block.on_exit = None  # the recorder holds the block: no cycle outlives the forward
+        recorder.settle_writes()
         self.outputs = _tensors_out(out)
         self.output_vids = [recorder.vid_of(t) for t in self.outputs]
         block.finish(frozenset(self.output_vids), recorder.alive)

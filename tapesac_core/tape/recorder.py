@@ -82,6 +82,9 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         self.hot: dict[int, OpInfo] = {}  # the ops of ``infos`` the fast path records
         self.log = PackLog()  # what steady-state calls check and bind at their packs
         self.ops: OpLog | None = None  # what a module block's steady-state calls check
+        # The last op's writes, each (tensor, its version before, its values before and after,
+        # the packs so far), until ``settle_writes`` sees whether autograd bumped the version.
+        self.pending_writes: list[tuple[Tensor, int, int, int, int]] = []
 
     def forget(self) -> None:
         """The forward ended: drop the per-tensor bookkeeping. Autograd keeps the pack hook,
@@ -157,6 +160,8 @@ class Recorder(DispatchModeWithoutDynamoGuard):
     ) -> Any:
         if kwargs is None:
             kwargs = {}
+        if self.pending_writes:
+            self.settle_writes()
         info = self.hot.get(id(func))
         if info is None or self.uninitialised:
             info = self.infos.get(id(func)) or self._info(func)
@@ -183,6 +188,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
             return self._same_value(func, args, kwargs)
         targs, tkwargs, inputs = self.ids.arguments(args, kwargs)
         writes = self._before_write(func, info, args, kwargs, inputs) if info.mutated else ()
+        versions = [t._version for t in self._mutated_tensors(info, args, kwargs)] if writes else []
         rng = (
             self._capture_rng(info, args, kwargs)
             if info.random
@@ -202,6 +208,14 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         if self.uninitialised and not info.metadata_only and not info.aliasing:
             self.holding.check_initialised(args, kwargs, inputs, writes)
         index = self._add_node(func, info, targs, tkwargs, inputs, writes, rng, out, args, kwargs)
+        if writes:
+            by_id, n = self.ids.by_id, len(self.block.handles)
+            self.pending_writes = [
+                (t, version, inputs[slot], by_id[id(t)][1], n)
+                for slot, t, version in zip(
+                    writes, self._mutated_tensors(info, args, kwargs), versions
+                )
+            ]
         if self.ops is not None:
             self.ops.op(func, args, kwargs, out, index, (targs, tkwargs))
         if timer is not None and index >= 0:
@@ -266,6 +280,35 @@ class Recorder(DispatchModeWithoutDynamoGuard):
             self.holding.before_write(t.untyped_storage(), sid)
             ids.epochs[sid] = ids.epochs.get(sid, 0) + 1
         return tuple(slots)
+
+    def settle_writes(self) -> None:
+        """Works around kernels that write an argument without bumping its version counter
+        (``aten.rrelu_with_noise`` fills ``noise``, which autograd saved before the op ran):
+        autograd then unpacks the written content, with no error, so the earlier packs of the
+        value before the write stand for the value after it. Seen at the next op or the end
+        of forward: inside the dispatch mode, the autograd layer above has not bumped any
+        version yet. A saved view of that storage would need a view of the new value, which
+        no value is: refused."""
+        pending, self.pending_writes = self.pending_writes, []
+        handles: list[int] = self.block.handles  # type: ignore[assignment]  # recording: a list
+        values, by_id = self.ids.values, self.ids.by_id
+        for t, version, old, new, packed in pending:
+            if t._version != version:
+                continue  # autograd raises if it unpacks a tensor saved before the write
+            values[new] = values[new]._replace(version=version)
+            by_id[id(t)] = (weakref.ref(t), new, version)
+            sid = values[old].sid
+            for h in range(packed):
+                vid = handles[h]
+                if vid == old:
+                    handles[h] = new
+                elif values[vid].sid == sid and values[vid].version == version:
+                    raise TapeSACError(
+                        f"block {self.block.name!r}: {self.block.nodes[values[new].node].name} "
+                        "wrote into a tensor autograd saved a view of, without bumping its "
+                        "version; backward would read the written content through the view, "
+                        "which replay cannot rebuild. Fix: do not checkpoint this module"
+                    )
 
     def _refuse_leaf_write(self, func: Any, sid: int) -> None:
         leaf = next(v for v in self.ids.values if v.sid == sid and v.kind in (INPUT, PARAM, BUFFER))
