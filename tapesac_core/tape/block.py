@@ -441,11 +441,10 @@ class Block:
     def watch_writes(self, tensors: Sequence[torch.Tensor]) -> None:
         """End of forward: the held values on storages that ``tensors`` (the block's outputs and
         inputs) are on, each with one of those tensors and its version. Code after the block may
-        write into them in place, and backward would then read the new values: autograd raises
-        for the tensors it saves itself, and a plan keeps more of them. Each tensor is kept as a
-        ``detach`` made here, which shares the caller's version counter (views of it share it
-        too; a value the block holds was detached inside the recorder's dispatch mode and has a
-        counter of its own). Empty values are not watched: every empty storage's address is 0."""
+        write into them in place (``_drop_written``). Each tensor is kept as a ``detach`` made
+        here, which shares the caller's version counter (views of it share it too; a value the
+        block holds was detached inside the recorder's dispatch mode and has a counter of its
+        own). Empty values are not watched: every empty storage's address is 0."""
         outside = {t.untyped_storage().data_ptr(): t for t in tensors}
         self._watched = {}
         for vid, t in self.held.items():
@@ -453,16 +452,31 @@ class Block:
             if seen is not None:
                 self._watched[vid] = (detached(seen), seen._version)
 
+    def _drop_written(self) -> None:
+        """Held values that code after the block wrote into in place, through one of the
+        block's outputs or inputs: backward would read the new values. One the tape can make
+        (an output the plan kept) is dropped and replayed from its producers, as where the plan
+        does not keep it; an input, or a value replay cannot make (S0), is left to
+        ``_unwritten``, where backward reads it."""
+        for vid, (seen, version) in list(self._watched.items()):
+            if seen._version == version or self.values[vid].kind != OP or vid in self.mandatory:
+                continue  # unwritten, or an error where backward reads it (``_unwritten``)
+            del self._watched[vid], self.held[vid]
+            self.kept = self.kept - {vid}
+            self.memo = None  # its closures and read counts assume the cached tape's held values
+            self._replay = None
+
     def _unwritten(self, vid: int, t: torch.Tensor) -> torch.Tensor:
         """``t``, held value ``vid``, unless code after the block wrote into its storage through
-        one of the block's outputs or inputs: then a TapeSACError naming the fix."""
+        one of the block's inputs (or into a value replay cannot make): then a TapeSACError
+        naming the fix, as autograd raises for the tensors it saves itself."""
         watched = self._watched.get(vid)
         if watched is not None and watched[0]._version != watched[1]:
             seen, version = watched
             raise written_after_forward(
                 self.name,
-                f"its output or input {tuple(seen.shape)} {seen.dtype}, whose storage the block "
-                "keeps for backward,",
+                f"its input {tuple(seen.shape)} {seen.dtype}, whose storage the block keeps for "
+                "backward,",
                 version,
                 seen._version,
             )
@@ -474,6 +488,8 @@ class Block:
             self.offloaded.restore(self)
         if self.recompute is not None:
             return self.recompute.take(handle, self)
+        if self._watched:
+            self._drop_written()
         vid = self.handles[handle]
         self.trace.unpacked.add(vid)
         if self.probe is not None:
