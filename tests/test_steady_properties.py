@@ -1,10 +1,10 @@
 """Property: whatever a user's code changes between calls, every step is bitwise that of the same
 model run without checkpointing, under must-only and under a plan. Hypothesis builds small blocks
 from steps that read Python numbers (module attributes, globals, closures, dropout's ``p``,
-integers read from the data as scalars, exponents, sizes, indices and branch conditions) and a
-schedule that changes them between calls, with train/eval flips, a submodule swapped, a forward
-hook added or removed, and autocast; steady-state calls whose forward departs from their tape
-are recomputed (``tape/op_checks.py``)."""
+integers read from the data as scalars, exponents, sizes, indices and branch conditions) or draw
+randomized leaky ReLU's noise, and a schedule that changes them between calls, with train/eval
+flips, a submodule swapped, a forward hook added or removed, and autocast; steady-state calls
+whose forward departs from their tape are recomputed (``tape/op_checks.py``)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ STEPS = (
     "global",
     "closure",
     "dropout",
+    "rrelu",
     "item_scalar",
     "item_power",
     "item_size",
@@ -59,6 +60,7 @@ class Program(torch.nn.Module):
         self.sub_a = torch.nn.Linear(D, D)
         self.sub_b = torch.nn.Linear(D, D)
         self.drop = torch.nn.Dropout(0.2)
+        self.rrelu = torch.nn.RReLU()  # random in training, writing its noise unversioned
         self.scale = 1.0
         self.flag = True
         self.use_b = False
@@ -79,6 +81,8 @@ class Program(torch.nn.Module):
             return h * self.read()
         if s == "dropout":
             return self.drop(h)
+        if s == "rrelu":
+            return self.rrelu(h)
         n = int(x.argmax().item())  # an integer read from the data
         if s == "item_scalar":
             return h * (n % 3 + 1)
@@ -117,6 +121,7 @@ READS = {
     "global": "shift",
     "closure": "closure",
     "dropout": "p",
+    "rrelu": "training",
     "branch": "flag",
     "submodule": "use_b",
 }
