@@ -1,5 +1,6 @@
 """Writes the dispatcher cannot see: found by the verifying step, then saved (mandatory)."""
 
+import copy
 import logging
 
 import pytest
@@ -177,3 +178,38 @@ def test_a_view_saved_before_a_write_without_a_version_bump_is_refused() -> None
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(TapeSACError, match="rrelu_with_noise.*saved a view of"):
         module(x)
+
+
+class DataSwapped(torch.nn.Module):
+    """Swaps a tensor's storage with ``.data =`` (no op, no version bump) inside its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.register_buffer("other", torch.randn(4, 8))
+        self.swap: bool | str = True
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.swap == "buffer":
+            h.data = self.other * 1.0
+        elif self.swap:
+            h.data = h.data.clamp(-0.5, 0.5)
+        return self.b(h.sin())  # sin saves h: what it holds after the swap
+
+
+@pytest.mark.parametrize("plan", [{}, {"swapped": {("aten.addmm.default", 0, 0)}}])
+def test_a_storage_swapped_with_data_inside_the_forward_is_what_backward_reads(plan) -> None:
+    """The tape took ``h`` for the linear's output after the swap (same object, same version)
+    and replayed the linear: wrong gradients on every call, silently."""
+    torch.manual_seed(0)
+    reference = DataSwapped()
+    module = tapesac_core.checkpoint_module(copy.deepcopy(reference), region="swapped")
+    swaps: list[bool | str] = [True, True, True, False, False, True, "buffer", "buffer", True]
+    with tapesac_core.use_plan(plan), tapesac_core.trace() as traces:
+        for s, swap in enumerate(swaps):
+            x = torch.randn(4, 8, requires_grad=True)
+            reference.swap = module.swap = swap
+            ref = step(reference, lambda: reference(x).square().sum(), seed=s)
+            assert_bitwise(ref, step(module, lambda: module(x).square().sum(), seed=s))
+    assert sum(t.steady for t in traces) >= 3  # calls like the one before run in steady state

@@ -114,7 +114,12 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         pack's index in ``block.handles``)."""
         block = self.block
         entry = self.ids.by_id.get(id(t))  # ValueIds.recorded, inlined: runs per saved tensor
-        if entry is not None and entry[0]() is t and entry[2] == t._version:
+        if (
+            entry is not None
+            and entry[0]() is t
+            and entry[2] == t._version
+            and entry[3] == t.data_ptr()
+        ):
             vid = entry[1]
         else:
             vid = self.ids.vid_of(t)
@@ -146,10 +151,10 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         counts: an alias seen by storage (``x.data``) has a counter of its own."""
         refs: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         values = self.ids.values
-        for ref, vid, _ in self.ids.by_id.values():
+        for ref, vid, _, ptr in self.ids.by_id.values():
             if vid in vids and vid not in refs:
                 t = ref()
-                if t is not None and t._version == values[vid].version:
+                if t is not None and t._version == values[vid].version and t.data_ptr() == ptr:
                     refs[vid] = (ref, values[vid].version)
         return refs
 
@@ -296,7 +301,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
             if t._version != version:
                 continue  # autograd raises if it unpacks a tensor saved before the write
             values[new] = values[new]._replace(version=version)
-            by_id[id(t)] = (weakref.ref(t), new, version)
+            by_id[id(t)] = (weakref.ref(t), new, version, t.data_ptr())
             sid = values[old].sid
             for h in range(packed):
                 vid = handles[h]
@@ -469,5 +474,5 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         meta = ids.layout(t) if info.metadata_only else None
         values.append(_new_tuple(Value, (vid, index, j, sid, epoch, meta, version, OP, None)))
         ptrs.append(ptr)
-        ids.by_id[key] = (weakref.ref(t), vid, version)
+        ids.by_id[key] = (weakref.ref(t), vid, version, t.data_ptr())
         return vid

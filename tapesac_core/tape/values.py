@@ -4,7 +4,8 @@ A value is a tensor's content at one version. The recorder asks ``ValueIds.vid_o
 tensor an op reads; ``ValueIds`` answers from what it has seen and registers what it has not:
 
 * a tensor object it recorded (an op's output, a block input): its value, while the tensor's
-  version counter is the value's. Identity is weak: ``id(tensor) -> (weakref, vid, version)``,
+  version counter and data address are the value's (``t.data = other`` swaps the storage
+  unseen: then it is what the tensor holds now, as below). Identity is weak: ``id(tensor) -> (weakref, vid, version)``,
   never a strong reference to a tensor, so recording keeps no intermediate alive;
 * a parameter or buffer of the block's module (by identity, else by storage and layout, as
   ``p.data`` is): a leaf value recorded by name, fetched again at replay;
@@ -69,8 +70,10 @@ class ValueIds:
         self.holding = holding
         self.calls = calls
         self.values: list[Value] = block.values
-        # id(tensor) -> (weakref, vid, the value's version): what each op checks its inputs by.
-        self.by_id: dict[int, tuple[weakref.ref[Tensor], int, int]] = {}
+        # id(tensor) -> (weakref, vid, the value's version, the tensor's data address): what each
+        # op checks its inputs by. The address catches ``t.data = other``, which swaps a
+        # tensor's storage without a version bump or an op the dispatcher sees.
+        self.by_id: dict[int, tuple[weakref.ref[Tensor], int, int, int]] = {}
         self.ptrs: list[int] = []  # storage data_ptr per value
         self.last_write: dict[int, int] = {}  # sid -> value id of the latest write into it
         self.leaf_sids = leaf_sids  # storages of leaves, added by new_value
@@ -101,7 +104,7 @@ class ValueIds:
             Value(vid, node, j, sid, self.epochs.get(sid, 0), self.layout(t), version, kind, name)
         )
         self.ptrs.append(storage.data_ptr())
-        self.by_id[id(t)] = (weakref.ref(t), vid, version)
+        self.by_id[id(t)] = (weakref.ref(t), vid, version, t.data_ptr())
         if kind != OP and kind != EXTERNAL:
             self.leaf_sids.add(sid)
         return vid
@@ -116,13 +119,18 @@ class ValueIds:
         """The value of ``t`` if this tensor object was recorded at its current version, else
         None; registers nothing. (Inlined where it runs per argument of every op.)"""
         entry = self.by_id.get(id(t))
-        if entry is not None and entry[0]() is t and entry[2] == t._version:
+        if (
+            entry is not None
+            and entry[0]() is t
+            and entry[2] == t._version
+            and entry[3] == t.data_ptr()
+        ):
             return entry[1]
         return None
 
     def same_as(self, t: Tensor, vid: int) -> None:
         """``t`` is another tensor object with value ``vid``'s content, storage and layout."""
-        self.by_id[id(t)] = (weakref.ref(t), vid, self.values[vid].version)
+        self.by_id[id(t)] = (weakref.ref(t), vid, self.values[vid].version, t.data_ptr())
 
     def arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[int]]:
         """A call's recorded arguments and keyword arguments (each tensor replaced by the slot of
@@ -134,7 +142,12 @@ class ValueIds:
         for a in args:
             if isinstance(a, Tensor):
                 entry = by_id.get(id(a))  # recorded(), inlined: runs per tensor argument
-                if entry is not None and entry[0]() is a and entry[2] == a._version:
+                if (
+                    entry is not None
+                    and entry[0]() is a
+                    and entry[2] == a._version
+                    and entry[3] == a.data_ptr()
+                ):
                     inputs.append(entry[1])
                 else:
                     inputs.append(self.vid_of(a))
@@ -154,7 +167,12 @@ class ValueIds:
         tuple with tensors a list or tuple of templates; anything else is kept as it is."""
         if isinstance(a, Tensor):
             entry = self.by_id.get(id(a))
-            if entry is not None and entry[0]() is a and entry[2] == a._version:
+            if (
+                entry is not None
+                and entry[0]() is a
+                and entry[2] == a._version
+                and entry[3] == a.data_ptr()
+            ):
                 inputs.append(entry[1])
             else:
                 inputs.append(self.vid_of(a))
@@ -168,9 +186,9 @@ class ValueIds:
     def vid_of(self, t: Tensor) -> int:
         """The value id of ``t`` as it is now, registering leaves and re-read aliases."""
         entry = self.by_id.get(id(t))
-        if entry is not None and entry[0]() is t:
+        if entry is not None and entry[0]() is t and entry[3] == t.data_ptr():
             vid = entry[1]
-        else:
+        else:  # unseen, or its storage swapped (``t.data = other``): what it holds now
             vid = self._unseen(t)
         if self.values[vid].version != t._version:
             return self._reread(t, vid)
@@ -212,7 +230,7 @@ class ValueIds:
         layout = layout_of(t)[:4]
         # Only a value whose own tensor is alive proves the storage is the same one: a freed
         # storage's address is reused by new allocations.
-        for ref, vid, _ in sorted(self.by_id.values(), key=lambda e: -e[1]):
+        for ref, vid, _, _ in sorted(self.by_id.values(), key=lambda e: -e[1]):
             live = ref()
             if live is not None and self.ptrs[vid] == ptr and layout_of(live)[:4] == layout:
                 return vid
