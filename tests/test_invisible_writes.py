@@ -187,12 +187,15 @@ class DataSwapped(torch.nn.Module):
         super().__init__()
         self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
         self.register_buffer("other", torch.randn(4, 8))
+        self.register_buffer("low", torch.randn(4, 8, dtype=torch.bfloat16))
         self.swap: bool | str = True
 
     def forward(self, x):
         h = self.a(x)
         if self.swap == "buffer":
             h.data = self.other * 1.0
+        elif self.swap == "as_is":  # under autocast: no op at all
+            h.data = self.low
         elif self.swap:
             h.data = h.data.clamp(-0.5, 0.5)
         return self.b(h.sin())  # sin saves h: what it holds after the swap
@@ -213,3 +216,25 @@ def test_a_storage_swapped_with_data_inside_the_forward_is_what_backward_reads(p
             ref = step(reference, lambda: reference(x).square().sum(), seed=s)
             assert_bitwise(ref, step(module, lambda: module(x).square().sum(), seed=s))
     assert sum(t.steady for t in traces) >= 3  # calls like the one before run in steady state
+
+
+def test_a_storage_swapped_with_data_on_some_calls_only_makes_those_calls_diverge() -> None:
+    """Under autocast a steady-state call is checked op by op, and ``h.data = self.low``
+    dispatches no op: only the swapped tensor's data address tells the call from its tape."""
+    torch.manual_seed(0)
+    reference = DataSwapped()
+    module = tapesac_core.checkpoint_module(copy.deepcopy(reference), region="swapped")
+
+    def loss(m: DataSwapped, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+        return y.float().square().sum()
+
+    swaps: list[bool | str] = [False, False, "as_is", "as_is", False]
+    with tapesac_core.trace() as traces:
+        for s, swap in enumerate(swaps):
+            x = torch.randn(4, 8, requires_grad=True)
+            reference.swap = module.swap = swap
+            ref = step(reference, lambda: loss(reference, x), seed=s)
+            assert_bitwise(ref, step(module, lambda: loss(module, x), seed=s))
+    assert [bool(t.diverged) for t in traces] == [False, False, True, False, True]

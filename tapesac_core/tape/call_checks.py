@@ -239,6 +239,8 @@ class CallCheck(TorchFunctionMode, Checking):
             self.sources.same(out, args[0])
             return out
         if type(func) is MethodWrapperType or func in _NO_OPS:
+            if func.__name__ == "__set__":  # ``t.data = other``: it has effects, checked first
+                return self._checked(func, args, kwargs, _NOT_RUN)
             out = func(*args, **kwargs)
             if _metadata_read(func, out):
                 return out
@@ -258,7 +260,7 @@ class CallCheck(TorchFunctionMode, Checking):
         out = func(*args, **kwargs) if ran is _NOT_RUN else ran
         if why is None:
             if type(out) is Tensor:
-                self.made_by_id[id(out)] = (weakref.ref(out), c << OUTPUT_BITS)
+                self.made_by_id[id(out)] = (weakref.ref(out), c << OUTPUT_BITS, out.data_ptr())
             else:
                 self.sources.made(out, c)
         return out
@@ -288,7 +290,7 @@ class CallCheck(TorchFunctionMode, Checking):
             a = args[i]
             if type(e) is From:
                 entry = made.get(id(a))
-                if entry is not None and entry[0]() is a:
+                if entry is not None and entry[0]() is a and entry[2] == a.data_ptr():  # type: ignore[union-attr]  # narrowed by `is`
                     if entry[1] == e.key:
                         continue
                 elif self._unmade(a, e.key):
@@ -305,7 +307,7 @@ class CallCheck(TorchFunctionMode, Checking):
     def _from(self, a: Any, key: Any) -> bool:
         """``a`` is a tensor with source ``key``."""
         entry = self.made_by_id.get(id(a))
-        if entry is not None and entry[0]() is a:
+        if entry is not None and entry[0]() is a and entry[2] == a.data_ptr():  # type: ignore[union-attr]  # narrowed by `is`
             return bool(entry[1] == key)
         return self._unmade(a, key)
 

@@ -86,9 +86,10 @@ class Sources:
     position, negative), a name for a parameter or buffer, a tuple for anything else."""
 
     def __init__(self, inputs: Sequence[Tensor], module: torch.nn.Module) -> None:
-        # id -> (weak reference, key): the reference tells a live tensor from a freed one whose
-        # id Python gave to another, without keeping an intermediate alive.
-        self.made_by_id: dict[int, tuple[weakref.ref[Tensor], Any]] = {}
+        # id -> (weak reference, key, data address): the reference tells a live tensor from a
+        # freed one whose id Python gave to another, without keeping an intermediate alive;
+        # the address, a tensor whose storage ``t.data = other`` swapped (no op dispatched).
+        self.made_by_id: dict[int, tuple[weakref.ref[Tensor], Any, int]] = {}
         self._module = module
         self._leaves: dict[int, str] | None = None  # read at the first tensor not seen
         self._ptrs: dict[int, int] | None = None  # the leaves' storages, read at an alias
@@ -98,11 +99,11 @@ class Sources:
         # backward (``Block.note_leaves``).
         self.read: dict[str, Tensor] = {}
         for i, t in enumerate(inputs):
-            self.made_by_id[id(t)] = (weakref.ref(t), -1 - i)
+            self.made_by_id[id(t)] = (weakref.ref(t), -1 - i, t.data_ptr())
 
     def key(self, t: Tensor) -> Any:
         entry = self.made_by_id.get(id(t))
-        if entry is not None and entry[0]() is t:
+        if entry is not None and entry[0]() is t and entry[2] == t.data_ptr():
             return entry[1]
         return self._unseen(t)
 
@@ -110,7 +111,7 @@ class Sources:
         """If ``t``, not made by the forward, is one of the module's parameters or buffers, it
         is that one as the forward read it (``read``)."""
         entry = self.made_by_id.get(id(t))
-        if entry is not None and entry[0]() is t:
+        if entry is not None and entry[0]() is t and entry[2] == t.data_ptr():
             return
         if self._leaves is None:
             self._leaves = leaf_names(self._module)
@@ -135,16 +136,16 @@ class Sources:
         """``out``, the result of logged op ``check``: each tensor's source is its position."""
         made = self.made_by_id
         if type(out) is Tensor:
-            made[id(out)] = (weakref.ref(out), check << OUTPUT_BITS)
+            made[id(out)] = (weakref.ref(out), check << OUTPUT_BITS, out.data_ptr())
             return
         base = check << OUTPUT_BITS
         for j, t in enumerate(flat_tensors(out)):
-            made[id(t)] = (weakref.ref(t), base | j)
+            made[id(t)] = (weakref.ref(t), base | j, t.data_ptr())
 
     def same(self, out: Any, source: Any) -> None:
         """``out`` (a ``detach``'s result) has ``source``'s source."""
         if type(out) is Tensor and isinstance(source, Tensor):
-            self.made_by_id[id(out)] = (weakref.ref(out), self.key(source))
+            self.made_by_id[id(out)] = (weakref.ref(out), self.key(source), out.data_ptr())
 
     def _unseen(self, t: Tensor) -> Any:
         if self._leaves is None:
@@ -159,7 +160,7 @@ class Sources:
         if ptr:
             on_storage = [
                 key
-                for ref, key in self.made_by_id.values()
+                for ref, key, _ in self.made_by_id.values()
                 if (other := ref()) is not None and other.untyped_storage().data_ptr() == ptr
             ]
             if on_storage:
@@ -479,7 +480,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
                 self.read_state(self.drawing[c])
             out = raw_call(func)(*args, **kwargs)  # a Python frame per op spared
             if type(out) is Tensor:
-                self.made_by_id[id(out)] = (weakref.ref(out), c << OUTPUT_BITS)
+                self.made_by_id[id(out)] = (weakref.ref(out), c << OUTPUT_BITS, out.data_ptr())
             else:
                 self.sources.made(out, c)
             return out
@@ -507,7 +508,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         for i, source in fast.tensors:
             t = args[i]
             entry = made.get(id(t))
-            if entry is not None and entry[0]() is t:
+            if entry is not None and entry[0]() is t and entry[2] == t.data_ptr():  # type: ignore[union-attr]  # narrowed by `is`
                 if entry[1] != source:
                     return False
             elif not isinstance(t, Tensor) or self.sources.key(t) != source:
