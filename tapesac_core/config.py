@@ -249,7 +249,8 @@ class TapeSACConfig:
             "where the bucket's full-checkpointing steps measured faster than its must-only ones. "
             "Only for blocks whose forward may run twice: torch's checkpoint runs it again in "
             "backward (a forward drawing from its own generator, replacing a buffer it read or "
-            "appending to a list gets other gradients)"
+            "appending to a list gets other gradients, as does a parameter written in place "
+            "between forward and backward, which TapeSAC's own blocks refuse)"
         },
     )
     torch_checkpoint_steps: int = field(

@@ -5,7 +5,7 @@ class TapeSACError(RuntimeError):
     """A TapeSAC block cannot be recorded or replayed as written; the message says why and how to fix it."""
 
 
-COPY_FIX = "write into a copy (.clone(), or an out-of-place op) of the block's outputs and inputs"
+COPY_FIX = "write into a copy (.clone(), or an out-of-place op) instead"
 LEAF_FIX = (
     "change parameters and buffers after backward (optimizer.step() after loss.backward()), "
     "or replace them instead of writing into them (module.weight = torch.nn.Parameter(new))"

@@ -238,3 +238,57 @@ def test_a_storage_swapped_with_data_on_some_calls_only_makes_those_calls_diverg
             ref = step(reference, lambda: loss(reference, x), seed=s)
             assert_bitwise(ref, step(module, lambda: loss(module, x), seed=s))
     assert [bool(t.diverged) for t in traces] == [False, False, True, False, True]
+
+
+class Halves(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        noise = torch.empty(2, *h.shape)  # one buffer, each call writing its own half
+        a = torch.ops.aten.rrelu_with_noise(h, noise[0], 0.1, 0.3, True)
+        b = torch.ops.aten.rrelu_with_noise(h * 2, noise[1], 0.1, 0.3, True)
+        return (a * b).sin()
+
+
+def test_writes_without_a_version_bump_into_disjoint_views_are_what_backward_reads() -> None:
+    """The second write leaves the first half, saved before it, as it was: no refusal."""
+    torch.manual_seed(0)
+    module, x = Halves(), torch.randn(4, 8, requires_grad=True)
+    refs = [step(module, lambda: module(x).sum(), seed=s) for s in range(2)]
+    tapesac_core.checkpoint_module(module, region="halves")
+    with tapesac_core.trace():
+        for s in range(2):
+            assert_bitwise(refs[s], step(module, lambda: module(x).sum(), seed=s))
+
+
+class RunningStats(torch.nn.Module):
+    """Batch norm over running statistics made inside the block, one of them saved before
+    ``aten.native_batch_norm`` updates it: a write its schema does not declare, with no
+    version bump, so autograd reads the updated statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        mean, var = torch.zeros(8) + 0.5, torch.ones(8) * 2
+        y = h * mean
+        z = torch.nn.functional.batch_norm(h, mean, var, training=True)
+        return (y + z * var + self.norm(h)).sin()
+
+
+def test_undeclared_writes_of_batch_norm_are_what_backward_reads() -> None:
+    torch.manual_seed(0)
+    module, x = RunningStats().eval(), torch.randn(4, 8, requires_grad=True)  # self.norm: eval
+    refs = [step(module, lambda: module(x).sum(), seed=s) for s in range(3)]
+    tapesac_core.checkpoint_module(module, region="stats")
+    keep = {"stats": {("aten.add.Tensor", 0, 0), ("aten.mul.Tensor", 0, 0)}}  # keeps mean
+    for plan in ({}, keep):
+        with tapesac_core.use_plan(plan), tapesac_core.trace():
+            for s in range(3):
+                assert_bitwise(refs[s], step(module, lambda: module(x).sum(), seed=s))

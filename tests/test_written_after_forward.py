@@ -205,3 +205,88 @@ def test_a_parameter_replaced_or_written_after_backward_is_no_error() -> None:
         for call in range(3):
             reference.extra = block.extra = call == 2
             assert _same(grads(reference), grads(block))
+
+
+def test_a_parameter_the_forward_did_not_read_written_before_backward_is_no_error() -> None:
+    """An expert no token was routed to, say: on a call that diverged from its tape too, whose
+    backward runs the forward again (it checks only the parameters the forward read)."""
+    torch.manual_seed(0)
+    reference = Scaled()
+    reference.unused = torch.nn.Linear(4, 4)
+    block = tapesac_core.checkpoint_module(copy.deepcopy(reference), "r")
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def grads(m: Scaled) -> list[torch.Tensor]:
+        x.grad = None
+        m.zero_grad()
+        y = m(x)
+        with torch.no_grad():
+            m.unused.weight.add_(1)
+        y.square().sum().backward()
+        return [x.grad.clone(), *(p.grad.clone() for p in m.parameters() if p.grad is not None)]
+
+    with tapesac_core.trace() as traces:
+        for call in range(3):
+            reference.extra = block.extra = call == 2
+            assert _same(grads(reference), grads(block))
+    assert [bool(t.diverged) for t in traces] == [False, False, True]
+
+
+class Outside(torch.nn.Module):
+    """Reads a tensor that is neither its input nor its parameter or buffer (a plain attribute,
+    or another module's parameter through a closure): the block keeps it as it is."""
+
+    def __init__(self, other: torch.Tensor) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16))
+        self.other = other
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.other.dim() == 1:  # a shift: without checkpointing autograd saves the sum
+            return (x @ self.w + self.other).sin()
+        return (x @ self.w @ self.other).sin()  # autograd saves it (it raises too)
+
+
+@pytest.mark.parametrize("shape", [(16,), (16, 16)], ids=["added", "multiplied"])
+def test_a_tensor_read_from_outside_written_in_place_before_backward_is_an_error(shape) -> None:
+    torch.manual_seed(0)
+    block = tapesac_core.checkpoint_module(Outside(torch.randn(shape)), "r")
+    x = torch.randn(8, 16, requires_grad=True)
+    with tapesac_core.trace() as traces:
+        for _ in range(2):
+            y = block(x)
+            block.other.add_(1)
+            with pytest.raises(TapeSACError, match="read from outside the block"):
+                y.sum().backward()
+    # Kept where no pack is, the shift makes every call record; the matrix is packed.
+    assert [t.steady for t in traces] == [False, len(shape) == 2]
+
+
+class Selected(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x @ self.w
+        y = torch.masked_select(h, h > 0)  # a data-dependent shape: held (S0), not replayed
+        return y, (y * 2).sin()
+
+
+def test_an_output_with_a_data_dependent_shape_written_after_the_forward_is_replayed() -> None:
+    torch.manual_seed(0)
+    reference = Selected()
+    block = tapesac_core.checkpoint_module(copy.deepcopy(reference), "r")
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def grads(m: Selected) -> list[torch.Tensor]:
+        x.grad = m.w.grad = None
+        y, z = m(x)
+        y.add_(1)  # legal without checkpointing: autograd saved no tensor on y's storage
+        (y.sum() + z.sum()).backward()
+        return [x.grad.clone(), m.w.grad.clone()]
+
+    for plan in ({}, {"r": {("aten.mul.Tensor", 0, 0)}}):
+        with tapesac_core.use_plan(plan), tapesac_core.trace():
+            for _ in range(2):
+                assert _same(grads(reference), grads(block))

@@ -187,7 +187,7 @@ def run_block(
     if cache is not None and signature is not None:
         cache.put(signature, recording.steady_tape(autograd), name)
     recording.recorder.forget()
-    block.watch_writes([*recording.outputs, *inputs])
+    block.watch_writes([*recording.outputs, *inputs], recording.recorder.holding.outside)
     if scope is not None and scope.offload is not None:  # after the cache read what it holds
         scope.offload.store(block)
     return out
@@ -346,7 +346,7 @@ def _run_steady(
     diverged = forward.finish(outputs, inputs)
     if diverged is None:
         cache.confirmed(signature, forward.entry)
-        block.watch_writes([*outputs, *inputs])
+        block.watch_writes([*outputs, *inputs], forward.outside)
         scope = TRACE.get()
         if scope is not None and scope.offload is not None:
             scope.offload.store(block)

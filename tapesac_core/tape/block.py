@@ -20,7 +20,18 @@ from ..plan.plan import BlockKind
 from ..tensors import detached, is_subclass_with_dispatch
 from .lifetimes import StorageLifetimes
 from .replay import Replay
-from .tape import BUFFER, OP, PARAM, Mandatory, Node, ReplayMemo, Tape, Value
+from .tape import (
+    BUFFER,
+    DYNAMIC_SHAPE,
+    INPUT,
+    OP,
+    PARAM,
+    Mandatory,
+    Node,
+    ReplayMemo,
+    Tape,
+    Value,
+)
 from .verify import HiddenWrites
 
 if TYPE_CHECKING:
@@ -438,48 +449,71 @@ class Block:
                 return self._unpack(handle)
         return self._unpack(handle)
 
-    def watch_writes(self, tensors: Sequence[torch.Tensor]) -> None:
+    def watch_writes(
+        self, tensors: Sequence[torch.Tensor], outside: Mapping[int, torch.Tensor]
+    ) -> None:
         """End of forward: the held values on storages that ``tensors`` (the block's outputs and
-        inputs) are on, each with one of those tensors and its version. Code after the block may
-        write into them in place (``_drop_written``). Each tensor is kept as a ``detach`` made
-        here, which shares the caller's version counter (views of it share it too; a value the
-        block holds was detached inside the recorder's dispatch mode and has a counter of its
-        own). Empty values are not watched: every empty storage's address is 0."""
-        outside = {t.untyped_storage().data_ptr(): t for t in tensors}
+        inputs) are on, each with one of those tensors and its version, and the held values
+        read from outside the block (``outside``: value id -> the tensor as the forward read
+        it). Code after the block may write into them in place (``_drop_written``,
+        ``_unwritten``). Each tensor is kept as the caller's or a ``detach`` made here, which
+        shares the caller's version counter (views of it share it too; a value the block
+        holds was detached inside the recorder's dispatch mode and has a counter of its own).
+        Empty values are not watched: every empty storage's address is 0."""
+        by_storage = {t.untyped_storage().data_ptr(): t for t in tensors}
         self._watched = {}
         for vid, t in self.held.items():
-            seen = outside.get(t.untyped_storage().data_ptr()) if t.numel() else None
+            ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+            seen = by_storage.get(ptr) if ptr else None
             if seen is not None:
                 self._watched[vid] = (detached(seen), seen._version)
+            source = outside.get(vid)
+            if source is not None and ptr and source.untyped_storage().data_ptr() == ptr:
+                self._watched[vid] = (source, source._version)
 
     def _drop_written(self) -> None:
         """Held values that code after the block wrote into in place, through one of the
         block's outputs or inputs: backward would read the new values. One the tape can make
         (an output the plan kept) is dropped and replayed from its producers, as where the plan
-        does not keep it; an input, or a value replay cannot make (S0), is left to
-        ``_unwritten``, where backward reads it."""
+        does not keep it; an input, a tensor read from outside, or a value replay cannot make
+        (``_replayable``) is left to ``_unwritten``, where backward reads it."""
         for vid, (seen, version) in list(self._watched.items()):
-            if seen._version == version or self.values[vid].kind != OP or vid in self.mandatory:
+            if seen._version == version or not self._replayable(vid):
                 continue  # unwritten, or an error where backward reads it (``_unwritten``)
             del self._watched[vid], self.held[vid]
             self.kept = self.kept - {vid}
             self.memo = None  # its closures and read counts assume the cached tape's held values
             self._replay = None
 
+    def _replayable(self, vid: int) -> bool:
+        """Whether replay can make held value ``vid`` again: an op's output that is not in S0,
+        or is there only for its data-dependent shape (replay reads it from the data)."""
+        reason = self.mandatory.get(vid)
+        return self.values[vid].kind == OP and (reason is None or reason == DYNAMIC_SHAPE)
+
     def _unwritten(self, vid: int, t: torch.Tensor) -> torch.Tensor:
         """``t``, held value ``vid``, unless code after the block wrote into its storage through
-        one of the block's inputs (or into a value replay cannot make): then a TapeSACError
-        naming the fix, as autograd raises for the tensors it saves itself."""
+        one of the block's inputs, a tensor it read from outside, or an output replay cannot
+        make: then a TapeSACError naming the fix, as autograd raises for the tensors it saves
+        itself."""
         watched = self._watched.get(vid)
         if watched is not None and watched[0]._version != watched[1]:
             seen, version = watched
-            raise written_after_forward(
-                self.name,
-                f"its input {tuple(seen.shape)} {seen.dtype}, whose storage the block keeps for "
-                "backward,",
-                version,
-                seen._version,
-            )
+            shown = f"{tuple(seen.shape)} {seen.dtype}"
+            kind = self.values[vid].kind
+            if kind == INPUT:
+                what = f"its input {shown}, whose storage the block keeps for backward,"
+            elif kind == OP:
+                what = (
+                    f"its output {shown}, which the block keeps for backward and replay cannot "
+                    f"make again ({self.mandatory[vid]}),"
+                )
+            else:
+                what = (
+                    f"a tensor {shown} it read from outside the block (not its input, a "
+                    "parameter or a buffer), which it keeps for backward,"
+                )
+            raise written_after_forward(self.name, what, version, seen._version)
         return t
 
     def _unpack(self, handle: int) -> torch.Tensor:

@@ -54,6 +54,9 @@ class Holding:
         self.held_by_sid: dict[int, set[int]] = {}
         self.uninitialised: set[int] = set()
         self.first_packed: set[int] = set()  # values packed while verifying or initialising
+        # Held values the block read from outside (externals), each as the forward read it:
+        # code after the block may write into it (``Block.watch_writes``).
+        self.outside: dict[int, Tensor] = {}
 
     def hold(self, vid: int, t: Tensor, reason: Mandatory | None = None) -> None:
         """Keep ``t`` for backward: saved by the plan, or mandatory (``reason``)."""
@@ -71,6 +74,7 @@ class Holding:
     def no_producer(self, vid: int, t: Tensor) -> None:
         """A value no recorded op made (external, or written unseen): replay cannot make it."""
         self.hold(vid, t, NO_PRODUCER)
+        self.outside[vid] = t
 
     def maybe_hold(
         self,

@@ -42,6 +42,15 @@ _ALLOCATIONS = frozenset(
 _IDENTITY = frozenset({"detach", "alias", "lift_fresh"})
 # Ops whose output aliases their input although the schema says nothing about it.
 _UNANNOTATED_VIEWS = frozenset({"_unsafe_view"})
+# Ops that write arguments their schema does not mark as written: the legacy batch norm
+# kernels update the running statistics in place (when training, where a flag says so).
+_RUNNING_STATS = ((3, "running_mean"), (4, "running_var"))
+_UNDECLARED_WRITES: dict[str, tuple[tuple[tuple[int, str], ...], tuple[int, str] | None]] = {
+    "native_batch_norm": (_RUNNING_STATS, (5, "training")),
+    "cudnn_batch_norm": (_RUNNING_STATS, (5, "training")),
+    "miopen_batch_norm": (_RUNNING_STATS, (5, "training")),
+    "batch_norm_update_stats": (((1, "running_mean"), (2, "running_var")), None),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +64,7 @@ class OpInfo:
     view: bool  # outputs are views of an input (the schema says so): they share its version
     aliasing: bool  # outputs share an input's storage, views or not (``_unsafe_view``)
     mutated: tuple[tuple[int, str], ...]  # (position, name) of arguments the op writes
+    writes_if: tuple[int, str] | None  # (position, name) of a flag without which it does not
     random: bool  # may draw random numbers: see ``is_random_call``
     unannounced: bool  # random only because nothing says it is not (a custom op)
     dropout_arg: tuple[int, str, float] | None  # (position, name, default) of ``dropout_p``
@@ -88,6 +98,9 @@ def op_info(op: Any) -> OpInfo:
         for i, a in enumerate(schema.arguments)
         if a.alias_info is not None and a.alias_info.is_write
     )
+    undeclared = _UNDECLARED_WRITES.get(packet) if namespace == "aten" else None
+    if undeclared is not None:
+        mutated = undeclared[0]
     view = not mutated and any(r.alias_info is not None for r in schema.returns)
     dropout_arg = next(
         (
@@ -127,6 +140,7 @@ def op_info(op: Any) -> OpInfo:
         view=view,
         aliasing=view or packet in _UNANNOTATED_VIEWS,
         mutated=mutated,
+        writes_if=undeclared[1] if undeclared is not None else None,
         random=random,
         unannounced=unannounced,
         dropout_arg=dropout_arg,

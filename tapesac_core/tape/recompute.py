@@ -68,7 +68,7 @@ class Recompute:
                 )
                 raise written_after_forward(self.name, what, version, t._version)
         for leaf in self.leaves:
-            if leaf.tensor._version != leaf.version:
+            if leaf.version is not None and leaf.tensor._version != leaf.version:
                 what = f"its parameter or buffer {leaf.name!r}, from which its backward runs its forward again,"
                 raise written_after_forward(
                     self.name, what, leaf.version, leaf.tensor._version, LEAF_FIX
@@ -126,13 +126,13 @@ class Recompute:
 
 class Leaf(NamedTuple):
     """One parameter or buffer of a module, in its owner's table under ``attr``, and its
-    version at the end of the forward."""
+    version at the end of the forward if the forward read it."""
 
     table: dict[str, Any]  # the owner's ``_parameters`` or ``_buffers``
     attr: str
     tensor: Tensor
     name: str  # its path in the module
-    version: int
+    version: int | None  # None: not read (an expert no token was routed to)
 
 
 def leaves_of(module: torch.nn.Module, read: Mapping[str, Tensor]) -> list[Leaf]:
@@ -144,8 +144,9 @@ def leaves_of(module: torch.nn.Module, read: Mapping[str, Tensor]) -> list[Leaf]
             for attr, t in table.items():
                 if t is not None:
                     name = f"{prefix}.{attr}" if prefix else attr
-                    used = read.get(name, t)
-                    leaves.append(Leaf(table, attr, used, name, used._version))
+                    used = read.get(name)
+                    version = None if used is None else used._version
+                    leaves.append(Leaf(table, attr, t if used is None else used, name, version))
     return leaves
 
 

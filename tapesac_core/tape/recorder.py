@@ -26,7 +26,7 @@ a random op whose generator cannot be captured; a tensor subclass inside the blo
 from __future__ import annotations
 
 import weakref
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -264,6 +264,8 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         return False
 
     def _mutated_tensors(self, info: OpInfo, args: tuple, kwargs: dict) -> list[Tensor]:
+        if info.writes_if is not None and not arg(args, kwargs, *info.writes_if):
+            return []
         return [
             t
             for position, name in info.mutated
@@ -296,18 +298,23 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         no value is: refused."""
         pending, self.pending_writes = self.pending_writes, []
         handles: list[int] = self.block.handles  # type: ignore[assignment]  # recording: a list
-        values, by_id = self.ids.values, self.ids.by_id
+        values, by_id, log = self.ids.values, self.ids.by_id, self.log
         for t, version, old, new, packed in pending:
             if t._version != version:
                 continue  # autograd raises if it unpacks a tensor saved before the write
             values[new] = values[new]._replace(version=version)
             by_id[id(t)] = (weakref.ref(t), new, version, t.data_ptr())
             sid = values[old].sid
+            written = _extent(t.shape, t.dtype, t.stride(), int(t.storage_offset()))
             for h in range(packed):
                 vid = handles[h]
                 if vid == old:
                     handles[h] = new
-                elif values[vid].sid == sid and values[vid].version == version:
+                elif (
+                    values[vid].sid == sid
+                    and values[vid].version == version
+                    and _overlap(written, _extent(*log.layouts[h], *log.views[h]))
+                ):
                     raise TapeSACError(
                         f"block {self.block.name!r}: {self.block.nodes[values[new].node].name} "
                         "wrote into a tensor autograd saved a view of, without bumping its "
@@ -476,3 +483,17 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         ptrs.append(ptr)
         ids.by_id[key] = (weakref.ref(t), vid, version, t.data_ptr())
         return vid
+
+
+def _extent(
+    shape: Sequence[int], dtype: torch.dtype, stride: Sequence[int], offset: int
+) -> tuple[int, int]:
+    """The bytes of its storage a strided tensor spans, as [start, end) (empty: start == end)."""
+    if any(n == 0 for n in shape):
+        return (0, 0)
+    last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
+    return (offset * dtype.itemsize, (last + 1) * dtype.itemsize)
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]

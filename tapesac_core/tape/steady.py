@@ -383,6 +383,7 @@ class SteadyForward:
         self.departed: int | None = None  # op checks passed before a pack departed
         self.later: list[Layout] = []  # packs after a divergence, for the recomputation's check
         self.exits = 0
+        self.outside: dict[int, Tensor] = {}  # held externals, as ``Holding.outside``
         block.on_exit = self.exited
         self.rng = generator_states(inputs)
         assert block.module is not None, "only module blocks run in steady state"
@@ -499,13 +500,15 @@ class SteadyForward:
                 return
 
     def _hold(self, t: Tensor, holds: Holds) -> None:
-        held = self.block.held
+        held, values = self.block.held, self.entry.tape.values
         storage = t.untyped_storage().clone() if holds.copy else t.untyped_storage()
         for vid, layout in holds.values:
             if layout is not None:
                 held[vid] = view_on(storage, layout)
             else:
                 held[vid] = on_storage(t, storage) if holds.copy else detached(t)
+            if not holds.copy and values[vid].kind == EXTERNAL:
+                self.outside[vid] = t
 
     def _over_budget(self, binding: DataBinding) -> str | None:
         """Where the values the plan keeps take more bytes at this call's sizes than the plan
