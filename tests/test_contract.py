@@ -446,8 +446,9 @@ def test_the_library_closure_agrees_with_brute_force_on_every_save_set() -> None
 
 
 def test_a_dtensor_parameter_at_backward_is_an_error_naming_the_fsdp2_order() -> None:
-    """FSDP2 applied inside a block reshards its parameters after forward: at backward the block
-    would find DTensors where forward used plain tensors."""
+    """FSDP2 applied inside a block reshards its parameters after forward: it frees the
+    unsharded tensor's storage the forward read and registers a DTensor; a backward before it
+    gathers them again would read freed memory."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -455,13 +456,14 @@ def test_a_dtensor_parameter_at_backward_is_an_error_naming_the_fsdp2_order() ->
     with process_group_of_one():
         mesh = init_device_mesh("cpu", (1,))
         out = block(_x())
-        sharded = distribute_tensor(block.proj.weight.detach(), mesh, [Shard(0)])
+        unsharded = block.proj.weight
+        sharded = distribute_tensor(unsharded.detach().clone(), mesh, [Shard(0)])
         block.proj.weight = torch.nn.Parameter(sharded)
+        unsharded.untyped_storage().resize_(0)
         with pytest.raises(
             TapeSACError,
-            match=r"block 'Block': param 'proj.weight' is a DTensor at "
-            r"backward time.*Fix: shard with FSDP2 at the "
-            r"checkpointed module or above it",
+            match=r"block 'Block': param 'proj.weight', which its forward read, has no storage "
+            r"in its backward.*Fix: shard with FSDP2 at the checkpointed module or above it",
         ):
             out.sum().backward()
 

@@ -292,3 +292,20 @@ def test_undeclared_writes_of_batch_norm_are_what_backward_reads() -> None:
         with tapesac_core.use_plan(plan), tapesac_core.trace():
             for s in range(3):
                 assert_bitwise(refs[s], step(module, lambda: module(x).sum(), seed=s))
+
+
+def test_batch_norm_updating_its_buffers_in_training_is_refused_naming_the_fix() -> None:
+    class Normed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(8, momentum=0.1)
+
+        def forward(self, x):
+            n = self.norm
+            return torch.nn.functional.batch_norm(
+                x, n.running_mean, n.running_var, n.weight, n.bias, training=True
+            ).sin()
+
+    module = tapesac_core.checkpoint_module(Normed(), region="normed")
+    with pytest.raises(TapeSACError, match="running_mean.*checkpoint the modules around"):
+        module(torch.randn(4, 8, requires_grad=True))

@@ -124,6 +124,21 @@ def test_the_pool_gives_buffers_of_a_size_class_again() -> None:
     assert pool.allocations == 2 and pool.bytes == 2048
 
 
+def test_a_request_without_a_free_buffer_of_its_class_takes_a_larger_free_one() -> None:
+    pool = HostPool(CPU)
+    large = pool.take(4000)
+    pool.give(large)
+    small = pool.take(100)  # no free buffer of 128 bytes: the free 4096-byte one, not a new one
+    assert small.data_ptr() == large.data_ptr() and pool.allocations == 1
+    pool.give(small)
+    for step_bytes in ([3000, 3000], [200, 900], [900, 900], [100, 2000]):  # follow the data
+        taken = [pool.take(n) for n in step_bytes]
+        for buffer in taken:
+            pool.give(buffer)
+    # The first step's two buffers serve the later steps: no buffer per size class they ask for.
+    assert pool.allocations == 2 and pool.bytes == 4096 + 4096
+
+
 def _hf_qwen3_moe():
     pytest.importorskip("transformers")
     from moe_families import VOCAB, moe_model

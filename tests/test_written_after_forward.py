@@ -290,3 +290,47 @@ def test_an_output_with_a_data_dependent_shape_written_after_the_forward_is_repl
         with tapesac_core.use_plan(plan), tapesac_core.trace():
             for _ in range(2):
                 assert _same(grads(reference), grads(block))
+
+
+def test_a_parameter_whose_storage_is_freed_before_backward_is_an_error() -> None:
+    """FSDP2 frees a parameter's unsharded storage after the forward and gathers it again before
+    its module's backward; a backward reading it in between would read freed memory."""
+    torch.manual_seed(0)
+    block = tapesac_core.checkpoint_module(Scaled(), "r")
+    x = torch.randn(8, 16, requires_grad=True)
+    weight = block.b.weight
+    y = block(x)
+    weight.untyped_storage().resize_(0)  # as FSDP2's reshard after forward, no version bump
+    with pytest.raises(TapeSACError, match="'b.weight', which its forward read, has no storage"):
+        y.square().sum().backward()
+
+
+class Aliased(torch.nn.Module):
+    """Reads its buffer through another tensor object, with a version counter of its own
+    (``.data``) or the buffer's (``.detach()``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.register_buffer("bias", torch.randn(8))
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.data if self.how == "data" else self.bias.detach()
+        return (x @ self.w + bias).sin()
+
+
+@pytest.mark.parametrize("how", ["data", "detach"])
+def test_a_buffer_read_through_an_alias_and_written_before_backward_is_an_error(how) -> None:
+    """Through ``.data`` the block took the buffer for an outside tensor and kept its alias,
+    whose counter the write does not bump: wrong gradients, silently."""
+    torch.manual_seed(0)
+    block = tapesac_core.checkpoint_module(copy.deepcopy(Aliased(how)), "r")  # version 1
+    x = torch.randn(4, 8, requires_grad=True)
+    with tapesac_core.trace():
+        for _ in range(3):
+            y = block(x)
+            with torch.no_grad():
+                block.bias.add_(1)
+            with pytest.raises(TapeSACError, match="'bias'.* was written in place after its"):
+                y.square().sum().backward()

@@ -181,9 +181,11 @@ class Block:
         # What the step's ``Offload`` copied to host memory (``offload.py``): back at the first
         # unpack.
         self.offloaded: OffloadedBlock | None = None
-        # Per held value on a storage the block's outputs or inputs are on, one of them and its
-        # version at the end of forward (``watch_writes``), checked as backward reads the value.
+        # Per held value on a storage the block's outputs or inputs are on, or read from
+        # outside, one of those tensors and its version at the end of forward
+        # (``watch_writes``), checked as backward reads the value.
         self._watched: dict[int, tuple[torch.Tensor, int]] = {}
+        self._droppable: dict[int, tuple[torch.Tensor, int]] = {}  # those replay can make
         self.trace = BlockTrace(
             Tape(
                 name,
@@ -233,46 +235,52 @@ class Block:
         return self._unwritten(vid, t) if self._watched else t
 
     def fetch(self, value: Value) -> torch.Tensor:
-        """A parameter or buffer by name, as the module holds it now (FSDP2: the re-gathered one)."""
+        """A parameter or buffer by name: as the forward used it once the forward ended
+        (``note_leaves``), else as the module holds it now."""
         # A parameter or buffer value is named by its path in the block's module (by name, not
         # value id: a call that switches templates, ``structure_switch.py``, renames values).
         assert isinstance(value.name, str) and self.module is not None
+        used = self._leaves_used.get(value.name)
+        if used is not None:  # backward: no walk to the owning submodule per call
+            return self._unwritten_leaf(value, *used)
         owner = self._owners.get(value.name)
         if owner is None:
             path, _, attr = value.name.rpartition(".")
             owner = self._owners[value.name] = (self.module.get_submodule(path), attr)
         module, attr = owner
-        used = self._leaves_used.get(value.name)
         # The registry first: Module.__getattr__ is a Python frame per unpack of a parameter.
         t = (module._parameters if value.kind == PARAM else module._buffers).get(attr)
         if t is None:
             t = getattr(module, attr, None)
-        if t is None and used is None:
+        if t is None:
             raise TapeSACError(
                 f"block {self.name!r}: {value.kind} {value.name!r}, which its forward read, is "
                 "not on the module. Fix: keep it registered until the block's backward"
             )
-        if t is not None and is_subclass_with_dispatch(t):
+        if is_subclass_with_dispatch(t):
             raise TapeSACError(
-                f"block {self.name!r}: {value.kind} {value.name!r} is a {type(t).__name__} at "
-                "backward time, not the unsharded tensor forward used. Fix: shard with FSDP2 at "
-                "the checkpointed module or above it (fully_shard(block) after checkpoint_module)"
+                f"block {self.name!r}: {value.kind} {value.name!r} is a {type(t).__name__}, not "
+                "the unsharded tensor its forward reads. Fix: shard with FSDP2 at the "
+                "checkpointed module or above it (fully_shard(block) after checkpoint_module)"
             )
-        if used is not None:
-            return self._unwritten_leaf(
-                value, *used
-            )  # the forward's, where the module's may differ
-        assert t is not None  # refused above
         return t
 
     def _unwritten_leaf(self, value: Value, t: torch.Tensor, version: int) -> torch.Tensor:
         """``t``, parameter or buffer ``value`` as the forward used it, unless code wrote into it
         in place since (an optimizer step before backward): backward recomputes from it, so
         it would read the new values where autograd raises (or, for a tensor autograd did not
-        save, reads the old ones). Then a TapeSACError naming the fix."""
+        save, reads the old ones); or unless its storage is freed (FSDP2 resharded it and has
+        not gathered it again). Then a TapeSACError naming the fix."""
         if t._version != version:
             raise written_after_forward(
                 self.name, f"its {value.kind} {value.name!r}", version, t._version, LEAF_FIX
+            )
+        if not t.untyped_storage().nbytes() and t.numel():
+            raise TapeSACError(
+                f"block {self.name!r}: {value.kind} {value.name!r}, which its forward read, has "
+                "no storage in its backward (FSDP freed it and has not gathered it again). Fix: "
+                "shard with FSDP2 at the checkpointed module or above it (fully_shard(block) "
+                "after checkpoint_module)"
             )
         return t
 
@@ -470,17 +478,19 @@ class Block:
             source = outside.get(vid)
             if source is not None and ptr and source.untyped_storage().data_ptr() == ptr:
                 self._watched[vid] = (source, source._version)
+        # Looked through at every unpack: only outputs replay can make (most blocks: none).
+        self._droppable = {v: w for v, w in self._watched.items() if self._replayable(v)}
 
     def _drop_written(self) -> None:
         """Held values that code after the block wrote into in place, through one of the
         block's outputs or inputs: backward would read the new values. One the tape can make
         (an output the plan kept) is dropped and replayed from its producers, as where the plan
-        does not keep it; an input, a tensor read from outside, or a value replay cannot make
-        (``_replayable``) is left to ``_unwritten``, where backward reads it."""
-        for vid, (seen, version) in list(self._watched.items()):
-            if seen._version == version or not self._replayable(vid):
-                continue  # unwritten, or an error where backward reads it (``_unwritten``)
-            del self._watched[vid], self.held[vid]
+        does not keep it (``_droppable``); an input, a tensor read from outside, or a value
+        replay cannot make is left to ``_unwritten``, where backward reads it."""
+        for vid, (seen, version) in list(self._droppable.items()):
+            if seen._version == version:
+                continue
+            del self._droppable[vid], self._watched[vid], self.held[vid]
             self.kept = self.kept - {vid}
             self.memo = None  # its closures and read counts assume the cached tape's held values
             self._replay = None
@@ -522,7 +532,7 @@ class Block:
             self.offloaded.restore(self)
         if self.recompute is not None:
             return self.recompute.take(handle, self)
-        if self._watched:
+        if self._droppable:
             self._drop_written()
         vid = self.handles[handle]
         self.trace.unpacked.add(vid)

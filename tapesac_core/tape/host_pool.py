@@ -3,9 +3,9 @@
 A step's offloaded storages come back in its backward, and the next step offloads storages of
 about the same sizes: allocating host memory for each (pinned, where an accelerator copies from
 it) would cost a system call per storage per step. The pool keeps every buffer it gave out and
-gives it again for a request of its size class. Sizes are rounded up to a power of two, so that
-sizes that follow the data (tokens routed to an expert) reuse buffers too, at most twice their
-bytes. On an accelerator a buffer given back with the event of the copy that last read or wrote
+gives it again for a request of its size class, else of the smallest larger class it has free
+(a step whose sizes follow the data, tokens routed to an expert, reuses the buffers of a step
+with other sizes instead of adding its own). Sizes are rounded up to a power of two. On an accelerator a buffer given back with the event of the copy that last read or wrote
 it is not handed out again before that event completes.
 """
 
@@ -29,9 +29,9 @@ class HostPool:
     def take(self, nbytes: int) -> Tensor:
         """A host buffer of at least ``nbytes`` bytes (uint8), free of pending copies."""
         size = _size_class(nbytes)
-        free = self._free.get(size)
-        if free:
-            buffer, event = free.pop()
+        fits = [c for c, free in self._free.items() if c >= size and free]
+        if fits:
+            buffer, event = self._free[min(fits)].pop()
             if event is not None:
                 event.synchronize()
             return buffer

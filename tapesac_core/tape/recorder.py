@@ -283,7 +283,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
             slots.append(inputs.index(vid))
             sid = ids.values[vid].sid
             if sid in ids.leaf_sids:
-                self._refuse_leaf_write(func, sid)
+                self._refuse_leaf_write(func, info, sid)
             self.holding.before_write(t.untyped_storage(), sid)
             ids.epochs[sid] = ids.epochs.get(sid, 0) + 1
         return tuple(slots)
@@ -322,13 +322,21 @@ class Recorder(DispatchModeWithoutDynamoGuard):
                         "which replay cannot rebuild. Fix: do not checkpoint this module"
                     )
 
-    def _refuse_leaf_write(self, func: Any, sid: int) -> None:
+    def _refuse_leaf_write(self, func: Any, info: OpInfo, sid: int) -> None:
         leaf = next(v for v in self.ids.values if v.sid == sid and v.kind in (INPUT, PARAM, BUFFER))
         what = f"block input {leaf.name}" if leaf.kind == INPUT else f"{leaf.kind} {leaf.name!r}"
+        fix = (
+            "make the op out-of-place (e.g. `x = x + y` instead of `x += y`), or do not "
+            "checkpoint this module"
+        )
+        if info.writes_if is not None:  # batch norm updating its running statistics
+            fix = (
+                "checkpoint the modules around the batch norm rather than one containing it, "
+                "or run it in eval mode or with track_running_stats=False"
+            )
         raise TapeSACError(
             f"block {self.block.name!r}: {func} writes in place into {what}; replay cannot "
-            "reproduce a mutation of a block input, parameter or buffer. Fix: make the op "
-            "out-of-place (e.g. `x = x + y` instead of `x += y`), or do not checkpoint this module"
+            f"reproduce a mutation of a block input, parameter or buffer. Fix: {fix}"
         )
 
     def _capture_rng(self, info: OpInfo, args: tuple, kwargs: dict) -> tuple | None:

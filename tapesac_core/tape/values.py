@@ -190,7 +190,10 @@ class ValueIds:
             vid = entry[1]
         else:  # unseen, or its storage swapped (``t.data = other``): what it holds now
             vid = self._unseen(t)
-        if self.values[vid].version != t._version:
+        value = self.values[vid]
+        # A leaf's content does not change in the forward (the recorder refuses writes into it):
+        # another version is another counter (``p.data`` has its own), not other content.
+        if value.version != t._version and value.sid not in self.leaf_sids:
             return self._reread(t, vid)
         return vid
 
@@ -205,10 +208,13 @@ class ValueIds:
         if alias is not None:
             self.same_as(t, alias)
             return alias
-        leaf = self._leaf_view(t)
-        if leaf is not None:
-            self.block.leaves_read.setdefault(leaf[1], t)
-            return self.new_value(t, -1, 0, leaf[0], leaf[1])
+        viewed = self._leaf_view(t)
+        if viewed is not None:
+            kind, name, registered = viewed
+            # The registered tensor, not ``t``: a write into the leaf bumps its version, not the
+            # alias's (``Block.note_leaves``); the same storage and layout for backward.
+            self.block.leaves_read.setdefault(name, registered)
+            return self.new_value(t, -1, 0, kind, name)
         vid = self.new_value(t, -1, 0, EXTERNAL)
         self.holding.no_producer(vid, t)
         return vid
@@ -236,8 +242,9 @@ class ValueIds:
                 return vid
         return None
 
-    def _leaf_view(self, t: Tensor) -> tuple[ValueKind, str] | None:
-        """A parameter or buffer seen through another tensor object (``p.data``)."""
+    def _leaf_view(self, t: Tensor) -> tuple[ValueKind, str, Tensor] | None:
+        """A parameter or buffer seen through another tensor object (``p.data``): its kind, name
+        and the tensor the module registers."""
         module = self.block.module
         if module is None:
             return None
@@ -245,7 +252,7 @@ class ValueIds:
         for kind, named in ((PARAM, module.named_parameters()), (BUFFER, module.named_buffers())):
             for name, p in named:
                 if p.untyped_storage().data_ptr() == ptr and layout_of(p)[:4] == meta[:4]:
-                    return kind, name
+                    return kind, name, p
         return None
 
     def _leaf_name(self, t: Tensor) -> tuple[ValueKind, str] | None:
