@@ -286,7 +286,8 @@ class Block:
 
     def note_leaves(self, read: Mapping[str, torch.Tensor]) -> None:
         """End of forward: the parameters and buffers backward fetches by name, as the forward
-        first read them (``read``, by name), else as the module holds them now. Backward takes
+        first read them (``read``, by name), else as the module holds them now, each with its
+        version, which backward checks (``_unwritten_leaf``). Backward takes
         these where the module holds other tensors by then: ``torch.func.functional_call``
         swaps its tensors in for the forward and back before backward, and a forward may
         replace a buffer it read (``self.scale = self.scale * 0.5``). FSDP2 gathers into the

@@ -294,8 +294,8 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         autograd then unpacks the written content, with no error, so the earlier packs of the
         value before the write stand for the value after it. Seen at the next op or the end
         of forward: inside the dispatch mode, the autograd layer above has not bumped any
-        version yet. A saved view of that storage would need a view of the new value, which
-        no value is: refused."""
+        version yet. A saved view of the written bytes (another layout on the storage) would
+        need a view of the new value, which no value is: refused."""
         pending, self.pending_writes = self.pending_writes, []
         handles: list[int] = self.block.handles  # type: ignore[assignment]  # recording: a list
         values, by_id, log = self.ids.values, self.ids.by_id, self.log
