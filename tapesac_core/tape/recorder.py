@@ -26,12 +26,12 @@ a random op whose generator cannot be captured; a tensor subclass inside the blo
 from __future__ import annotations
 
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .._compat import DispatchModeWithoutDynamoGuard
+from .._compat import DispatchModeWithoutDynamoGuard, dispatch_disabled
 from ..errors import TapeSACError
 from ..measure.memory import not_counted
 from ..tensors import (
@@ -85,6 +85,9 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         # The last op's writes, each (tensor, its version before, its values before and after,
         # the packs so far), until ``settle_writes`` sees whether autograd bumped the version.
         self.pending_writes: list[tuple[Tensor, int, int, int, int]] = []
+        # Per pack, the tensor autograd saved and its version then: what it reads in backward
+        # if no write bumps that version (``settle_writes``).
+        self.packed: list[tuple[weakref.ref[Tensor], int]] = []
 
     def forget(self) -> None:
         """The forward ended: drop the per-tensor bookkeeping. Autograd keeps the pack hook,
@@ -112,6 +115,8 @@ class Recorder(DispatchModeWithoutDynamoGuard):
     def pack(self, t: Tensor) -> int:
         """Autograd saves ``t``: record it in the demand set and hand autograd a handle (the
         pack's index in ``block.handles``)."""
+        if self.pending_writes:  # autograd packs an op's inputs before the op dispatches
+            self.settle_writes()
         block = self.block
         entry = self.ids.by_id.get(id(t))  # ValueIds.recorded, inlined: runs per saved tensor
         if (
@@ -126,6 +131,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         # A recording block's handles are a list (a steady one's a tuple); no cast(): a call.
         handles: list[int] = block.handles  # type: ignore[assignment]
         handles.append(vid)
+        self.packed.append((weakref.ref(t), t._version))
         log = self.log
         log.layouts.append((t.shape, t.dtype))
         log.views.append((t.stride(), t.storage_offset()))  # type: ignore[arg-type]  # eager: int
@@ -289,38 +295,64 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         return tuple(slots)
 
     def settle_writes(self) -> None:
-        """Works around kernels that write an argument without bumping its version counter
-        (``aten.rrelu_with_noise`` fills ``noise``, which autograd saved before the op ran):
-        autograd then unpacks the written content, with no error, so the earlier packs of the
-        value before the write stand for the value after it. Seen at the next op or the end
-        of forward: inside the dispatch mode, the autograd layer above has not bumped any
-        version yet. A saved view of the written bytes (another layout on the storage) would
-        need a view of the new value, which no value is: refused."""
+        """Works around writes that leave a version counter as it was, so that autograd unpacks
+        what they wrote without an error: kernels that bump none (``aten.rrelu_with_noise``
+        fills ``noise``, which autograd saved before the op ran), and a write through a tensor
+        with a counter of its own (``h.data.clamp_()`` after ``h`` was saved). Every tensor
+        whose counter the write left while it changed its bytes now holds the written content:
+        a value read again (an alias of the write, ``ValueIds.reread``), and the packs it made
+        before stand for that value. Seen at the next op or pack, or the end of forward: inside
+        the dispatch mode, the autograd layer above has not bumped any version yet."""
         pending, self.pending_writes = self.pending_writes, []
+        ids = self.ids
+        values, by_id = ids.values, ids.by_id
+        for t, version, old, new, packed in pending:
+            unbumped = t._version == version
+            if unbumped:
+                values[new] = values[new]._replace(version=version)
+                by_id[id(t)] = (weakref.ref(t), new, version, t.data_ptr())
+            sid = values[old].sid
+            written = _extent(t)
+            for key in list(ids.on_storage.get(sid, ())):
+                entry = by_id.get(key)
+                other = entry[0]() if entry is not None else None
+                if (
+                    entry is not None
+                    and other is not None
+                    and other is not t
+                    and values[entry[1]].sid == sid
+                    and other._version == entry[2]
+                    and _overlap(written, _extent(other))
+                ):
+                    ids.reread(other, entry[1])
+            self._repack(packed, t, sid, unbumped)
+
+    def _repack(self, packed: int, t: Tensor, sid: int, unbumped: bool) -> None:
+        """The first ``packed`` packs on storage ``sid`` that read what ``t``'s write left
+        (``settle_writes``) stand for that content: each pack whose tensor is alive at its
+        pack-time version, as its tensor is now; and, where no version moved at all
+        (``unbumped``), each pack whose tensor was freed since (autograd would hold it), read
+        again at its layout where the write overlaps it."""
         handles: list[int] = self.block.handles  # type: ignore[assignment]  # recording: a list
         values, by_id, log = self.ids.values, self.ids.by_id, self.log
-        for t, version, old, new, packed in pending:
-            if t._version != version:
-                continue  # autograd raises if it unpacks a tensor saved before the write
-            values[new] = values[new]._replace(version=version)
-            by_id[id(t)] = (weakref.ref(t), new, version, t.data_ptr())
-            sid = values[old].sid
-            written = _extent(t.shape, t.dtype, t.stride(), int(t.storage_offset()))
-            for h in range(packed):
-                vid = handles[h]
-                if vid == old:
-                    handles[h] = new
-                elif (
-                    values[vid].sid == sid
-                    and values[vid].version == version
-                    and _overlap(written, _extent(*log.layouts[h], *log.views[h]))
-                ):
-                    raise TapeSACError(
-                        f"block {self.block.name!r}: {self.block.nodes[values[new].node].name} "
-                        "wrote into a tensor autograd saved a view of, without bumping its "
-                        "version; backward would read the written content through the view, "
-                        "which replay cannot rebuild. Fix: do not checkpoint this module"
+        written = _extent(t)
+        for h in range(packed):
+            if values[handles[h]].sid != sid:
+                continue
+            ref, version = self.packed[h]
+            p = ref()
+            if p is None and unbumped:
+                (shape, dtype), (stride, offset) = log.layouts[h], log.views[h]
+                with dispatch_disabled(), torch.no_grad():
+                    p = torch.empty(0, dtype=dtype, device=t.device).set_(
+                        t.untyped_storage(), offset, shape, stride
                     )
+                if _overlap(written, _extent(p)):
+                    handles[h] = self.ids.reread(p, handles[h])
+            elif p is not None and p._version == version:
+                entry = by_id.get(id(p))
+                if entry is not None and entry[0]() is p:
+                    handles[h] = entry[1]
 
     def _refuse_leaf_write(self, func: Any, info: OpInfo, sid: int) -> None:
         leaf = next(v for v in self.ids.values if v.sid == sid and v.kind in (INPUT, PARAM, BUFFER))
@@ -490,17 +522,17 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         values.append(_new_tuple(Value, (vid, index, j, sid, epoch, meta, version, OP, None)))
         ptrs.append(ptr)
         ids.by_id[key] = (weakref.ref(t), vid, version, t.data_ptr())
+        ids.on_storage.setdefault(sid, []).append(key)
         return vid
 
 
-def _extent(
-    shape: Sequence[int], dtype: torch.dtype, stride: Sequence[int], offset: int
-) -> tuple[int, int]:
+def _extent(t: Tensor) -> tuple[int, int]:
     """The bytes of its storage a strided tensor spans, as [start, end) (empty: start == end)."""
-    if any(n == 0 for n in shape):
+    if t.numel() == 0:
         return (0, 0)
-    last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
-    return (offset * dtype.itemsize, (last + 1) * dtype.itemsize)
+    first = int(t.storage_offset())
+    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (first * t.element_size(), (last + 1) * t.element_size())
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:

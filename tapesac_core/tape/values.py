@@ -78,6 +78,9 @@ class ValueIds:
         self.last_write: dict[int, int] = {}  # sid -> value id of the latest write into it
         self.leaf_sids = leaf_sids  # storages of leaves, added by new_value
         self.epochs: dict[int, int] = {}  # sid -> number of recorded writes into it so far
+        # sid -> the ids (``by_id`` keys) of the tensor objects recorded on it: a write through
+        # one may leave the others' counters as they were (``Recorder.settle_writes``).
+        self.on_storage: dict[int, list[int]] = {}
         # The module's map of its leaves, if this block rebuilt it (``_leaf_name``).
         self._leaves: dict[int, tuple[weakref.ref[Tensor], ValueKind, str]] | None = None
 
@@ -105,6 +108,7 @@ class ValueIds:
         )
         self.ptrs.append(storage.data_ptr())
         self.by_id[id(t)] = (weakref.ref(t), vid, version, t.data_ptr())
+        self.on_storage.setdefault(sid, []).append(id(t))
         if kind != OP and kind != EXTERNAL:
             self.leaf_sids.add(sid)
         return vid
@@ -131,6 +135,7 @@ class ValueIds:
     def same_as(self, t: Tensor, vid: int) -> None:
         """``t`` is another tensor object with value ``vid``'s content, storage and layout."""
         self.by_id[id(t)] = (weakref.ref(t), vid, self.values[vid].version, t.data_ptr())
+        self.on_storage.setdefault(self.values[vid].sid, []).append(id(t))
 
     def arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[int]]:
         """A call's recorded arguments and keyword arguments (each tensor replaced by the slot of
@@ -194,7 +199,7 @@ class ValueIds:
         # A leaf's content does not change in the forward (the recorder refuses writes into it):
         # another version is another counter (``p.data`` has its own), not other content.
         if value.version != t._version and value.sid not in self.leaf_sids:
-            return self._reread(t, vid)
+            return self.reread(t, vid)
         return vid
 
     def _unseen(self, t: Tensor) -> int:
@@ -283,7 +288,7 @@ class ValueIds:
             entry = cached.get(id(t))
         return entry[1:] if entry is not None and entry[0]() is t else None
 
-    def _reread(self, t: Tensor, stale: int) -> int:
+    def reread(self, t: Tensor, stale: int) -> int:
         """``t`` was written through another alias since it was recorded: a new value."""
         sid = self.values[stale].sid
         write = self.last_write.get(sid)
