@@ -348,3 +348,33 @@ def test_batch_norm_updating_its_buffers_in_training_is_refused_naming_the_fix()
     module = tapesac_core.checkpoint_module(Normed(), region="normed")
     with pytest.raises(TapeSACError, match="running_mean.*checkpoint the modules around"):
         module(torch.randn(4, 8, requires_grad=True))
+
+
+class WrittenAfterSwapsAndViews(torch.nn.Module):
+    """A tensor moved off ``h``'s storage (``o.data = ...``) before ``h`` is written through
+    ``.data`` keeps its own bytes; a view of ``h`` saved and freed before the write reads the
+    written bytes, as autograd holds it (its base's counter did not move)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        h = self.a(x)
+        o = h.detach()
+        o.data = self.c(x).detach()
+        y = h[:, :4].sin()  # saves a view of h, freed at once
+        h.data.clamp_(-0.1, 0.1)
+        return self.b(x) * o + h + y.sum()
+
+
+@pytest.mark.parametrize("plan", [{}, {"swapped": {("aten.addmm.default", 0, 0)}}])
+def test_a_write_through_data_reaches_what_is_on_the_storage_and_nothing_else(plan) -> None:
+    torch.manual_seed(0)
+    reference = WrittenAfterSwapsAndViews()
+    module = tapesac_core.checkpoint_module(copy.deepcopy(reference), region="swapped")
+    with tapesac_core.use_plan(plan), tapesac_core.trace():
+        for s in range(3):
+            x = torch.randn(4, 8, requires_grad=True)
+            ref = step(reference, lambda: reference(x).square().sum(), seed=s)
+            assert_bitwise(ref, step(module, lambda: module(x).square().sum(), seed=s))

@@ -85,9 +85,11 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         # The last op's writes, each (tensor, its version before, its values before and after,
         # the packs so far), until ``settle_writes`` sees whether autograd bumped the version.
         self.pending_writes: list[tuple[Tensor, int, int, int, int]] = []
-        # Per pack, the tensor autograd saved and its version then: what it reads in backward
-        # if no write bumps that version (``settle_writes``).
-        self.packed: list[tuple[weakref.ref[Tensor], int]] = []
+        # Per pack, the tensor autograd saved, the base it is a view of (which shares its
+        # version counter) and its version then: what it reads in backward if no write bumps
+        # that version (``settle_writes``); and the packs on each storage.
+        self.packed: list[tuple[weakref.ref[Tensor], weakref.ref[Tensor] | None, int]] = []
+        self.packs_on: dict[int, list[int]] = {}
 
     def forget(self) -> None:
         """The forward ended: drop the per-tensor bookkeeping. Autograd keeps the pack hook,
@@ -131,7 +133,11 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         # A recording block's handles are a list (a steady one's a tuple); no cast(): a call.
         handles: list[int] = block.handles  # type: ignore[assignment]
         handles.append(vid)
-        self.packed.append((weakref.ref(t), t._version))
+        base = t._base
+        self.packed.append(
+            (weakref.ref(t), None if base is None else weakref.ref(base), t._version)
+        )
+        self.packs_on.setdefault(self.ids.values[vid].sid, []).append(len(handles) - 1)
         log = self.log
         log.layouts.append((t.shape, t.dtype))
         log.views.append((t.stride(), t.storage_offset()))  # type: ignore[arg-type]  # eager: int
@@ -299,10 +305,11 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         what they wrote without an error: kernels that bump none (``aten.rrelu_with_noise``
         fills ``noise``, which autograd saved before the op ran), and a write through a tensor
         with a counter of its own (``h.data.clamp_()`` after ``h`` was saved). Every tensor
-        whose counter the write left while it changed its bytes now holds the written content:
-        a value read again (an alias of the write, ``ValueIds.reread``), and the packs it made
-        before stand for that value. Seen at the next op or pack, or the end of forward: inside
-        the dispatch mode, the autograd layer above has not bumped any version yet."""
+        still on the written storage whose counter the write left while it changed its bytes
+        now holds the written content: a value read again (an alias of the write,
+        ``ValueIds.reread``), and the packs made before stand for the written content too.
+        Seen at the next op or pack, or the end of forward: inside the dispatch mode, the
+        autograd layer above has not bumped any version yet."""
         pending, self.pending_writes = self.pending_writes, []
         ids = self.ids
         values, by_id = ids.values, ids.by_id
@@ -322,37 +329,40 @@ class Recorder(DispatchModeWithoutDynamoGuard):
                     and other is not t
                     and values[entry[1]].sid == sid
                     and other._version == entry[2]
+                    and other.data_ptr() == entry[3]  # not moved off it (``other.data = x``)
                     and _overlap(written, _extent(other))
                 ):
                     ids.reread(other, entry[1])
             self._repack(packed, t, sid, unbumped)
 
     def _repack(self, packed: int, t: Tensor, sid: int, unbumped: bool) -> None:
-        """The first ``packed`` packs on storage ``sid`` that read what ``t``'s write left
-        (``settle_writes``) stand for that content: each pack whose tensor is alive at its
-        pack-time version, as its tensor is now; and, where no version moved at all
-        (``unbumped``), each pack whose tensor was freed since (autograd would hold it), read
-        again at its layout where the write overlaps it."""
+        """The packs on storage ``sid`` among the first ``packed`` whose tensor's counter
+        ``t``'s write left (``settle_writes``): a live one stands for the value its tensor is
+        now; a freed one, where no counter moved or its base's did not, is read again at its
+        layout where the write overlaps it."""
         handles: list[int] = self.block.handles  # type: ignore[assignment]  # recording: a list
-        values, by_id, log = self.ids.values, self.ids.by_id, self.log
+        by_id, log = self.ids.by_id, self.log
         written = _extent(t)
-        for h in range(packed):
-            if values[handles[h]].sid != sid:
-                continue
-            ref, version = self.packed[h]
+        for h in self.packs_on.get(sid, ()):
+            if h >= packed:
+                break
+            ref, base_ref, version = self.packed[h]
             p = ref()
-            if p is None and unbumped:
-                (shape, dtype), (stride, offset) = log.layouts[h], log.views[h]
-                with dispatch_disabled(), torch.no_grad():
-                    p = torch.empty(0, dtype=dtype, device=t.device).set_(
-                        t.untyped_storage(), offset, shape, stride
-                    )
-                if _overlap(written, _extent(p)):
-                    handles[h] = self.ids.reread(p, handles[h])
-            elif p is not None and p._version == version:
+            if p is not None:
                 entry = by_id.get(id(p))
-                if entry is not None and entry[0]() is p:
+                if p._version == version and entry is not None and entry[0]() is p:
                     handles[h] = entry[1]
+                continue
+            base = base_ref() if base_ref is not None else None
+            if not (unbumped or (base is not None and base._version == version)):
+                continue  # the write bumped its counter (autograd raises), or nothing tells
+            (shape, dtype), (stride, offset) = log.layouts[h], log.views[h]
+            with dispatch_disabled(), torch.no_grad():
+                view = torch.empty(0, dtype=dtype, device=t.device).set_(
+                    t.untyped_storage(), offset, shape, stride
+                )
+            if _overlap(written, _extent(view)):
+                handles[h] = self.ids.reread(view, handles[h])
 
     def _refuse_leaf_write(self, func: Any, info: OpInfo, sid: int) -> None:
         leaf = next(v for v in self.ids.values if v.sid == sid and v.kind in (INPUT, PARAM, BUFFER))
@@ -522,7 +532,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         values.append(_new_tuple(Value, (vid, index, j, sid, epoch, meta, version, OP, None)))
         ptrs.append(ptr)
         ids.by_id[key] = (weakref.ref(t), vid, version, t.data_ptr())
-        ids.on_storage.setdefault(sid, []).append(key)
+        ids.on_storage.setdefault(sid, {})[key] = None
         return vid
 
 

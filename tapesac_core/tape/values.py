@@ -80,7 +80,7 @@ class ValueIds:
         self.epochs: dict[int, int] = {}  # sid -> number of recorded writes into it so far
         # sid -> the ids (``by_id`` keys) of the tensor objects recorded on it: a write through
         # one may leave the others' counters as they were (``Recorder.settle_writes``).
-        self.on_storage: dict[int, list[int]] = {}
+        self.on_storage: dict[int, dict[int, None]] = {}  # (a dict: ordered, no duplicates)
         # The module's map of its leaves, if this block rebuilt it (``_leaf_name``).
         self._leaves: dict[int, tuple[weakref.ref[Tensor], ValueKind, str]] | None = None
 
@@ -108,7 +108,7 @@ class ValueIds:
         )
         self.ptrs.append(storage.data_ptr())
         self.by_id[id(t)] = (weakref.ref(t), vid, version, t.data_ptr())
-        self.on_storage.setdefault(sid, []).append(id(t))
+        self.on_storage.setdefault(sid, {})[id(t)] = None
         if kind != OP and kind != EXTERNAL:
             self.leaf_sids.add(sid)
         return vid
@@ -135,7 +135,7 @@ class ValueIds:
     def same_as(self, t: Tensor, vid: int) -> None:
         """``t`` is another tensor object with value ``vid``'s content, storage and layout."""
         self.by_id[id(t)] = (weakref.ref(t), vid, self.values[vid].version, t.data_ptr())
-        self.on_storage.setdefault(self.values[vid].sid, []).append(id(t))
+        self.on_storage.setdefault(self.values[vid].sid, {})[id(t)] = None
 
     def arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[int]]:
         """A call's recorded arguments and keyword arguments (each tensor replaced by the slot of
