@@ -232,6 +232,7 @@ class _Recording:
             RECORDING.reset(token)
             block.on_exit = None  # the recorder holds the block: no cycle outlives the forward
         recorder.settle_writes()
+        recorder.settle_swaps()
         self.outputs = _tensors_out(out)
         self.output_vids = [recorder.vid_of(t) for t in self.outputs]
         block.finish(frozenset(self.output_vids), recorder.alive)
@@ -246,6 +247,8 @@ class _Recording:
         recorder = self.recorder
         assert recorder.ops is not None, "a module block's recorder logs its ops"
         assert self.calls is not None, "a module block logs its calls"
+        if recorder.moved:
+            return Recorded.MOVED
         return steady_tape(
             self.block,
             self.inputs,

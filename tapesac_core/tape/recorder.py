@@ -86,10 +86,12 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         # the packs so far), until ``settle_writes`` sees whether autograd bumped the version.
         self.pending_writes: list[tuple[Tensor, int, int, int, int]] = []
         # Per pack, the tensor autograd saved, the base it is a view of (which shares its
-        # version counter) and its version then: what it reads in backward if no write bumps
-        # that version (``settle_writes``); and the packs on each storage.
-        self.packed: list[tuple[weakref.ref[Tensor], weakref.ref[Tensor] | None, int]] = []
+        # version counter), its version and its data address then: what it reads in backward
+        # if no write bumps that version (``settle_writes``) and no ``.data =`` moves it
+        # (``settle_swaps``); and the packs on each storage.
+        self.packed: list[tuple[weakref.ref[Tensor], weakref.ref[Tensor] | None, int, int]] = []
         self.packs_on: dict[int, list[int]] = {}
+        self.moved = False  # a pack's tensor moved to other bytes (``settle_swaps``)
 
     def forget(self) -> None:
         """The forward ended: drop the per-tensor bookkeeping. Autograd keeps the pack hook,
@@ -135,7 +137,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         handles.append(vid)
         base = t._base
         self.packed.append(
-            (weakref.ref(t), None if base is None else weakref.ref(base), t._version)
+            (weakref.ref(t), None if base is None else weakref.ref(base), t._version, t.data_ptr())
         )
         self.packs_on.setdefault(self.ids.values[vid].sid, []).append(len(handles) - 1)
         log = self.log
@@ -335,6 +337,17 @@ class Recorder(DispatchModeWithoutDynamoGuard):
                     ids.reread(other, entry[1])
             self._repack(packed, t, sid, unbumped)
 
+    def settle_swaps(self) -> None:
+        """End of forward: a saved tensor the forward moved to other bytes after its pack
+        (``h.data = other``: no op, no version bump) is read by autograd where it is now, so its
+        pack stands for what it holds now (``ValueIds.vid_of``)."""
+        handles: list[int] = self.block.handles  # type: ignore[assignment]  # recording: a list
+        for h, (ref, _, version, ptr) in enumerate(self.packed):
+            p = ref()
+            if p is not None and p._version == version and p.data_ptr() != ptr:
+                handles[h] = self.ids.vid_of(p)
+                self.moved = True
+
     def _repack(self, packed: int, t: Tensor, sid: int, unbumped: bool) -> None:
         """The packs on storage ``sid`` among the first ``packed`` whose tensor's counter
         ``t``'s write left (``settle_writes``): a live one stands for the value its tensor is
@@ -346,7 +359,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         for h in self.packs_on.get(sid, ()):
             if h >= packed:
                 break
-            ref, base_ref, version = self.packed[h]
+            ref, base_ref, version, _ = self.packed[h]
             p = ref()
             if p is not None:
                 entry = by_id.get(id(p))

@@ -90,6 +90,10 @@ class Recorded(TextEnum):
         "for 4, 8, ... 64 calls before a tape is tried again"
     )
     SIZES = "the integers in its ops follow no curve of its input sizes (each new size records)"
+    MOVED = (
+        "a tensor autograd saved moved to other bytes after (.data =): a steady-state call "
+        "would hold the bytes it had then"
+    )
     DATA_SIZES = (
         "sizes that follow its data: recorded until calls of one op structure make a template "
         "whose sizes each call binds from what autograd saves"
