@@ -192,6 +192,19 @@ def test_a_view_saved_before_a_write_without_a_version_bump_reads_what_was_writt
     assert any(n.name == "tapesac.alias" for n in traces[0].tape.nodes)
 
 
+def assert_three_calls_bitwise(cls: type[torch.nn.Module], region: str, plan: dict) -> None:
+    """Three calls of a checkpointed copy of ``cls()`` under ``plan`` (recorded, then steady),
+    each on a new batch, bitwise those of the module without checkpointing."""
+    torch.manual_seed(0)
+    reference = cls()
+    module = tapesac_core.checkpoint_module(copy.deepcopy(reference), region=region)
+    with tapesac_core.use_plan(plan), tapesac_core.trace():
+        for s in range(3):
+            x = torch.randn(4, 8, requires_grad=True)
+            ref = step(reference, lambda: reference(x).square().sum(), seed=s)
+            assert_bitwise(ref, step(module, lambda: module(x).square().sum(), seed=s))
+
+
 class DataWritten(torch.nn.Module):
     """Writes a saved tensor through ``.data``, whose version counter is not the tensor's:
     autograd reads the written bytes with no error."""
@@ -209,14 +222,7 @@ class DataWritten(torch.nn.Module):
 
 @pytest.mark.parametrize("plan", [{}, {"written": {("aten.addmm.default", 0, 0)}}])
 def test_a_saved_tensor_written_through_data_is_what_backward_reads(plan) -> None:
-    torch.manual_seed(0)
-    reference = DataWritten()
-    module = tapesac_core.checkpoint_module(copy.deepcopy(reference), region="written")
-    with tapesac_core.use_plan(plan), tapesac_core.trace():
-        for s in range(3):
-            x = torch.randn(4, 8, requires_grad=True)
-            ref = step(reference, lambda: reference(x).square().sum(), seed=s)
-            assert_bitwise(ref, step(module, lambda: module(x).square().sum(), seed=s))
+    assert_three_calls_bitwise(DataWritten, "written", plan)
 
 
 class DataSwapped(torch.nn.Module):
@@ -370,11 +376,4 @@ class WrittenAfterSwapsAndViews(torch.nn.Module):
 
 @pytest.mark.parametrize("plan", [{}, {"swapped": {("aten.addmm.default", 0, 0)}}])
 def test_a_write_through_data_reaches_what_is_on_the_storage_and_nothing_else(plan) -> None:
-    torch.manual_seed(0)
-    reference = WrittenAfterSwapsAndViews()
-    module = tapesac_core.checkpoint_module(copy.deepcopy(reference), region="swapped")
-    with tapesac_core.use_plan(plan), tapesac_core.trace():
-        for s in range(3):
-            x = torch.randn(4, 8, requires_grad=True)
-            ref = step(reference, lambda: reference(x).square().sum(), seed=s)
-            assert_bitwise(ref, step(module, lambda: module(x).square().sum(), seed=s))
+    assert_three_calls_bitwise(WrittenAfterSwapsAndViews, "swapped", plan)

@@ -206,8 +206,9 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         if info.identity:
             return self._same_value(func, args, kwargs)
         targs, tkwargs, inputs = self.ids.arguments(args, kwargs)
-        writes = self._before_write(func, info, args, kwargs, inputs) if info.mutated else ()
-        versions = [t._version for t in self._mutated_tensors(info, args, kwargs)] if writes else []
+        mutated = self._mutated_tensors(info, args, kwargs) if info.mutated else []
+        writes = self._before_write(func, info, mutated, inputs) if mutated else ()
+        versions = [t._version for t in mutated]
         rng = (
             self._capture_rng(info, args, kwargs)
             if info.random
@@ -231,9 +232,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
             by_id, n = self.ids.by_id, len(self.block.handles)
             self.pending_writes = [
                 (t, version, inputs[slot], by_id[id(t)][1], n)
-                for slot, t, version in zip(
-                    writes, self._mutated_tensors(info, args, kwargs), versions
-                )
+                for slot, t, version in zip(writes, mutated, versions)
             ]
         if self.ops is not None:
             self.ops.op(func, args, kwargs, out, index, (targs, tkwargs))
@@ -287,12 +286,13 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         ]
 
     def _before_write(
-        self, func: Any, info: OpInfo, args: tuple, kwargs: dict, inputs: list[int]
+        self, func: Any, info: OpInfo, mutated: list[Tensor], inputs: list[int]
     ) -> tuple[int, ...]:
-        """Refuse writes into leaves; move held values the write would change. Returns slots written."""
+        """Refuse writes into leaves; move held values the write into ``mutated`` would change.
+        Returns slots written."""
         ids = self.ids
         slots = []
-        for t in self._mutated_tensors(info, args, kwargs):
+        for t in mutated:
             vid = ids.vid_of(t)
             slots.append(inputs.index(vid))
             sid = ids.values[vid].sid
@@ -335,7 +335,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
                     and _overlap(written, _extent(other))
                 ):
                     ids.reread(other, entry[1])
-            self._repack(packed, t, sid, unbumped)
+            self._repack(packed, t, written, sid, unbumped)
 
     def settle_swaps(self) -> None:
         """End of forward: a saved tensor the forward moved to other bytes after its pack
@@ -348,14 +348,15 @@ class Recorder(DispatchModeWithoutDynamoGuard):
                 handles[h] = self.ids.vid_of(p)
                 self.moved = True
 
-    def _repack(self, packed: int, t: Tensor, sid: int, unbumped: bool) -> None:
+    def _repack(
+        self, packed: int, t: Tensor, written: tuple[int, int], sid: int, unbumped: bool
+    ) -> None:
         """The packs on storage ``sid`` among the first ``packed`` whose tensor's counter
-        ``t``'s write left (``settle_writes``): a live one stands for the value its tensor is
-        now; a freed one, where no counter moved or its base's did not, is read again at its
-        layout where the write overlaps it."""
+        ``t``'s write (spanning bytes ``written``) left (``settle_writes``): a live one stands
+        for the value its tensor is now; a freed one, where no counter moved or its base's did
+        not, is read again at its layout where the write overlaps it."""
         handles: list[int] = self.block.handles  # type: ignore[assignment]  # recording: a list
         by_id, log = self.ids.by_id, self.log
-        written = _extent(t)
         for h in self.packs_on.get(sid, ()):
             if h >= packed:
                 break
