@@ -15,6 +15,7 @@ import torch
 from support import OpCounter, assert_bitwise, reference_and_copy, step, token_ids
 
 import tapesac_core
+from tapesac_core.errors import TapeSACError
 from tapesac_core.tape.data_sizes import DataBinding
 from tapesac_core.tape.steady import Recorded
 from tapesac_core.tape.steady_cache import steady_cache
@@ -321,11 +322,19 @@ class OtherInBackward(Routed):
 def test_a_recomputation_that_runs_other_ops_than_its_forward_is_not_learned() -> None:
     """Calls of {0, 1, 3} diverge from {0, 1, 2, 3}'s template; their backward runs the forward
     again, recorded, but it ran other ops than the forward (``structure_switch.ran_alike``):
-    no template learns from it, and every call stays bitwise."""
+    no template learns from it, and that backward is refused (``rerun_checks.py``); every other
+    call stays bitwise."""
     rng = random.Random(0)
     reference, block = _learned([EVERY] * 4, rng, OtherInBackward)
+    refused = 0
     for i in range(9):
-        _run(block, reference, _batch(_spread((EVERY, EVERY, ONE_IDLE)[i % 3], rng), 10 + i))
+        x = _batch(_spread((EVERY, EVERY, ONE_IDLE)[i % 3], rng), 10 + i)
+        try:
+            _run(block, reference, x)
+        except TapeSACError as e:
+            assert "op 0 is aten.neg.default, the forward has aten.slice.Tensor" in str(e)
+            refused += 1
+    assert refused == 3
     (family,) = steady_cache(block)._data.values()
     learned = [p for s in family.structures for p in s.points]
     assert learned and not any("neg" in n.name for p in learned for n in p.tape.nodes)

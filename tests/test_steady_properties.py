@@ -4,7 +4,10 @@ from steps that read Python numbers (module attributes, globals, closures, dropo
 integers read from the data as scalars, exponents, sizes, indices and branch conditions) or draw
 randomized leaky ReLU's noise, and a schedule that changes them between calls, with train/eval
 flips, a submodule swapped, a forward hook added or removed, and autocast; steady-state calls
-whose forward departs from their tape are recomputed (``tape/op_checks.py``)."""
+whose forward departs from their tape are recomputed (``tape/op_checks.py``). A forward that
+changes what it reads itself (a call counter) gives a ``TapeSACError`` at the first backward
+whose run of the forward differs from the forward (``tape/rerun_checks.py``), never a wrong
+gradient."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from hypothesis import strategies as st
 from support import assert_bitwise, every_other_saved, step
 
 import tapesac_core
+from tapesac_core.errors import TapeSACError
 
 D = 6
 GLOBAL = {"shift": 0.0}
@@ -33,6 +37,7 @@ STEPS = (
     "item_branch",
     "branch",
     "submodule",
+    "counted",
 )
 
 
@@ -64,6 +69,7 @@ class Program(torch.nn.Module):
         self.scale = 1.0
         self.flag = True
         self.use_b = False
+        self.calls = 0  # counted by the forward itself ("counted")
         self.read, self.write = _closure_scale()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +89,9 @@ class Program(torch.nn.Module):
             return self.drop(h)
         if s == "rrelu":
             return self.rrelu(h)
+        if s == "counted":
+            self.calls += 1
+            return h * (1.0 + 0.125 * self.calls)
         n = int(x.argmax().item())  # an integer read from the data
         if s == "item_scalar":
             return h * (n % 3 + 1)
@@ -202,6 +211,8 @@ def test_every_call_is_bitwise_whatever_changes_between_calls(
     try:
         k = first
         plan = _plan(model, inputs[0].requires_grad_()) if planned else {}
+        for block in model:
+            block.calls = 0  # as the reference's, which made no plan
         for i, changed in enumerate([None, *changes]):
             if changed is not None:
                 k = {**k, changed[0]: changed[1]}
@@ -210,7 +221,11 @@ def test_every_call_is_bitwise_whatever_changes_between_calls(
                 _apply(m, k, hooks[id(m)])
             ref = step(reference, lambda: _loss(reference, x, k["autocast"]), seed=i)
             with tapesac_core.use_plan(plan):
-                got = step(model, lambda: _loss(model, x, k["autocast"]), seed=i)
+                try:
+                    got = step(model, lambda: _loss(model, x, k["autocast"]), seed=i)
+                except TapeSACError as e:
+                    assert "counted" in steps and "ran differently when run again" in str(e)
+                    return
             assert_bitwise(ref, got)
     finally:
         GLOBAL["shift"] = 0.0

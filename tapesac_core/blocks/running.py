@@ -47,6 +47,7 @@ from ..tape.call_checks import CallLog
 from ..tape.data_sizes import DataBinding, DataTemplate
 from ..tape.recompute import Recompute, leaves_of, never_unpacked
 from ..tape.recorder import Recorder
+from ..tape.rerun_checks import rerun_check
 from ..tape.signature import Signature, block_signature, call_arguments
 from ..tape.steady import Recorded, SteadyForward, SteadyTape, autograd_nodes, steady_tape
 from ..tape.steady_cache import SteadyCache, steady_cache
@@ -367,6 +368,7 @@ def _run_steady(
             forward.layouts(),
             _recording,
             [] if block.module is None else leaves_of(block.module, forward.check.sources.read),
+            rerun_check(forward.check),
             _learned_again(block, cache, signature, forward) if binding is not None else None,
         )
     return out
@@ -384,10 +386,13 @@ def _submodules_tracked(
 @contextmanager
 def _recording(block: Block) -> Iterator[None]:
     """``block`` is the one running (a recomputation in its backward): a saved tensor unpacked
-    inside it, or a block called inside it, is refused as during its forward."""
+    inside it, or a block called inside it, is refused as during its forward; and autocast's
+    weight cache is off, as in its forward (a cached cast dispatches nothing: the run would not
+    be the forward's, ``rerun_checks.py``)."""
     token = RECORDING.set(block)
     try:
-        yield
+        with _autocast_weight_cache_disabled():
+            yield
     finally:
         RECORDING.reset(token)
 

@@ -34,7 +34,8 @@ Calls that dispatch nothing and make no tensor (a property's getter, ``size()``,
 result their argument's source: a user's tools (module trackers, monitoring hooks) make such
 calls on some steps only. A tape whose log is not eligible is checked op by op
 (``op_checks.py``). The first difference makes the call diverged, as there: its backward runs
-the forward again.
+the forward again, checked against the log's calls before the difference and those the call
+made after it (``trail``, ``rerun_checks.py``).
 
 Not seen, on either level: ops run under ``torch._C.DisableTorchFunction`` by code that did not
 run so when the call was recorded (the ops a recorded call ran so make its log not eligible),
@@ -45,6 +46,7 @@ nodes, which are checked at both levels.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from types import GetSetDescriptorType, MethodWrapperType
@@ -129,14 +131,11 @@ class CallLog(TorchFunctionMode):
             out = func(*args, **kwargs)
             self.sources.same(out, args[0])
             return out
-        key = self._key
         try:
-            t_args = _templates(args, key)
-            t_kwargs = tuple((k, _template(v, key)) for k, v in kwargs.items())
+            logged = logged_call(func, args, kwargs, functools.partial(_source, self.sources))
         except _NotByValue as e:
             self.why_not = f"{_name(func)} takes {e}"
             return func(*args, **kwargs)
-        state = _STATE.get(func)
         checks = self.ops.checks
         first = len(checks)
         out = func(*args, **kwargs)
@@ -149,13 +148,30 @@ class CallLog(TorchFunctionMode):
             self.why_not = f"{_name(func)} reads its tensor on the host"
             return out
         index = len(self.calls)
-        self.calls.append(Call(_key(func), t_args, t_kwargs, (first, end), state and state()))
+        self.calls.append(logged._replace(ops=(first, end)))
         self.sources.made(out, index)
         return out
 
-    def _key(self, t: Tensor) -> Any:
-        key = self.sources.key(t)
-        return Leaf(key, leaf_layout(t)) if type(key) is str else key
+
+def logged_call(func: Any, args: tuple, kwargs: dict, source: Callable[[Tensor], Any]) -> Call:
+    """``func`` on ``args`` and ``kwargs`` as a check compares a later call of it (dispatching
+    no ops yet: ``ops`` is empty), each tensor by ``source``; raises ``_NotByValue``."""
+    t_args = _templates(args, source)
+    t_kwargs = tuple((k, _template(v, source)) for k, v in kwargs.items())
+    state = _STATE.get(func)
+    return Call(_key(func), t_args, t_kwargs, (0, 0), state and state())
+
+
+def _leaf_alias(made: Any, a: Any, key: Any) -> bool:
+    """Whether ``a``, which ``detach`` or ``.data`` made of a parameter or buffer (its source the
+    leaf's name, ``Sources.same``), is the logged ``Leaf`` ``key``: that leaf's, at its layout."""
+    return type(key) is Leaf and made == key.name and leaf_layout(a) == key.layout
+
+
+def _source(sources: Sources, t: Tensor) -> Any:
+    """Where ``t`` came from, a parameter or buffer with its layout (``Leaf``)."""
+    key = sources.key(t)
+    return Leaf(key, leaf_layout(t)) if type(key) is str else key
 
 
 class LoggedCalls(NamedTuple):
@@ -232,8 +248,9 @@ class CallCheck(TorchFunctionMode, Checking):
         if kwargs is None:
             kwargs = {}
         if self.off:
-            self.unchecked(args, kwargs)
-            return func(*args, **kwargs)
+            if self.paused:
+                return func(*args, **kwargs)
+            return self._logged(func, args, kwargs, _NOT_RUN)
         if func in _SAME_SOURCE:
             out = func(*args, **kwargs)
             self.sources.same(out, args[0])
@@ -253,22 +270,53 @@ class CallCheck(TorchFunctionMode, Checking):
         c = self.count
         why = self._departure(c, func, args, kwargs)
         if why is not None:
-            self.diverge(why)
-            self.unchecked(args, kwargs)
-        elif c in self.drawing:
+            self.diverge(why, c)
+            return self._logged(func, args, kwargs, ran)
+        if c in self.drawing:
             self.read_state(self.drawing[c])
         out = func(*args, **kwargs) if ran is _NOT_RUN else ran
-        if why is None:
-            if type(out) is Tensor:
-                self.made_by_id[id(out)] = (weakref.ref(out), c << OUTPUT_BITS, out.data_ptr())
+        if type(out) is Tensor:
+            self.made_by_id[id(out)] = (weakref.ref(out), c << OUTPUT_BITS, out.data_ptr())
+        else:
+            self.sources.made(out, c)
+        return out
+
+    def _logged(self, func: Any, args: tuple, kwargs: dict, ran: Any) -> Any:
+        """A call after the call departed (its first, the departing call): run, and logged as
+        a recorded call logs it, for the check of the backward's run of the forward
+        (``trail``); calls a check passes over are not. An argument not compared by value, or
+        dispatch state a check would see as hidden, leaves the run unchecked (``trail`` None)."""
+        if func in _SAME_SOURCE:
+            out = func(*args, **kwargs)
+            self.sources.same(out, args[0])
+            return out
+        if ran is _NOT_RUN and (type(func) is MethodWrapperType or func in _NO_OPS):
+            if func.__name__ != "__set__":
+                ran = func(*args, **kwargs)
+                if _metadata_read(func, ran):
+                    return ran
+        self.unchecked(args, kwargs)
+        trail = self.trail
+        if trail is not None and _hidden_state(self.default_dtype) is None:
+            source = functools.partial(_source, self.sources)
+            try:
+                logged = logged_call(func, args, kwargs, source)
+            except _NotByValue:
+                trail = self.trail = None
             else:
-                self.sources.made(out, c)
+                trail.append(logged)
+        else:
+            trail = self.trail = None
+        out = func(*args, **kwargs) if ran is _NOT_RUN else ran
+        if trail is not None:
+            assert self.matched is not None, "logged after a departure"
+            self.sources.made(out, self.matched + len(trail) - 1)
         return out
 
     def _departure(self, c: int, func: Any, args: tuple, kwargs: dict) -> str | None:
         """How call ``c`` departs from the log, if it does (counted either way)."""
         if c >= len(self.calls):
-            return f"call {c} is {_name(func)}, the tape has no more calls"
+            return f"call {c} is {_name(func)}, {self.theirs} has no more calls"
         call = self.calls[c]
         self.count = c + 1
         hidden = _hidden_state(self.default_dtype)
@@ -276,39 +324,39 @@ class CallCheck(TorchFunctionMode, Checking):
             return f"{hidden} at call {c} ({_name(func)})"
         key = _key(func)
         if call.func is not key and call.func != key:
-            return f"call {c} is {_name(func)}, the tape has {_name(call.func)}"
+            return f"call {c} is {_name(func)}, {self.theirs} has {_name(call.func)}"
         why = self._differs(call, args, kwargs)
         if why is None and call.state is not None and _STATE[func]() != call.state:
-            why = f"the global state it dispatches by is {_STATE[func]()}, the tape's {call.state}"
+            why = f"the global state it dispatches by is {_STATE[func]()}, {self.theirs}'s {call.state}"
         return None if why is None else f"call {c} ({_name(func)}): {why}"
 
     def _differs(self, call: Call, args: tuple, kwargs: dict) -> str | None:
         if len(args) != len(call.args) or len(kwargs) != len(call.kwargs):
-            return "other arguments than the tape's"
+            return f"other arguments than {self.theirs}'s"
         made, same = self.made_by_id, self._same
         for i, e in enumerate(call.args):  # ``_same``, its commonest cases inlined: runs per call
             a = args[i]
             if type(e) is From:
                 entry = made.get(id(a))
                 if entry is not None and entry[0]() is a and entry[2] == a.data_ptr():  # type: ignore[union-attr]  # narrowed by `is`
-                    if entry[1] == e.key:
+                    if entry[1] == e.key or _leaf_alias(entry[1], a, e.key):
                         continue
                 elif self._unmade(a, e.key):
                     continue
                 return f"argument {i} is {shown(a)} {self._other(a, e.key)}"
             if a is not e and not same(a, e):
-                return f"argument {i} is {shown(a)}, the tape's {shown(e)}"
+                return f"argument {i} is {shown(a)}, {self.theirs}'s {shown(e)}"
         for name, e in call.kwargs:
             a = kwargs.get(name, _MISSING)
             if not same(a, e):
-                return f"argument {name} is {shown(a)}, the tape's {shown(e)}"
+                return f"argument {name} is {shown(a)}, {self.theirs}'s {shown(e)}"
         return None
 
     def _from(self, a: Any, key: Any) -> bool:
         """``a`` is a tensor with source ``key``."""
         entry = self.made_by_id.get(id(a))
         if entry is not None and entry[0]() is a and entry[2] == a.data_ptr():  # type: ignore[union-attr]  # narrowed by `is`
-            return bool(entry[1] == key)
+            return bool(entry[1] == key) or _leaf_alias(entry[1], a, key)
         return self._unmade(a, key)
 
     def _unmade(self, a: Any, key: Any) -> bool:
@@ -322,8 +370,8 @@ class CallCheck(TorchFunctionMode, Checking):
     def _other(self, a: Any, key: Any) -> str:
         """How tensor ``a`` is not of source ``key``."""
         if type(key) is Leaf and self.sources.named(a, key.name):
-            return f"{key.name!r} with another layout, dtype or grad flag than the tape's"
-        return "made by other calls than the tape's"
+            return f"{key.name!r} with another layout, dtype or grad flag than {self.theirs}'s"
+        return f"made by other calls than {self.theirs}'s"
 
     def _same(self, a: Any, e: Any) -> bool:
         """``a`` is the logged argument ``e``: a tensor of its source, or a value of the same

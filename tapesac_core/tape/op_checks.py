@@ -17,7 +17,9 @@ tape had tensors, made by the same ops from the same sources. Where a tape's siz
 data (``data_sizes.py``) the integers in its ops' size arguments are gathered as they come and
 compared at the end of forward with those of the tape at the sizes the call bound. The first
 difference makes the call diverged (``steady.py``): its backward runs the forward again, as
-torch's checkpoint does, and nothing of the tape reaches it.
+torch's checkpoint does, and nothing of the tape reaches it; from the difference on, the mode
+logs each op as ``OpLog`` does (``trail``), and that run is checked against the tape's ops
+before it and the trail after (``rerun_checks.py``).
 
 Not compared, on either side: ops outside the block's dataflow (FSDP's and the profiler's,
 collectives on FSDP's buffers), ``detach``-like ops (autograd and the hooks dispatch them on
@@ -41,7 +43,7 @@ import torch
 
 from .._compat import DispatchModeWithoutDynamoGuard, raw_call
 from ..measure.memory import not_counted
-from ..tensors import Slot, flat_tensors
+from ..tensors import Slot, flat_tensors, slot
 from .ops import op_info
 
 Tensor = torch.Tensor
@@ -94,6 +96,9 @@ class Sources:
         self._leaves: dict[int, str] | None = None  # read at the first tensor not seen
         self._ptrs: dict[int, int] | None = None  # the leaves' storages, read at an alias
         self._externals: dict[int, int] = {}  # an external storage -> its order of first use
+        # Each external storage's first tensor as first read, with its version then: the one a
+        # run of the forward again must read (``rerun_checks.py``; a key tells only its layout).
+        self.outside: list[tuple[weakref.ref[Tensor], int]] = []
         # Each parameter and buffer as the forward first read it, by name: one the forward
         # replaces on its module later (``self.scale = self.scale * 0.5``) is this one for
         # backward (``Block.note_leaves``).
@@ -172,7 +177,13 @@ class Sources:
         # backward only through what the call holds (``steady.py``), so its layout and which
         # storage it shares with other externals decide (holds may take one from another's).
         storages = self._externals
-        return ("external", storages.setdefault(ptr, len(storages)) if ptr else -1, layout)
+        if not ptr:
+            return ("external", -1, layout)
+        order = storages.get(ptr)
+        if order is None:
+            order = storages[ptr] = len(storages)
+            self.outside.append((weakref.ref(t), t._version))
+        return ("external", order, layout)
 
     def _leaf_ptrs(self) -> dict[int, int]:
         if self._ptrs is None:
@@ -222,6 +233,24 @@ class OpLog:
 
     def kinds(self) -> OpKinds:
         return OpKinds(frozenset(self.passed), frozenset(self.same_ops))
+
+
+def logged_check(func: Any, args: tuple, kwargs: dict, sources: Sources) -> Check:
+    """``func`` on ``args`` and ``kwargs`` as a check compares a later call of it: its
+    arguments with each tensor a ``Slot``, and where each tensor came from."""
+    e_args, e_kwargs = _slotted(args), {k: _slotted(v) for k, v in kwargs.items()}
+    compare = _Compare(None)
+    compare.all_same(args, kwargs, e_args, e_kwargs)
+    key = sources.key
+    return Check(func, -1, e_args, e_kwargs, tuple(key(t) for t in compare.tensors))
+
+
+def _slotted(x: Any) -> Any:
+    if isinstance(x, Tensor):
+        return slot(0)  # a check compares where a tensor came from, not its position
+    if type(x) is list or type(x) is tuple:
+        return type(x)(_slotted(y) for y in x)
+    return x
 
 
 _NONE: tuple[frozenset[int], frozenset[str]] = (frozenset(), frozenset())
@@ -326,24 +355,27 @@ class _Compare:
     """One op's arguments against its tape's: tensors in slot order into ``tensors``, size
     arguments (where gathered) into ``sizes``; False at the first difference."""
 
-    __slots__ = ("sized", "sizes", "tensors")
+    __slots__ = ("sized", "sizes", "tensors", "theirs")
 
     def __init__(
-        self, sizes: list[Any] | None, sized: tuple[frozenset[int], frozenset[str]] = _NONE
+        self,
+        sizes: list[Any] | None,
+        sized: tuple[frozenset[int], frozenset[str]] = _NONE,
+        theirs: str = "the tape",
     ) -> None:
         self.tensors: list[Tensor] = []
-        self.sizes, self.sized = sizes, sized
+        self.sizes, self.sized, self.theirs = sizes, sized, theirs
 
     def all_same(self, args: tuple, kwargs: dict, e_args: Any, e_kwargs: Any) -> str | None:
         """How the call's arguments differ from the tape's, if they do."""
         positions, names = self.sized
         for i, (a, e) in enumerate(zip(args, e_args)):
             if not (self.sized_same(a, e) if i in positions else self.same(a, e)):
-                return f"argument {i} is {shown(a)}, the tape's {shown(e)}"
+                return f"argument {i} is {shown(a)}, {self.theirs}'s {shown(e)}"
         for name, e in e_kwargs.items():
             a = kwargs[name]
             if not (self.sized_same(a, e) if name in names else self.same(a, e)):
-                return f"argument {name} is {shown(a)}, the tape's {shown(e)}"
+                return f"argument {name} is {shown(a)}, {self.theirs}'s {shown(e)}"
         return None
 
     def same(self, a: Any, e: Any) -> bool:
@@ -376,6 +408,7 @@ class Checking:
     diverged: str | None
     off: bool
     paused = False  # by a hook (``pause``)
+    theirs = "the tape"  # what the call is checked against, as its messages name it
     nodes: Sequence[Any]
     states: dict[int, Tensor]
     sources: Sources
@@ -386,9 +419,18 @@ class Checking:
         not_counted(state)  # bookkeeping, not the step's memory (``draws_bytes`` counts it)
         self.states[node] = state
 
-    def diverge(self, why: str) -> None:
-        """The call departed from its tape: said once, and nothing more is compared."""
+    # After a departure: how many of the tape's entries the call ran before it (``matched``),
+    # and what it ran from there, logged as the tape's are (``trail``; None where an argument
+    # cannot be logged). Its backward's run of the forward is checked against both
+    # (``rerun_checks.py``).
+    matched: int | None = None
+    trail: list[Any] | None = None
+
+    def diverge(self, why: str, at: int) -> None:
+        """The call departed from its tape at entry ``at``: said once, and nothing more is
+        compared; what it runs from there is logged (``trail``)."""
         self.diverged, self.off = why, True
+        self.matched, self.trail = at, []
 
     def pause(self) -> None:
         """What a hook dispatches to hold what it saw is not the forward's."""
@@ -460,8 +502,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         if kwargs is None:
             kwargs = {}
         if self.off:
-            self.unchecked(args, kwargs)
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if self.paused else self._logged(func, args, kwargs)
         c = self.count
         checks = self.checks
         if c < len(checks) and checks[c].op is func:
@@ -474,8 +515,8 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
                     del self.sizes[gathered:]
                     if self.switch is not None and self.switch(c):
                         return self.__torch_dispatch__(func, types, args, kwargs)
-                    self.diverge(f"op {c} ({func}): {why}")
-                    self.unchecked(args, kwargs)
+                    self.diverge(f"op {c} ({func}): {why}", c)
+                    return self._logged(func, args, kwargs)
             if c in self.drawing:
                 self.read_state(self.drawing[c])
             out = raw_call(func)(*args, **kwargs)  # a Python frame per op spared
@@ -537,13 +578,32 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         c = self.count
         if departs and self.switch is not None and self.switch(c):
             return self.__torch_dispatch__(func, types, args, kwargs)
+        if departs:
+            expected = str(self.checks[c].op) if c < len(self.checks) else "no more ops"
+            self.diverge(f"op {c} is {func}, {self.theirs} has {expected}", c)
+            return self._logged(func, args, kwargs)
         out = func(*args, **kwargs)
         if info.identity:
             self.sources.same(out, args[0] if args else None)
-        elif departs:
-            expected = str(self.checks[c].op) if c < len(self.checks) else "no more ops"
-            self.diverge(f"op {c} is {func}, the tape has {expected}")
-            self.unchecked(args, kwargs)
+        return out
+
+    def _logged(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op after the call departed (its first, the departing op): run, and logged as a
+        recorded call logs it, for the check of the backward's run of the forward (``trail``);
+        ops a check passes over (``_unexpected``) are not."""
+        info = op_info(func)
+        if info.unrecorded or info.collective:
+            return func(*args, **kwargs)
+        if info.identity or id(func) in self.kinds.same:
+            out = func(*args, **kwargs)
+            self.sources.same(out, args[0] if args else None)
+            return out
+        self.unchecked(args, kwargs)
+        trail = self.trail
+        assert trail is not None and self.matched is not None, "logged after a departure"
+        trail.append(logged_check(func, args, kwargs, self.sources))
+        out = raw_call(func)(*args, **kwargs)
+        self.sources.made(out, self.matched + len(trail) - 1)
         return out
 
     def _differs(self, check: Check, args: tuple, kwargs: dict) -> str | None:
@@ -553,18 +613,18 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         else:
             e_args, e_kwargs = check.args, check.kwargs
         if len(args) != len(e_args) or kwargs.keys() != e_kwargs.keys():
-            return "other arguments than the tape's"
+            return f"other arguments than {self.theirs}'s"
         sized = _NONE
         if self.size_arguments is not None and check.node >= 0:
             sized = self.size_arguments(check.op)
-        compare = _Compare(self.sizes, sized)
+        compare = _Compare(self.sizes, sized, self.theirs)
         why = compare.all_same(args, kwargs, e_args, e_kwargs)
         if why is not None:
             return why
         key = self.sources.key
         got = tuple(key(t) for t in compare.tensors)
         if got != check.sources:
-            return "a tensor argument made by other ops than the tape's"
+            return f"a tensor argument made by other ops than {self.theirs}'s"
         return None
 
 

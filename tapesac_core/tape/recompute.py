@@ -12,6 +12,10 @@ import torch
 
 from .._compat import dispatch_disabled, torch_function_disabled, tree_leaves, tree_map_only
 from ..errors import LEAF_FIX, TapeSACError, written_after_forward
+from .call_checks import CallCheck
+from .op_checks import SteadyCheck
+from .rerun_checks import RerunCheck
+from .signature import call_arguments
 from .steady import Layout
 
 if TYPE_CHECKING:
@@ -35,11 +39,16 @@ class Recompute:
         layouts: list[Layout],
         running: Callable[[Any], AbstractContextManager[Any]],
         leaves: list[Leaf],
+        checked: RerunCheck | None,
         recorded: Callable[..., None] | None = None,
     ) -> None:
         self.name, self.fn, self.args, self.kwargs = name, fn, args, kwargs
         self.rng, self.autocast, self.layouts, self.running = rng, autocast, layouts, running
         self.leaves = leaves  # the module's parameters and buffers as the forward used them
+        # What the forward ran, which the run checks against (``rerun_checks.py``), and the
+        # mode checking the run now (paused at its packs).
+        self.checked = checked
+        self._check: SteadyCheck | CallCheck | None = None
         # Where the forward run again is recorded too (``running._learned_again``): called as
         # ``recorded(fn, args, kwargs, self)``, it runs the forward under ``pack`` and
         # ``never_unpacked`` with ``recorder_pack`` set to its recorder's pack.
@@ -73,9 +82,12 @@ class Recompute:
                 raise written_after_forward(
                     self.name, what, leaf.version, leaf.tensor._version, LEAF_FIX
                 )
-        args, kwargs = tree_map_only(
-            Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (self.args, self.kwargs)
-        )
+        args, kwargs = _detached_inputs(self.args, self.kwargs)
+        check = None
+        if self.checked is not None and block.module is not None:
+            check = self.checked.mode(call_arguments(args, kwargs).tensors, block.module)
+        fn = self.fn if check is None else _under(check, self.fn)
+        self._check = check
         current = [(g, g.get_state()) for g, _ in self.rng]
         for g, state in self.rng:
             g.set_state(state)
@@ -89,15 +101,30 @@ class Recompute:
                 stack.enter_context(self.running(block))
                 stack.enter_context(forward_leaves(self.leaves))
                 if self.recorded is not None:
-                    self.recorded(self.fn, args, kwargs, self)
+                    self.recorded(fn, args, kwargs, self)
                 else:
                     stack.enter_context(
                         torch.autograd.graph.saved_tensors_hooks(self.pack, never_unpacked)
                     )
-                    self.fn(*args, **kwargs)
+                    fn(*args, **kwargs)
         finally:
+            self._check = None
             for g, state in current:
                 g.set_state(state)
+        if check is not None:
+            assert self.checked is not None, "a run is checked against its forward"
+            why = self.checked.verdict(check)
+            if why is not None:
+                self._packing = []
+                raise TapeSACError(
+                    f"block {self.name!r}: its forward ran differently when run again in "
+                    f"backward than in forward ({why}), so backward would read other saved "
+                    "tensors than the forward's and give wrong gradients. A diverged call's "
+                    "backward runs the forward again, as torch.utils.checkpoint does. Fix: do not "
+                    "change inside the forward what it reads (a counter it increments, Python's "
+                    "random): update such state in the training loop, between steps; or leave "
+                    "this module out of checkpointing"
+                )
         packed, self._packing = self._packing, []
         layouts = [(t.shape, t.dtype) for t in packed]
         if layouts != self.layouts:
@@ -115,13 +142,46 @@ class Recompute:
         return packed
 
     def pack(self, t: Tensor) -> int:
-        if self.recorder_pack is not None:
-            self.recorder_pack(t)
-            with dispatch_disabled(), torch_function_disabled():  # not the forward's ops
+        check = self._check
+        if check is not None:
+            check.pause()
+        try:
+            if self.recorder_pack is not None:
+                self.recorder_pack(t)
+                with dispatch_disabled(), torch_function_disabled():  # not the forward's ops
+                    self._packing.append(t.detach())
+            else:
                 self._packing.append(t.detach())
-        else:
-            self._packing.append(t.detach())
+        finally:
+            if check is not None:
+                check.resume()
         return len(self._packing) - 1
+
+
+def _detached_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The forward's arguments, each tensor detached once: a tensor passed twice is one tensor
+    again (``attention(x, x, x)`` takes another path for a key that is not its query)."""
+    made: dict[int, Tensor] = {}
+
+    def detached(t: Tensor) -> Tensor:
+        d = made.get(id(t))
+        if d is None:
+            d = made[id(t)] = t.detach().requires_grad_(t.requires_grad)
+        return d
+
+    out: tuple[tuple, dict] = tree_map_only(Tensor, detached, (args, kwargs))
+    return out
+
+
+def _under(check: SteadyCheck | CallCheck, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under ``check``: entered around the forward alone, above any mode recording
+    it (``running._learned_again``), whose own ops it must not see."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with check:
+            return fn(*args, **kwargs)
+
+    return run
 
 
 class Leaf(NamedTuple):
