@@ -40,6 +40,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -156,23 +157,32 @@ class DataTemplate:
         self.entry = replace(self.base, template=self)  # what a steady-state call starts from
         positions = object_positions(self.base)
         source_at = {p: symbol for symbol, p in enumerate(self.sources)}
-        # Per pack: its integers (shape, strides, offset) as recorded first; None where they are
-        # the same in every call, else each as that constant or its symbol's ``Affine``; and
-        # the symbols it binds, by index among its integers.
+        # Per pack: its integers (shape, strides, offset) as recorded first, and how a call
+        # checks them (None: the same in every call).
         self.pack_ints: list[tuple[int, ...]] = []
-        self.pack_specs: list[tuple[int | Affine, ...] | None] = []
-        self.pack_binds: list[tuple[tuple[int, int], ...]] = []
+        self.pack_specs: list[PackSpec | None] = []
         for own in pack_positions(positions):
-            self.pack_ints.append(tuple(self._integers[p] for p in own))
-            varying = [self.sizes[p] is not None for p in own]
-            if not any(varying):
+            ints = tuple(self._integers[p] for p in own)
+            self.pack_ints.append(ints)
+            if all(self.sizes[p] is None for p in own):
                 self.pack_specs.append(None)
-                self.pack_binds.append(())
                 continue
-            spec = self.sizes
-            self.pack_specs.append(tuple(spec[p] or self._integers[p] for p in own))
-            self.pack_binds.append(
-                tuple((i, source_at[p]) for i, p in enumerate(own) if p in source_at)
+            fixed = [i for i, p in enumerate(own) if self.sizes[p] is None]
+            self.pack_specs.append(
+                PackSpec(
+                    length=len(own),
+                    binds=tuple((i, source_at[p]) for i, p in enumerate(own) if p in source_at),
+                    fixed=itemgetter(*fixed) if fixed else None,
+                    # What the getter returns: one position's integer, or a tuple of several.
+                    fixed_values=ints[fixed[0]]
+                    if len(fixed) == 1
+                    else tuple(ints[i] for i in fixed),
+                    curves=tuple(
+                        (i, a)
+                        for i, p in enumerate(own)
+                        if (a := self.sizes[p]) is not None and p not in source_at
+                    ),
+                )
             )
         self.rational = tuple({a for a in self.sizes if a is not None and a.d > 1})
         # The ops' size arguments come first among the size integers: what a call's checks
@@ -201,6 +211,18 @@ class DataTemplate:
         return all(
             (b if s is None else s.at(x)) == n for n, b, s in zip(ints, self._integers, self.sizes)
         )
+
+
+class PackSpec(NamedTuple):
+    """A pack's integers (shape, strides, offset) where some follow the data, as a call checks
+    them per pack: those it binds symbols from, those the same in every call (read with one
+    ``itemgetter``), and those other symbols' curves give."""
+
+    length: int
+    binds: tuple[tuple[int, int], ...]  # (position, symbol)
+    fixed: Any  # an ``itemgetter`` of the positions the same in every call, or None
+    fixed_values: Any
+    curves: tuple[tuple[int, Affine], ...]
 
 
 def pack_positions(positions: list[list[tuple[int, int]]]) -> list[list[int]]:
@@ -394,18 +416,22 @@ class DataBinding:
         """Whether pack ``k``'s integers ``got`` (binding the symbols they carry) and ``dtype``
         are the template's."""
         template = self.template
+        if dtype is not template.base.packs[k][1]:
+            return False
         spec = template.pack_specs[k]
         if spec is None:
-            fits = got == template.pack_ints[k]
-        else:
-            x = self.x
-            for i, symbol in template.pack_binds[k]:
-                x[symbol] = got[i]
-            fits = len(got) == len(spec) and all(
-                s == g if type(s) is int else s.at(x) == g  # type: ignore[union-attr]
-                for s, g in zip(spec, got)
-            )
-        return fits and dtype is template.base.packs[k][1]
+            return got == template.pack_ints[k]
+        if len(got) != spec.length:
+            return False
+        if spec.fixed is not None and spec.fixed(got) != spec.fixed_values:
+            return False
+        x = self.x
+        for i, symbol in spec.binds:
+            x[symbol] = got[i]
+        for i, a in spec.curves:
+            if a.at(x) != got[i]:
+                return False
+        return True
 
     def rebound(self, template: DataTemplate) -> DataBinding | None:
         """This call's packs so far bound into ``template`` instead, if they fit it (a switch

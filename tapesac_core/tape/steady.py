@@ -505,14 +505,17 @@ class SteadyForward:
 
     def _hold(self, t: Tensor, holds: Holds) -> None:
         held, values = self.block.held, self.entry.tape.values
-        storage = t.untyped_storage().clone() if holds.copy else t.untyped_storage()
-        for vid, layout in holds.values:
-            if layout is not None:
-                held[vid] = view_on(storage, layout)
-            else:
-                held[vid] = on_storage(t, storage) if holds.copy else detached(t)
-            if not holds.copy and values[vid].kind == EXTERNAL:
-                self.outside[vid] = t
+        # Bookkeeping, not the forward's: unseen by every mode (the call's checking mode, a
+        # user's), whose Python dispatch costs several times the views' own making.
+        with dispatch_disabled(), torch_function_disabled():
+            storage = t.untyped_storage().clone() if holds.copy else t.untyped_storage()
+            for vid, layout in holds.values:
+                if layout is not None:
+                    held[vid] = view_on(storage, layout)
+                else:
+                    held[vid] = on_storage(t, storage) if holds.copy else t.detach()
+                if not holds.copy and values[vid].kind == EXTERNAL:
+                    self.outside[vid] = t
 
     def _over_budget(self, binding: DataBinding) -> str | None:
         """Where the values the plan keeps take more bytes at this call's sizes than the plan
