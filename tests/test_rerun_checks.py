@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from support import assert_bitwise, step
+from support import assert_bitwise, hf_model, step
 
 import tapesac_core
 from tapesac_core.errors import TapeSACError
@@ -253,3 +253,62 @@ def test_the_forward_run_again_must_read_the_forwards_outside_tensors(counted: b
         block.mask = torch.randn(D)
     with pytest.raises(TapeSACError, match="read other tensors from outside the block"):
         loss.backward()
+
+
+SHIFT = torch.ones(D)
+
+
+class Shifted(torch.nn.Module):
+    """Scales by a tensor from outside the block, which autograd saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(D, D)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * self.scale
+        return torch.tanh(h * SHIFT) * h
+
+
+def test_the_forward_run_again_must_read_outside_tensors_unwritten() -> None:
+    """The loop writes the tensor between a diverged call's forward and its backward: run
+    again, the forward would read the written values."""
+    torch.manual_seed(0)
+    block = tapesac_core.checkpoint_module(Shifted())
+    x = torch.randn(4, D, requires_grad=True)
+    block(x).sum().backward()
+    block.scale = 2.0
+    loss = block(x).sum()
+    SHIFT.add_(1.0)
+    with pytest.raises(TapeSACError, match=r"was written since the forward read it \(version"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
+def test_hugging_face_layers_run_without_their_cache_in_training(family: str) -> None:
+    """A Hugging Face model at its default ``use_cache=True``: the layers' cache is left out of
+    checkpointed training calls (GPT-2 takes it by position, Qwen3 by keyword), as Hugging
+    Face's checkpointing leaves it out, so that a call that departs from its tape (dropout's
+    ``p`` changed) runs again without appending its keys twice. Every step bitwise."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    model, layer = hf_model(family, 0.1)
+    assert model.config.use_cache
+    reference = copy.deepcopy(model)
+    tapesac_core.checkpoint_modules(model, {layer})
+    diverged = 0
+    for i, p in enumerate((0.1, 0.1, 0.2, 0.2, 0.0)):
+        for m in (reference, model):
+            for module in m.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = p
+                if isinstance(module, Qwen3Attention):
+                    module.attention_dropout = p
+        ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(i))
+        ref = step(reference, lambda: reference(input_ids=ids, labels=ids).loss, seed=i)
+        with tapesac_core.trace() as blocks, pytest.warns(UserWarning, match="cache is off"):
+            got = step(model, lambda: model(input_ids=ids, labels=ids).loss, seed=i)
+        assert_bitwise(ref, got)
+        diverged += sum(b.diverged is not None for b in blocks)
+    assert diverged >= 2, "no call departed: the test checks nothing"

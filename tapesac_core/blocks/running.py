@@ -56,6 +56,7 @@ from ..tape.tape import Tape
 from ..tape.verify import HiddenWrites
 from ..tensors import tensor_leaves
 from .block_settings import block_config
+from .hf_cache import without_hf_cache
 from .plan_scope import PLAN
 from .refusals import (
     hf_layer_forward,
@@ -110,6 +111,8 @@ def run_block(
             f"block {name!r} ran during a backward pass (reentrant checkpointing, e.g. "
             "torch.utils.checkpoint(use_reentrant=True) around it). Fix: remove the outer checkpoint"
         )
+    if module is not None:
+        args, kwargs = without_hf_cache(module, args, kwargs)
     if module is not None and not hf_layer:
         refuse_hf_checkpointing(module, name)
     refuse_outer_torch_checkpoint(name)

@@ -118,12 +118,14 @@ class Recompute:
                 self._packing = []
                 raise TapeSACError(
                     f"block {self.name!r}: its forward ran differently when run again in "
-                    f"backward than in forward ({why}), so backward would read other saved "
-                    "tensors than the forward's and give wrong gradients. A diverged call's "
-                    "backward runs the forward again, as torch.utils.checkpoint does. Fix: do not "
-                    "change inside the forward what it reads (a counter it increments, Python's "
-                    "random): update such state in the training loop, between steps; or leave "
-                    "this module out of checkpointing"
+                    f"backward than in forward ({why}). A call that departed from its tape runs "
+                    "its forward again in backward, as torch.utils.checkpoint does: backward "
+                    "would read what that run saved, not what the forward saved (wrong "
+                    "gradients), and the run repeats what the forward changed. Fix: do not "
+                    "change inside the forward what it reads or keeps outside it (a counter it "
+                    "increments, Python's random, a statistic it accumulates): update such "
+                    "state in the training loop, between steps; or leave this module out of "
+                    "checkpointing"
                 )
         packed, self._packing = self._packing, []
         layouts = [(t.shape, t.dtype) for t in packed]

@@ -82,13 +82,21 @@ class RerunCheck:
             return "its ops' size arguments are not the forward's"
         read = mode.sources.outside
         if len(read) != len(self.outside) or any(
-            ref() is not then() or version != was
-            for (ref, was), (then, version) in zip(self.outside, read)
+            ref() is not then() for (ref, _), (then, _) in zip(self.outside, read)
         ):
             return (
                 "it read other tensors from outside the block (not its inputs, parameters or "
-                "buffers) than the forward, or tensors written since"
+                "buffers) than the forward"
             )
+        for i, ((_, was), (_, version)) in enumerate(zip(self.outside, read)):
+            if version != was:
+                t = read[i][0]()
+                shown = "" if t is None else f" {tuple(t.shape)} {t.dtype}"
+                return (
+                    f"a tensor{shown} it reads from outside the block was written since the "
+                    f"forward read it (version {was}, now {version}), by the forward itself or "
+                    "by code before backward"
+                )
         return None
 
 

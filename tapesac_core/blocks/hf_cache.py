@@ -1,0 +1,54 @@
+"""Hugging Face's key-value cache in training: left out of a checkpointed block's call, as
+Hugging Face's own gradient checkpointing leaves it out.
+
+Why. A Hugging Face model at its default ``use_cache=True`` makes a cache every forward, and
+each layer appends its keys and values to it. A block's forward run again in backward (a call
+that departed from its tape, ``tape/recompute.py``, or torch's checkpoint) would append them a
+second time and attend over both; the check of that run (``tape/rerun_checks.py``) refuses it.
+``GradientCheckpointingLayer`` turns the cache off in training for that reason
+(``use_cache=False``, its cache argument None unless the layer only reads it, flagged by
+``_can_checkpoint_with_cache``); TapeSAC, which takes the place of that checkpointing, does the
+same, with one warning. Nothing a training step computes reads the cache; calls without
+gradients (evaluation, generation) keep it.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+
+def without_hf_cache(
+    module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]]:
+    """``args`` and ``kwargs`` of a training call of ``module``, its Hugging Face cache left out
+    (a layer takes it by keyword or, as GPT-2's, by position)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None or not module.training:
+        return args, kwargs  # no Hugging Face cache exists without transformers imported
+    changed: dict[str, Any] = {}
+    if kwargs.get("use_cache") is True:
+        changed["use_cache"] = False
+    # A class attribute of ``GradientCheckpointingLayer`` since transformers 5; older layers
+    # all write their cache.
+    writes = not getattr(type(module), "_can_checkpoint_with_cache", False)
+    cache = cache_utils.Cache
+    if writes:
+        changed.update((name, None) for name, v in kwargs.items() if isinstance(v, cache))
+    positions = [i for i, a in enumerate(args) if isinstance(a, cache)] if writes else []
+    if not changed and not positions:
+        return args, kwargs
+    # A warning, not a log line: Python's default filter shows it once per run.
+    warnings.warn(
+        "TapeSAC: Hugging Face's key-value cache is off in checkpointed layers in training, as "
+        "with Hugging Face's gradient checkpointing: a layer's forward run again in backward "
+        "would append its keys and values a second time. Set use_cache=False in the model's "
+        "config to silence this",
+        UserWarning,
+        stacklevel=3,
+    )
+    args = tuple(None if i in positions else a for i, a in enumerate(args))
+    return args, {**kwargs, **changed}
