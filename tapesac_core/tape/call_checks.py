@@ -111,6 +111,7 @@ class CallLog(TorchFunctionMode):
     def __init__(self, inputs: Sequence[Tensor], module: torch.nn.Module, ops: Any) -> None:
         super().__init__()
         self.sources = Sources(inputs, module)
+        self._source = functools.partial(_source, self.sources)
         self.calls: list[Call] = []
         self.ops = ops
         self.why_not: str | None = None  # why the log cannot check a steady-state call
@@ -132,10 +133,11 @@ class CallLog(TorchFunctionMode):
             self.sources.same(out, args[0])
             return out
         try:
-            logged = logged_call(func, args, kwargs, functools.partial(_source, self.sources))
+            t_args, t_kwargs = _arguments(args, kwargs, self._source)
         except _NotByValue as e:
             self.why_not = f"{_name(func)} takes {e}"
             return func(*args, **kwargs)
+        state = _STATE.get(func)
         checks = self.ops.checks
         first = len(checks)
         out = func(*args, **kwargs)
@@ -148,18 +150,17 @@ class CallLog(TorchFunctionMode):
             self.why_not = f"{_name(func)} reads its tensor on the host"
             return out
         index = len(self.calls)
-        self.calls.append(logged._replace(ops=(first, end)))
+        self.calls.append(Call(_key(func), t_args, t_kwargs, (first, end), state and state()))
         self.sources.made(out, index)
         return out
 
 
-def logged_call(func: Any, args: tuple, kwargs: dict, source: Callable[[Tensor], Any]) -> Call:
-    """``func`` on ``args`` and ``kwargs`` as a check compares a later call of it (dispatching
-    no ops yet: ``ops`` is empty), each tensor by ``source``; raises ``_NotByValue``."""
-    t_args = _templates(args, source)
-    t_kwargs = tuple((k, _template(v, source)) for k, v in kwargs.items())
-    state = _STATE.get(func)
-    return Call(_key(func), t_args, t_kwargs, (0, 0), state and state())
+def _arguments(
+    args: tuple, kwargs: dict, source: Callable[[Tensor], Any]
+) -> tuple[tuple, tuple[tuple[str, Any], ...]]:
+    """A call's arguments as a check compares a later call's, each tensor by ``source``;
+    raises ``_NotByValue``."""
+    return _templates(args, source), tuple((k, _template(v, source)) for k, v in kwargs.items())
 
 
 def _leaf_alias(made: Any, a: Any, key: Any) -> bool:
@@ -226,6 +227,7 @@ class CallCheck(TorchFunctionMode, Checking):
         super().__init__()
         self.calls, self.drawing, self.nodes = logged.calls, logged.drawing, nodes
         self.sources = Sources(inputs, module)
+        self._source = functools.partial(_source, self.sources)
         self.made_by_id = self.sources.made_by_id
         self.states: dict[int, Tensor] = {}  # node index -> its generator's state before it
         self.count = 0
@@ -298,13 +300,13 @@ class CallCheck(TorchFunctionMode, Checking):
         self.unchecked(args, kwargs)
         trail = self.trail
         if trail is not None and _hidden_state(self.default_dtype) is None:
-            source = functools.partial(_source, self.sources)
             try:
-                logged = logged_call(func, args, kwargs, source)
+                t_args, t_kwargs = _arguments(args, kwargs, self._source)
             except _NotByValue:
                 trail = self.trail = None
             else:
-                trail.append(logged)
+                state = _STATE.get(func)
+                trail.append(Call(_key(func), t_args, t_kwargs, (0, 0), state and state()))
         else:
             trail = self.trail = None
         out = func(*args, **kwargs) if ran is _NOT_RUN else ran

@@ -590,7 +590,8 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
     def _logged(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """An op after the call departed (its first, the departing op): run, and logged as a
         recorded call logs it, for the check of the backward's run of the forward (``trail``);
-        ops a check passes over (``_unexpected``) are not."""
+        ops any check lets pass wherever they come (``_unexpected``: identity, unrecorded and
+        collective ops) are not."""
         info = op_info(func)
         if info.unrecorded or info.collective:
             return func(*args, **kwargs)
