@@ -312,3 +312,23 @@ def test_hugging_face_layers_run_without_their_cache_in_training(family: str) ->
         assert_bitwise(ref, got)
         diverged += sum(b.diverged is not None for b in blocks)
     assert diverged >= 2, "no call departed: the test checks nothing"
+
+
+def test_a_hugging_face_cache_that_holds_keys_is_kept() -> None:
+    """A cache the user filled (a prefix, as prefix tuning passes) is read by the layers: kept,
+    where an empty one is left out of a training call."""
+    from transformers import DynamicCache
+
+    from tapesac_core.blocks.hf_cache import without_hf_cache
+
+    layer = torch.nn.Linear(D, D)
+    prefix = DynamicCache()
+    prefix.update(torch.randn(1, 2, 3, D), torch.randn(1, 2, 3, D), 0)
+    empty = DynamicCache()
+    args, kwargs = without_hf_cache(layer, (prefix,), {"cache": prefix, "use_cache": True})
+    assert args == (prefix,) and kwargs == {"cache": prefix, "use_cache": True}
+    with pytest.warns(UserWarning, match="cache is off"):
+        args, kwargs = without_hf_cache(layer, (empty,), {"cache": empty, "use_cache": True})
+    assert args == (None,) and kwargs == {"cache": None, "use_cache": False}
+    layer.eval()
+    assert without_hf_cache(layer, (empty,), {}) == ((empty,), {})

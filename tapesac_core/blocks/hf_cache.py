@@ -8,8 +8,9 @@ second time and attend over both; the check of that run (``tape/rerun_checks.py`
 ``GradientCheckpointingLayer`` turns the cache off in training for that reason
 (``use_cache=False``, its cache argument None unless the layer only reads it, flagged by
 ``_can_checkpoint_with_cache``); TapeSAC, which takes the place of that checkpointing, does the
-same, with one warning. Nothing a training step computes reads the cache; calls without
-gradients (evaluation, generation) keep it.
+same, with one warning, for a cache that holds nothing yet: nothing a training step computes
+reads it. A cache that already holds keys (a prefix the user passed, as prefix tuning does) is
+kept: its layers read it. Calls without gradients (evaluation, generation) keep theirs.
 """
 
 from __future__ import annotations
@@ -25,22 +26,25 @@ def without_hf_cache(
     module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
 ) -> tuple[tuple, dict[str, Any]]:
     """``args`` and ``kwargs`` of a training call of ``module``, its Hugging Face cache left out
-    (a layer takes it by keyword or, as GPT-2's, by position)."""
+    where it holds nothing yet (a layer takes it by keyword or, as GPT-2's, by position)."""
     cache_utils = sys.modules.get("transformers.cache_utils")
     if cache_utils is None or not module.training:
         return args, kwargs  # no Hugging Face cache exists without transformers imported
-    changed: dict[str, Any] = {}
-    if kwargs.get("use_cache") is True:
-        changed["use_cache"] = False
     # A class attribute of ``GradientCheckpointingLayer`` since transformers 5; older layers
     # all write their cache.
-    writes = not getattr(type(module), "_can_checkpoint_with_cache", False)
+    if getattr(type(module), "_can_checkpoint_with_cache", False):
+        return args, kwargs
     cache = cache_utils.Cache
-    if writes:
-        changed.update((name, None) for name, v in kwargs.items() if isinstance(v, cache))
-    positions = [i for i, a in enumerate(args) if isinstance(a, cache)] if writes else []
+
+    def unfilled(x: Any) -> bool:
+        return isinstance(x, cache) and x.get_seq_length() == 0
+
+    changed: dict[str, Any] = {name: None for name, v in kwargs.items() if unfilled(v)}
+    positions = [i for i, a in enumerate(args) if unfilled(a)]
     if not changed and not positions:
         return args, kwargs
+    if kwargs.get("use_cache") is True:
+        changed["use_cache"] = False
     # A warning, not a log line: Python's default filter shows it once per run.
     warnings.warn(
         "TapeSAC: Hugging Face's key-value cache is off in checkpointed layers in training, as "
