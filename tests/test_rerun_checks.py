@@ -332,3 +332,17 @@ def test_a_hugging_face_cache_that_holds_keys_is_kept() -> None:
     assert args == (None,) and kwargs == {"cache": None, "use_cache": False}
     layer.eval()
     assert without_hf_cache(layer, (empty,), {}) == ((empty,), {})
+
+
+def test_a_hugging_face_cache_passed_to_the_next_training_call_is_refused() -> None:
+    """The cache a training call returns stays empty (its layers left it out): passed to the
+    next training call (segment recurrence), it would give no context, silently; it is a
+    ``TapeSACError`` naming the fix."""
+    model, layer = hf_model("llama", 0.0)
+    tapesac_core.checkpoint_modules(model, {layer})
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="cache is off"):
+        first = model(input_ids=ids[:, :8], labels=ids[:, :8], use_cache=True)
+    assert first.past_key_values.get_seq_length() == 0
+    with pytest.raises(TapeSACError, match="do not pass caches between training calls"):
+        model(input_ids=ids[:, 8:], labels=ids[:, 8:], past_key_values=first.past_key_values)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,6 +21,11 @@ class BlockConfig:
     path: str | None = None
     hidden_writes: HiddenWrites = field(default_factory=HiddenWrites, compare=False, repr=False)
     deterministic_ops: frozenset[str] = frozenset()  # custom ops declared not to draw numbers
+    # The Hugging Face caches its training calls were given and left out of (``hf_cache.py``):
+    # one given again came back from an earlier call, emptied.
+    emptied_caches: weakref.WeakSet[Any] = field(
+        default_factory=weakref.WeakSet, compare=False, repr=False
+    )
 
 
 def block_config(module: torch.nn.Module) -> BlockConfig | None:

@@ -11,6 +11,12 @@ second time and attend over both; the check of that run (``tape/rerun_checks.py`
 same, with one warning, for a cache that holds nothing yet: nothing a training step computes
 reads it. A cache that already holds keys (a prefix the user passed, as prefix tuning does) is
 kept: its layers read it. Calls without gradients (evaluation, generation) keep theirs.
+
+The cache a training call returns therefore stays empty, as with Hugging Face's checkpointing. A
+caller that passes it to its next training call (segment recurrence) would get no context from
+it, silently: a cache given again to a layer that left it out is a ``TapeSACError``. (Recording
+such calls, with no run in backward, would keep the cache, but would take steady state from
+every model at its default ``use_cache=True``.)
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ import warnings
 from typing import Any
 
 import torch
+
+from ..errors import TapeSACError
+from .block_settings import block_config
 
 
 def without_hf_cache(
@@ -43,14 +52,27 @@ def without_hf_cache(
     positions = [i for i, a in enumerate(args) if unfilled(a)]
     if not changed and not positions:
         return args, kwargs
+    config = block_config(module)
+    if config is not None:
+        given = {id(c): c for c in (*(args[i] for i in positions), *map(kwargs.get, changed))}
+        for emptied in given.values():
+            if emptied in config.emptied_caches:
+                raise TapeSACError(
+                    f"block {config.path or type(module).__name__!r} was given a Hugging Face "
+                    "key-value cache an earlier training call returned: checkpointed layers "
+                    "leave the cache out in training (as Hugging Face's gradient checkpointing "
+                    "does), so it holds nothing. Fix: do not pass caches between training "
+                    "calls, or leave these layers out of checkpointing"
+                )
+            config.emptied_caches.add(emptied)
     if kwargs.get("use_cache") is True:
         changed["use_cache"] = False
     # A warning, not a log line: Python's default filter shows it once per run.
     warnings.warn(
         "TapeSAC: Hugging Face's key-value cache is off in checkpointed layers in training, as "
         "with Hugging Face's gradient checkpointing: a layer's forward run again in backward "
-        "would append its keys and values a second time. Set use_cache=False in the model's "
-        "config to silence this",
+        "would append its keys and values a second time. The cache a training call returns "
+        "stays empty. Set use_cache=False in the model's config to silence this",
         UserWarning,
         stacklevel=3,
     )
