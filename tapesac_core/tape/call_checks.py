@@ -249,22 +249,21 @@ class CallCheck(TorchFunctionMode, Checking):
     ) -> Any:
         if kwargs is None:
             kwargs = {}
-        if self.off:
-            if self.paused:
-                return func(*args, **kwargs)
-            return self._logged(func, args, kwargs, _NOT_RUN)
+        if self.paused:
+            return func(*args, **kwargs)
         if func in _SAME_SOURCE:
             out = func(*args, **kwargs)
             self.sources.same(out, args[0])
             return out
-        if type(func) is MethodWrapperType or func in _NO_OPS:
-            if func.__name__ == "__set__":  # ``t.data = other``: it has effects, checked first
-                return self._checked(func, args, kwargs, _NOT_RUN)
-            out = func(*args, **kwargs)
-            if _metadata_read(func, out):
-                return out
-            return self._checked(func, args, kwargs, out)
-        return self._checked(func, args, kwargs, _NOT_RUN)
+        ran = _NOT_RUN
+        # A getter runs first (it has no side effects), ``t.data = other`` after its check.
+        if (type(func) is MethodWrapperType or func in _NO_OPS) and func.__name__ != "__set__":
+            ran = func(*args, **kwargs)
+            if _metadata_read(func, ran):
+                return ran
+        if self.off:  # after a departure: logged, not checked
+            return self._logged(func, args, kwargs, ran)
+        return self._checked(func, args, kwargs, ran)
 
     def _checked(self, func: Any, args: tuple, kwargs: dict, ran: Any) -> Any:
         """``func`` checked, then called (``ran``: what a getter returned, already called: it
@@ -286,17 +285,8 @@ class CallCheck(TorchFunctionMode, Checking):
     def _logged(self, func: Any, args: tuple, kwargs: dict, ran: Any) -> Any:
         """A call after the call departed (its first, the departing call): run, and logged as
         a recorded call logs it, for the check of the backward's run of the forward
-        (``trail``); calls a check passes over are not. An argument not compared by value, or
+        (``trail``; ``ran`` as for ``_checked``). An argument not compared by value, or
         dispatch state a check would see as hidden, leaves the run unchecked (``trail`` None)."""
-        if func in _SAME_SOURCE:
-            out = func(*args, **kwargs)
-            self.sources.same(out, args[0])
-            return out
-        if ran is _NOT_RUN and (type(func) is MethodWrapperType or func in _NO_OPS):
-            if func.__name__ != "__set__":
-                ran = func(*args, **kwargs)
-                if _metadata_read(func, ran):
-                    return ran
         self.unchecked(args, kwargs)
         trail = self.trail
         if trail is not None and _hidden_state(self.default_dtype) is None:

@@ -35,10 +35,12 @@ from .._compat import DispatchModeWithoutDynamoGuard, dispatch_disabled
 from ..errors import TapeSACError
 from ..measure.memory import not_counted
 from ..tensors import (
+    Meta,
     default_generator,
     flat_tensors,
     has_default_generator,
     is_subclass_with_dispatch,
+    view_on,
 )
 from .holding import Holding
 from .op_checks import OpLog
@@ -319,7 +321,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
             unbumped = t._version == version
             if unbumped:
                 values[new] = values[new]._replace(version=version)
-                by_id[id(t)] = (weakref.ref(t), new, version, t.data_ptr())
+                ids.register(t, new, version)
             sid = values[old].sid
             written = _extent(t)
             for key in list(ids.on_storage.get(sid, ())):
@@ -371,10 +373,8 @@ class Recorder(DispatchModeWithoutDynamoGuard):
             if not (unbumped or (base is not None and base._version == version)):
                 continue  # the write bumped its counter (autograd raises), or nothing tells
             (shape, dtype), (stride, offset) = log.layouts[h], log.views[h]
-            with dispatch_disabled(), torch.no_grad():
-                view = torch.empty(0, dtype=dtype, device=t.device).set_(
-                    t.untyped_storage(), offset, shape, stride
-                )
+            with dispatch_disabled():  # bookkeeping, not an op of the forward
+                view = view_on(t.untyped_storage(), Meta(shape, stride, offset, dtype, t.device))
             if _overlap(written, _extent(view)):
                 handles[h] = self.ids.reread(view, handles[h])
 
@@ -545,8 +545,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         meta = ids.layout(t) if info.metadata_only else None
         values.append(_new_tuple(Value, (vid, index, j, sid, epoch, meta, version, OP, None)))
         ptrs.append(ptr)
-        ids.by_id[key] = (weakref.ref(t), vid, version, t.data_ptr())
-        ids.on_storage.setdefault(sid, {})[key] = None
+        ids.register(t, vid, version)
         return vid
 
 

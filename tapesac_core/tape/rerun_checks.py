@@ -81,16 +81,17 @@ class RerunCheck:
         if isinstance(mode, SteadyCheck) and tuple(mode.sizes) != self.sizes:
             return "its ops' size arguments are not the forward's"
         read = mode.sources.outside
-        if len(read) != len(self.outside) or any(
-            ref() is not then() for (ref, _), (then, _) in zip(self.outside, read)
-        ):
-            return (
-                "it read other tensors from outside the block (not its inputs, parameters or "
-                "buffers) than the forward"
-            )
-        for i, ((_, was), (_, version)) in enumerate(zip(self.outside, read)):
+        other = (
+            "it read other tensors from outside the block (not its inputs, parameters or "
+            "buffers) than the forward"
+        )
+        if len(read) != len(self.outside):
+            return other
+        for (then, was), (now, version) in zip(self.outside, read):
+            t = now()
+            if then() is not t:
+                return other
             if version != was:
-                t = read[i][0]()
                 shown = "" if t is None else f" {tuple(t.shape)} {t.dtype}"
                 return (
                     f"a tensor{shown} it reads from outside the block was written since the "

@@ -107,8 +107,7 @@ class ValueIds:
             Value(vid, node, j, sid, self.epochs.get(sid, 0), self.layout(t), version, kind, name)
         )
         self.ptrs.append(storage.data_ptr())
-        self.by_id[id(t)] = (weakref.ref(t), vid, version, t.data_ptr())
-        self.on_storage.setdefault(sid, {})[id(t)] = None
+        self.register(t, vid, version)
         if kind != OP and kind != EXTERNAL:
             self.leaf_sids.add(sid)
         return vid
@@ -134,7 +133,12 @@ class ValueIds:
 
     def same_as(self, t: Tensor, vid: int) -> None:
         """``t`` is another tensor object with value ``vid``'s content, storage and layout."""
-        self.by_id[id(t)] = (weakref.ref(t), vid, self.values[vid].version, t.data_ptr())
+        self.register(t, vid, self.values[vid].version)
+
+    def register(self, t: Tensor, vid: int, version: int) -> None:
+        """``t`` holds value ``vid`` at ``version`` (and lies on its storage, where a write
+        through another tensor may leave its counter as it was: ``Recorder.settle_writes``)."""
+        self.by_id[id(t)] = (weakref.ref(t), vid, version, t.data_ptr())
         self.on_storage.setdefault(self.values[vid].sid, {})[id(t)] = None
 
     def arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[int]]:
