@@ -210,11 +210,7 @@ class OpLog:
         """``func`` ran and made tape node ``node`` (-1: none); ``recorded``: its arguments and
         keyword arguments as the recorder templated them (``ValueIds.arguments``)."""
         e_args, e_kwargs = recorded
-        # The tensors in slot order, as a steady-state call's comparison walks them.
-        compare = _Compare(None)
-        compare.all_same(args, kwargs, e_args, e_kwargs)
-        key = self.sources.key
-        sources = tuple(key(t) for t in compare.tensors)
+        sources = _sources(args, kwargs, e_args, e_kwargs, self.sources)
         if node >= 0:
             check = Check(func, node, None, None, sources)
         else:
@@ -239,10 +235,16 @@ def logged_check(func: Any, args: tuple, kwargs: dict, sources: Sources) -> Chec
     """``func`` on ``args`` and ``kwargs`` as a check compares a later call of it: its
     arguments with each tensor a ``Slot``, and where each tensor came from."""
     e_args, e_kwargs = _slotted(args), {k: _slotted(v) for k, v in kwargs.items()}
+    return Check(func, -1, e_args, e_kwargs, _sources(args, kwargs, e_args, e_kwargs, sources))
+
+
+def _sources(args: tuple, kwargs: dict, e_args: Any, e_kwargs: Any, sources: Sources) -> tuple:
+    """Where each tensor argument came from, in slot order, as a steady-state call's
+    comparison walks them (``_Compare``)."""
     compare = _Compare(None)
     compare.all_same(args, kwargs, e_args, e_kwargs)
     key = sources.key
-    return Check(func, -1, e_args, e_kwargs, tuple(key(t) for t in compare.tensors))
+    return tuple(key(t) for t in compare.tensors)
 
 
 def _slotted(x: Any) -> Any:
