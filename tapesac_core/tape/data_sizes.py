@@ -170,7 +170,6 @@ class DataTemplate:
             fixed = [i for i, p in enumerate(own) if self.sizes[p] is None]
             self.pack_specs.append(
                 PackSpec(
-                    length=len(own),
                     binds=tuple((i, source_at[p]) for i, p in enumerate(own) if p in source_at),
                     fixed=itemgetter(*fixed) if fixed else None,
                     # What the getter returns: one position's integer, or a tuple of several.
@@ -218,7 +217,6 @@ class PackSpec(NamedTuple):
     them per pack: those it binds symbols from, those the same in every call (read with one
     ``itemgetter``), and those other symbols' curves give."""
 
-    length: int
     binds: tuple[tuple[int, int], ...]  # (position, symbol)
     fixed: Any  # an ``itemgetter`` of the positions the same in every call, or None
     fixed_values: Any
@@ -421,7 +419,7 @@ class DataBinding:
         spec = template.pack_specs[k]
         if spec is None:
             return got == template.pack_ints[k]
-        if len(got) != spec.length:
+        if len(got) != len(template.pack_ints[k]):
             return False
         if spec.fixed is not None and spec.fixed(got) != spec.fixed_values:
             return False
