@@ -225,6 +225,58 @@ def test_a_saved_tensor_written_through_data_is_what_backward_reads(plan) -> Non
     assert_three_calls_bitwise(DataWritten, "written", plan)
 
 
+class DataWrittenAfterFreed(torch.nn.Module):
+    """Writes a saved tensor's bytes through ``.data`` after dropping the tensor: autograd keeps
+    the tensor and reads the written bytes; its counter did not move (``.data`` has its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        y = h.sin()  # saves h
+        d = h.data
+        del h  # the pack's tensor is gone: only the storage tells where the write lands
+        d.clamp_(-0.1, 0.1)
+        return self.b(y)
+
+
+@pytest.mark.parametrize("plan", [{}, {"freed": {("aten.addmm.default", 0, 0)}}])
+def test_a_saved_tensor_dropped_then_written_through_data_is_what_backward_reads(plan) -> None:
+    assert_three_calls_bitwise(DataWrittenAfterFreed, "freed", plan)
+
+
+class Retargeted(torch.nn.Module):
+    """Points a new tensor at a saved tensor's bytes with ``set_`` and writes through it."""
+
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.source = source
+
+    def forward(self, x):
+        h = self.a(x)
+        y = h.sin()
+        if self.source == "storage":
+            d = torch.empty(0).set_(h.untyped_storage(), 0, h.shape, h.stride())
+        else:
+            d = torch.empty(0).set_(h)
+        d.mul_(2)
+        return self.b(y)
+
+
+@pytest.mark.parametrize("source", ["storage", "tensor"])
+def test_set_inside_a_forward_is_refused_naming_the_fix(source: str) -> None:
+    # Replay cannot follow a tensor set_ points elsewhere (a storage argument would even be the
+    # recorded call's): before, the gradients were wrong, silently.
+    module = tapesac_core.checkpoint_module(Retargeted(source), region="set")
+    with pytest.raises(
+        TapeSACError, match=r"aten\.set_.*other bytes.*Fix: make the tensor as a view"
+    ):
+        module(torch.randn(4, 8, requires_grad=True))
+
+
 class DataSwapped(torch.nn.Module):
     """Swaps a tensor's storage with ``.data =`` (no op, no version bump) inside its forward."""
 

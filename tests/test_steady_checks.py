@@ -17,6 +17,7 @@ import torch
 from support import assert_bitwise, block_paths, step
 
 import tapesac_core
+from tapesac_core.tape.op_checks import shown
 from tapesac_core.tape.steady import Recorded
 
 D = 8
@@ -152,6 +153,33 @@ def test_a_divergence_names_the_call_or_op_and_the_argument(autocast: bool, mess
             block(x).sum().backward()
     assert blocks[0].diverged == message
     assert not blocks[0].steady
+
+
+class Split(torch.nn.Module):
+    """Splits its hidden state by a list of sizes the loop may change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.sizes = [2] * 32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.sin() for p in torch.split(self.a(x), self.sizes, dim=1)], 1)
+
+
+def test_a_divergence_names_the_element_of_a_long_argument_that_differs() -> None:
+    block = tapesac_core.checkpoint_module(Split())
+    x = torch.randn(4, 64, requires_grad=True)
+    for sizes in ([2] * 32, [2] * 32, [2] * 30 + [1, 3]):
+        block.sizes = sizes
+        with tapesac_core.trace() as blocks:
+            block(x).sum().backward()
+    assert blocks[0].diverged == "call 1 (split): argument 1[30] is 1, the tape's 2"
+
+
+def test_a_message_shows_any_argument_in_a_short_line() -> None:
+    assert shown(torch.UntypedStorage(256)) == "a storage of 256 bytes"  # not its 256 bytes
+    assert shown(list(range(100))) == repr(list(range(100)))[:77] + "..."
 
 
 def _paths(make: type[torch.nn.Module], calls: int, change: Any) -> list[str]:

@@ -56,7 +56,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._compat import any_autocast_enabled, torch_function_modes
-from .op_checks import OUTPUT_BITS, Check, Checking, Sources, same_number, shown
+from .op_checks import OUTPUT_BITS, Check, Checking, Sources, difference, same_number, shown
 
 Tensor = torch.Tensor
 
@@ -337,11 +337,11 @@ class CallCheck(TorchFunctionMode, Checking):
                     continue
                 return f"argument {i} is {shown(a)} {self._other(a, e.key)}"
             if a is not e and not same(a, e):
-                return f"argument {i} is {shown(a)}, {self.theirs}'s {shown(e)}"
+                return difference(str(i), a, e, self.theirs, same)
         for name, e in call.kwargs:
             a = kwargs.get(name, _MISSING)
             if not same(a, e):
-                return f"argument {name} is {shown(a)}, {self.theirs}'s {shown(e)}"
+                return difference(name, a, e, self.theirs, same)
         return None
 
     def _from(self, a: Any, key: Any) -> bool:

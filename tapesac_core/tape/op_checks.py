@@ -373,11 +373,11 @@ class _Compare:
         positions, names = self.sized
         for i, (a, e) in enumerate(zip(args, e_args)):
             if not (self.sized_same(a, e) if i in positions else self.same(a, e)):
-                return f"argument {i} is {shown(a)}, {self.theirs}'s {shown(e)}"
+                return difference(str(i), a, e, self.theirs, _Compare(None).same)
         for name, e in e_kwargs.items():
             a = kwargs[name]
             if not (self.sized_same(a, e) if name in names else self.same(a, e)):
-                return f"argument {name} is {shown(a)}, {self.theirs}'s {shown(e)}"
+                return difference(name, a, e, self.theirs, _Compare(None).same)
         return None
 
     def same(self, a: Any, e: Any) -> bool:
@@ -631,6 +631,18 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         return None
 
 
+def difference(where: str, a: Any, e: Any, theirs: str, same: Callable[[Any, Any], bool]) -> str:
+    """Argument ``where`` is ``a``, ``theirs`` ``e``: in words, at the first element that differs
+    by ``same`` where both are lists or tuples of one length (a long list's difference may lie
+    past what a message shows of it)."""
+    while type(e) in (list, tuple) and type(a) is type(e) and len(a) == len(e):
+        i = next((i for i, (x, y) in enumerate(zip(a, e)) if not same(x, y)), None)
+        if i is None:
+            break
+        where, a, e = f"{where}[{i}]", a[i], e[i]
+    return f"argument {where} is {shown(a)}, {theirs}'s {shown(e)}"
+
+
 def shown(x: Any) -> str:
     if type(x) is float and x != x and math.copysign(1.0, x) < 0:
         return "-nan"  # repr says "nan"
@@ -638,4 +650,7 @@ def shown(x: Any) -> str:
         return f"a {tuple(x.shape)} tensor"
     if type(x) is Slot:
         return "a tensor"
-    return repr(x)
+    if isinstance(x, torch.UntypedStorage | torch.TypedStorage):
+        return f"a storage of {x.nbytes()} bytes"
+    text = repr(x)  # an argument of any type: a message line, not its whole repr
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -74,6 +74,7 @@ class OpInfo:
     allocation: bool
     identity: bool
     holds_outputs: bool  # outputs may be mandatory (collectives, data-dependent shapes)
+    retargets: bool  # ``set_``: points a tensor at other bytes, which replay cannot follow
     plain: bool  # none of the above: fresh outputs, nothing to capture or refuse
     simple_view: bool  # a view op, otherwise plain: its output shares its first input's storage
     call: Any  # what calling the op runs: OpOverload.__call__ only forwards to it, a Python frame
@@ -150,6 +151,7 @@ def op_info(op: Any) -> OpInfo:
         allocation=packet in _ALLOCATIONS,
         identity=packet in _IDENTITY and namespace == "aten",
         holds_outputs=namespace in COLLECTIVE_NAMESPACES or torch.Tag.dynamic_output_shape in tags,
+        retargets=namespace == "aten" and packet == "set_",
         plain=not (special or view or packet in _UNANNOTATED_VIEWS),
         simple_view=view and not special,
         call=raw_call(op),

@@ -207,6 +207,8 @@ class Recorder(DispatchModeWithoutDynamoGuard):
             return func(*args, **kwargs)
         if info.identity:
             return self._same_value(func, args, kwargs)
+        if info.retargets:
+            self._refuse_retarget(func)
         targs, tkwargs, inputs = self.ids.arguments(args, kwargs)
         mutated = self._mutated_tensors(info, args, kwargs) if info.mutated else []
         writes = self._before_write(func, info, mutated, inputs) if mutated else ()
@@ -355,8 +357,8 @@ class Recorder(DispatchModeWithoutDynamoGuard):
     ) -> None:
         """The packs on storage ``sid`` among the first ``packed`` whose tensor's counter
         ``t``'s write (spanning bytes ``written``) left (``settle_writes``): a live one stands
-        for the value its tensor is now; a freed one, where no counter moved or its base's did
-        not, is read again at its layout where the write overlaps it."""
+        for the value its tensor is now; a freed one is read again at its layout where the write
+        overlaps it, unless its base, alive, shows the write moved their counter."""
         handles: list[int] = self.block.handles  # type: ignore[assignment]  # recording: a list
         by_id, log = self.ids.by_id, self.log
         for h in self.packs_on.get(sid, ()):
@@ -369,9 +371,13 @@ class Recorder(DispatchModeWithoutDynamoGuard):
                 if p._version == version and entry is not None and entry[0]() is p:
                     handles[h] = entry[1]
                 continue
+            # Read again unless its base shows the write moved its counter. With the pack's
+            # tensor and base freed, nothing tells whether the writer shares their counter
+            # (``d = h.data; del h; d.clamp_()`` does not); if it does, plain autograd raises at
+            # backward, and no reading is right.
             base = base_ref() if base_ref is not None else None
-            if not (unbumped or (base is not None and base._version == version)):
-                continue  # the write bumped its counter (autograd raises), or nothing tells
+            if not unbumped and base is not None and base._version != version:
+                continue
             (shape, dtype), (stride, offset) = log.layouts[h], log.views[h]
             with dispatch_disabled():  # bookkeeping, not an op of the forward
                 view = view_on(t.untyped_storage(), Meta(shape, stride, offset, dtype, t.device))
@@ -393,6 +399,14 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         raise TapeSACError(
             f"block {self.block.name!r}: {func} writes in place into {what}; replay cannot "
             f"reproduce a mutation of a block input, parameter or buffer. Fix: {fix}"
+        )
+
+    def _refuse_retarget(self, func: Any) -> None:
+        raise TapeSACError(
+            f"block {self.block.name!r}: {func} points a tensor at other bytes inside the "
+            "forward; replay cannot follow such a tensor (a storage argument would be the "
+            "recorded call's, kept alive). Fix: make the tensor as a view of one on those bytes "
+            "(`h.view(...)`, `h.as_strided(...)`), or do not checkpoint this module"
         )
 
     def _capture_rng(self, info: OpInfo, args: tuple, kwargs: dict) -> tuple | None:
