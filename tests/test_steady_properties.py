@@ -3,7 +3,9 @@ model run without checkpointing, under must-only and under a plan. Hypothesis bu
 from steps that read Python numbers (module attributes, globals, closures, dropout's ``p``,
 integers read from the data as scalars, exponents, sizes, indices and branch conditions) or draw
 randomized leaky ReLU's noise, and a schedule that changes them between calls, with train/eval
-flips, a submodule swapped, a forward hook added or removed, and autocast; steady-state calls
+flips, a submodule swapped, a forward hook added or removed (one that changes the output, or
+one that only looks at it, whose grad-free calls come and go: ``tape/grad_free.py``), a mask
+made without gradients from a number and read by a product, and autocast; steady-state calls
 whose forward departs from their tape are recomputed (``tape/op_checks.py``). A forward that
 changes what it reads itself (a call counter) gives a ``TapeSACError`` at the first backward
 whose run of the forward differs from the forward (``tape/rerun_checks.py``), never a wrong
@@ -37,6 +39,7 @@ STEPS = (
     "item_branch",
     "branch",
     "submodule",
+    "mask",
     "counted",
 )
 
@@ -89,6 +92,8 @@ class Program(torch.nn.Module):
             return self.drop(h)
         if s == "rrelu":
             return self.rrelu(h)
+        if s == "mask":  # grad-free, then read by a product
+            return h * (h.detach() > self.scale - 1.5)
         if s == "counted":
             self.calls += 1
             return h * (1.0 + 0.125 * self.calls)
@@ -120,7 +125,7 @@ KNOBS = {
     "flag": [True, False],
     "use_b": [False, True],
     "training": [True, False],
-    "hook": [False, True],
+    "hook": [False, True, "monitor"],
     "autocast": [False, True],
     "data": [0, 1, 2, 3],
 }
@@ -133,6 +138,7 @@ READS = {
     "rrelu": "training",
     "branch": "flag",
     "submodule": "use_b",
+    "mask": "scale",
 }
 EVERY_BLOCK = ("training", "hook", "autocast", "data")
 knobs = st.fixed_dictionaries({name: st.sampled_from(values) for name, values in KNOBS.items()})
@@ -157,6 +163,14 @@ def _hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor
     return out * 0.5
 
 
+MONITORED: list[float] = []
+
+
+def _monitor(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+    """A user's monitoring hook: grad-free calls on what the module returned."""
+    MONITORED.append(out.detach().abs().amax().item())
+
+
 def _apply(model: torch.nn.Sequential, k: dict, hooks: list) -> None:
     GLOBAL["shift"] = k["shift"]
     model.train(k["training"])
@@ -168,7 +182,8 @@ def _apply(model: torch.nn.Sequential, k: dict, hooks: list) -> None:
         handle.remove()
     hooks.clear()
     if k["hook"]:
-        hooks.extend(block.inp.register_forward_hook(_hook) for block in model)
+        hook = _monitor if k["hook"] == "monitor" else _hook
+        hooks.extend(block.inp.register_forward_hook(hook) for block in model)
 
 
 def _loss(model: torch.nn.Sequential, x: torch.Tensor, autocast: bool) -> torch.Tensor:

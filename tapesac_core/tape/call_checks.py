@@ -32,7 +32,9 @@ dispatch, which eligibility makes sure of, per recorded call:
 Calls that dispatch nothing and make no tensor (a property's getter, ``size()``,
 ``register_hook``) are neither logged nor compared, and ``detach`` and ``.data`` give their
 result their argument's source: a user's tools (module trackers, monitoring hooks) make such
-calls on some steps only. A tape whose log is not eligible is checked op by op
+calls on some steps only. Calls that leave the gradients alone (a hook's
+``out.detach().abs().mean()``) are passed over where the log lacks them or the call skips
+them (``grad_free.py``). A tape whose log is not eligible is checked op by op
 (``op_checks.py``). The first difference makes the call diverged, as there: its backward runs
 the forward again, checked against the log's calls before the difference and those the call
 made after it (``trail``, ``rerun_checks.py``).
@@ -56,6 +58,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._compat import any_autocast_enabled, torch_function_modes
+from ..tensors import flat_tensors
+from .grad_free import Before, inert_call
 from .op_checks import OUTPUT_BITS, Check, Checking, Sources, difference, same_number, shown
 
 Tensor = torch.Tensor
@@ -101,6 +105,7 @@ class Call(NamedTuple):
     kwargs: tuple[tuple[str, Any], ...]
     ops: tuple[int, int]  # the tape's checks it dispatched: [first, end)
     state: Any = None  # the global state its dispatch depends on (``_STATE``), where it does
+    grad_free: bool = False  # a check may pass over it (``grad_free.py``)
 
 
 class CallLog(TorchFunctionMode):
@@ -150,7 +155,12 @@ class CallLog(TorchFunctionMode):
             self.why_not = f"{_name(func)} reads its tensor on the host"
             return out
         index = len(self.calls)
-        self.calls.append(Call(_key(func), t_args, t_kwargs, (first, end), state and state()))
+        # Grad-free as far as it and its outputs tell; ``eligible`` adds what its ops tell.
+        arguments = flat_tensors((args, kwargs))
+        free = inert_call(func, kwargs) and not any(
+            t.requires_grad or any(t is a for a in arguments) for t in flat_tensors(out)
+        )
+        self.calls.append(Call(_key(func), t_args, t_kwargs, (first, end), state and state(), free))
         self.sources.made(out, index)
         return out
 
@@ -193,7 +203,7 @@ def eligible(
         return "ops outside the block's dataflow were passed over"
     if sized:
         return "its sizes follow its data"
-    covered, drawing = 0, {}
+    covered, drawing, calls = 0, {}, []
     for c, call in enumerate(log.calls):
         first, end = call.ops
         if first != covered:
@@ -208,9 +218,11 @@ def eligible(
             return f"{_name(call.func)} draws {len(random)} times"
         if random:
             drawing[c] = random[0]
+        writes = any(nodes[checks[i].node].writes for i in range(first, end))
+        calls.append(call._replace(grad_free=call.grad_free and not random and not writes))
     if covered != len(checks):
         return f"op {covered} ran outside any torch function"
-    return LoggedCalls(tuple(log.calls), drawing)
+    return LoggedCalls(tuple(calls), drawing)
 
 
 class CallCheck(TorchFunctionMode, Checking):
@@ -241,8 +253,8 @@ class CallCheck(TorchFunctionMode, Checking):
 
     @property
     def complete(self) -> bool:
-        """Every logged call ran."""
-        return self.count == len(self.calls)
+        """Every logged call ran, but grad-free ones it passed over."""
+        return all(call.grad_free for call in self.calls[self.count :])
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
@@ -271,8 +283,34 @@ class CallCheck(TorchFunctionMode, Checking):
         c = self.count
         why = self._departure(c, func, args, kwargs)
         if why is not None:
-            self.diverge(why, c)
-            return self._logged(func, args, kwargs, ran)
+            return self._unmatched(c, why, func, args, kwargs, ran)
+        return self._matched(c, func, args, kwargs, ran)
+
+    def _unmatched(self, c: int, why: str, func: Any, args: tuple, kwargs: dict, ran: Any) -> Any:
+        """Call ``c`` is not the log's (``why``): it is a later one, past grad-free calls the
+        forward did not make, or a grad-free call of its own, both passed over
+        (``grad_free.py``); else the call departs."""
+        count = self.count
+        if _hidden_state(self.default_dtype) is None and inert_call(func, kwargs):
+            k = c
+            while k < len(self.calls) and self.calls[k].grad_free:
+                k += 1
+                if self._departure(k, func, args, kwargs) is None:
+                    return self._matched(k, func, args, kwargs, ran)
+            before, hooked = Before(args, kwargs), self.hooked
+            ran = func(*args, **kwargs) if ran is _NOT_RUN else ran
+            # A call that saved a tensor or returned from a submodule is not passed over.
+            if before.grad_free(ran) and self.hooked == hooked:
+                self.count = c
+                self.pass_over(why, ran)
+                return ran
+        self.count = count
+        self.diverge(why, c)
+        return self._logged(func, args, kwargs, ran, False)
+
+    def _matched(self, c: int, func: Any, args: tuple, kwargs: dict, ran: Any) -> Any:
+        """Call ``c`` is the log's: run (``ran`` as for ``_checked``), its outputs of source
+        ``c``."""
         if c in self.drawing:
             self.read_state(self.drawing[c])
         out = func(*args, **kwargs) if ran is _NOT_RUN else ran
@@ -282,11 +320,14 @@ class CallCheck(TorchFunctionMode, Checking):
             self.sources.made(out, c)
         return out
 
-    def _logged(self, func: Any, args: tuple, kwargs: dict, ran: Any) -> Any:
+    def _logged(
+        self, func: Any, args: tuple, kwargs: dict, ran: Any, free: bool | None = None
+    ) -> Any:
         """A call after the call departed (its first, the departing call): run, and logged as
         a recorded call logs it, for the check of the backward's run of the forward
-        (``trail``; ``ran`` as for ``_checked``). An argument not compared by value, or
-        dispatch state a check would see as hidden, leaves the run unchecked (``trail`` None)."""
+        (``trail``; ``ran`` as for ``_checked``; ``free``: whether it is grad-free, where
+        known). An argument not compared by value, or dispatch state a check would see as
+        hidden, leaves the run unchecked (``trail`` None)."""
         self.unchecked(args, kwargs)
         trail = self.trail
         if trail is not None and _hidden_state(self.default_dtype) is None:
@@ -294,15 +335,20 @@ class CallCheck(TorchFunctionMode, Checking):
                 t_args, t_kwargs = _arguments(args, kwargs, self._source)
             except _NotByValue:
                 trail = self.trail = None
-            else:
-                state = _STATE.get(func)
-                trail.append(Call(_key(func), t_args, t_kwargs, (0, 0), state and state()))
         else:
             trail = self.trail = None
+        if trail is None:
+            return func(*args, **kwargs) if ran is _NOT_RUN else ran
+        get_state = _STATE.get(func)
+        state = get_state and get_state()
+        # A getter that ``ran`` has no side effects: what it changed is what ``Before`` reads.
+        before = Before(args, kwargs) if free is None and inert_call(func, kwargs) else None
         out = func(*args, **kwargs) if ran is _NOT_RUN else ran
-        if trail is not None:
-            assert self.matched is not None, "logged after a departure"
-            self.sources.made(out, self.matched + len(trail) - 1)
+        if free is None:
+            free = before is not None and before.grad_free(out)
+        trail.append(Call(_key(func), t_args, t_kwargs, (0, 0), state, bool(free)))
+        assert self.matched is not None, "logged after a departure"
+        self.sources.made(out, self.matched + len(trail) - 1)
         return out
 
     def _departure(self, c: int, func: Any, args: tuple, kwargs: dict) -> str | None:

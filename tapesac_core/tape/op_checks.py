@@ -44,6 +44,7 @@ import torch
 from .._compat import DispatchModeWithoutDynamoGuard, raw_call
 from ..measure.memory import not_counted
 from ..tensors import Slot, flat_tensors, slot
+from .grad_free import Before, pass_over
 from .ops import op_info
 
 Tensor = torch.Tensor
@@ -59,6 +60,7 @@ class Check(NamedTuple):
     args: Any  # for ``node == -1``: its arguments, each tensor a ``Slot``
     kwargs: Any
     sources: tuple  # per tensor argument, in slot order: where it came from (``Sources.key``)
+    grad_free: bool = False  # a check may pass over it (``grad_free.py``)
 
 
 class OpKinds(NamedTuple):
@@ -205,16 +207,25 @@ class OpLog:
         self.same_ops: set[int] = set()
 
     def op(
-        self, func: Any, args: tuple, kwargs: dict, out: Any, node: int, recorded: tuple
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        out: Any,
+        node: int,
+        recorded: tuple,
+        inert: bool,
     ) -> None:
         """``func`` ran and made tape node ``node`` (-1: none); ``recorded``: its arguments and
-        keyword arguments as the recorder templated them (``ValueIds.arguments``)."""
+        keyword arguments as the recorder templated them (``ValueIds.arguments``); ``inert``:
+        it neither draws random numbers nor writes in place."""
         e_args, e_kwargs = recorded
         sources = _sources(args, kwargs, e_args, e_kwargs, self.sources)
+        free = inert and not reads_gradients(args, kwargs)
         if node >= 0:
-            check = Check(func, node, None, None, sources)
+            check = Check(func, node, None, None, sources, free)
         else:
-            check = Check(func, -1, e_args, e_kwargs, sources)
+            check = Check(func, -1, e_args, e_kwargs, sources, free)
         self.sources.made(out, len(self.checks))
         self.checks.append(check)
 
@@ -231,11 +242,20 @@ class OpLog:
         return OpKinds(frozenset(self.passed), frozenset(self.same_ops))
 
 
-def logged_check(func: Any, args: tuple, kwargs: dict, sources: Sources) -> Check:
+def logged_check(
+    func: Any, args: tuple, kwargs: dict, sources: Sources, grad_free: bool = False
+) -> Check:
     """``func`` on ``args`` and ``kwargs`` as a check compares a later call of it: its
     arguments with each tensor a ``Slot``, and where each tensor came from."""
     e_args, e_kwargs = _slotted(args), {k: _slotted(v) for k, v in kwargs.items()}
-    return Check(func, -1, e_args, e_kwargs, _sources(args, kwargs, e_args, e_kwargs, sources))
+    sources_of = _sources(args, kwargs, e_args, e_kwargs, sources)
+    return Check(func, -1, e_args, e_kwargs, sources_of, grad_free)
+
+
+def reads_gradients(args: tuple, kwargs: dict) -> bool:
+    """Whether an op on ``args`` and ``kwargs`` makes outputs that require grad, as autograd,
+    above a dispatch mode, decides: grad mode on and a tensor argument requiring grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in flat_tensors((args, kwargs)))
 
 
 def _sources(args: tuple, kwargs: dict, e_args: Any, e_kwargs: Any, sources: Sources) -> tuple:
@@ -427,16 +447,29 @@ class Checking:
     # (``rerun_checks.py``).
     matched: int | None = None
     trail: list[Any] | None = None
+    # How the first call or op the check passed over as grad-free differed (``grad_free.py``):
+    # where a later one departs, likely why.
+    passed: str | None = None
 
     def diverge(self, why: str, at: int) -> None:
         """The call departed from its tape at entry ``at``: said once, and nothing more is
         compared; what it runs from there is logged (``trail``)."""
+        if self.passed is not None:
+            why = f"{why}; before it, {self.passed}, passed over as grad-free"
         self.diverged, self.off = why, True
         self.matched, self.trail = at, []
+
+    def pass_over(self, why: str, out: Any) -> None:
+        """A grad-free call or op that differed from its tape (``why``) returned ``out``."""
+        self.passed = self.passed or why
+        pass_over(out, self.sources.made_by_id)
+
+    hooked = 0  # how many times a hook paused the check (``pause``): packs, submodule exits
 
     def pause(self) -> None:
         """What a hook dispatches to hold what it saw is not the forward's."""
         self.off = self.paused = True
+        self.hooked += 1
 
     def resume(self) -> None:
         self.off, self.paused = self.diverged is not None, False
@@ -517,8 +550,8 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
                     del self.sizes[gathered:]
                     if self.switch is not None and self.switch(c):
                         return self.__torch_dispatch__(func, types, args, kwargs)
-                    self.diverge(f"op {c} ({func}): {why}", c)
-                    return self._logged(func, args, kwargs)
+                    return self._unmatched(c, f"op {c} ({func}): {why}", func, args, kwargs)
+            # ``_matched``, inlined: runs per op.
             if c in self.drawing:
                 self.read_state(self.drawing[c])
             out = raw_call(func)(*args, **kwargs)  # a Python frame per op spared
@@ -540,8 +573,8 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
 
     @property
     def complete(self) -> bool:
-        """Every logged op ran."""
-        return self.count == len(self.checks)
+        """Every logged op ran, but grad-free ones it passed over."""
+        return all(check.grad_free for check in self.checks[self.count :])
 
     def _same_fast(self, fast: FastCheck, args: tuple, kwargs: dict) -> bool:
         """Whether the op's arguments are the tape's (False: ``_differs`` says how, if at all)."""
@@ -582,18 +615,53 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
             return self.__torch_dispatch__(func, types, args, kwargs)
         if departs:
             expected = str(self.checks[c].op) if c < len(self.checks) else "no more ops"
-            self.diverge(f"op {c} is {func}, {self.theirs} has {expected}", c)
-            return self._logged(func, args, kwargs)
+            return self._unmatched(
+                c, f"op {c} is {func}, {self.theirs} has {expected}", func, args, kwargs
+            )
         out = func(*args, **kwargs)
         if info.identity:
             self.sources.same(out, args[0] if args else None)
         return out
 
-    def _logged(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """An op after the call departed (its first, the departing op): run, and logged as a
-        recorded call logs it, for the check of the backward's run of the forward (``trail``);
-        ops any check lets pass wherever they come (``_unexpected``: identity, unrecorded and
-        collective ops) are not."""
+    def _unmatched(self, c: int, why: str, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Op ``c`` is not the log's (``why``): it is a later one, past grad-free ops the
+        forward did not dispatch, or a grad-free op of its own, both passed over
+        (``grad_free.py``); else the call departs. Not where sizes follow the data: those
+        calls bind their sizes op by op (``data_sizes.py``)."""
+        if self.size_arguments is None:
+            checks, k = self.checks, c
+            while k < len(checks) and checks[k].grad_free:
+                k += 1
+                if k < len(checks) and checks[k].op is func:
+                    if self._differs(checks[k], args, kwargs) is None:
+                        self.count = k + 1
+                        return self._matched(k, func, args, kwargs)
+            info = op_info(func)
+            if not info.mutated and not info.random and not reads_gradients(args, kwargs):
+                before, hooked = Before(args, kwargs), self.hooked
+                out = raw_call(func)(*args, **kwargs)
+                if before.grad_free(out) and self.hooked == hooked:
+                    self.pass_over(why, out)
+                    self.count = c
+                    return out
+                self.diverge(why, c)
+                return self._logged(func, args, kwargs, out)
+        self.diverge(why, c)
+        return self._logged(func, args, kwargs)
+
+    def _matched(self, c: int, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Op ``c`` is the log's: run, its outputs of source ``c``."""
+        if c in self.drawing:
+            self.read_state(self.drawing[c])
+        out = raw_call(func)(*args, **kwargs)
+        self.sources.made(out, c)
+        return out
+
+    def _logged(self, func: Any, args: tuple, kwargs: dict, ran: Any = _MISSING) -> Any:
+        """An op after the call departed (its first, the departing op): run (unless it ``ran``
+        already, a departing op that was not grad-free), and logged as a recorded call logs it,
+        for the check of the backward's run of the forward (``trail``); ops any check lets pass
+        wherever they come (``_unexpected``: identity, unrecorded and collective ops) are not."""
         info = op_info(func)
         if info.unrecorded or info.collective:
             return func(*args, **kwargs)
@@ -604,10 +672,16 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         self.unchecked(args, kwargs)
         trail = self.trail
         assert trail is not None and self.matched is not None, "logged after a departure"
-        trail.append(logged_check(func, args, kwargs, self.sources))
-        out = raw_call(func)(*args, **kwargs)
-        self.sources.made(out, self.matched + len(trail) - 1)
-        return out
+        check = logged_check(func, args, kwargs, self.sources)
+        if ran is _MISSING:
+            inert = not info.mutated and not info.random and not reads_gradients(args, kwargs)
+            before = Before(args, kwargs) if inert else None
+            ran = raw_call(func)(*args, **kwargs)
+            if before is not None and before.grad_free(ran):
+                check = check._replace(grad_free=True)
+        trail.append(check)
+        self.sources.made(ran, self.matched + len(trail) - 1)
+        return ran
 
     def _differs(self, check: Check, args: tuple, kwargs: dict) -> str | None:
         if check.node >= 0:

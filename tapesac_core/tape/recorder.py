@@ -195,7 +195,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         out = info.call(*args, **kwargs)
         index = self._add_node(func, info, targs, tkwargs, inputs, (), None, out, args, kwargs)
         if self.ops is not None:
-            self.ops.op(func, args, kwargs, out, index, (targs, tkwargs))
+            self.ops.op(func, args, kwargs, out, index, (targs, tkwargs), True)
         return out
 
     def _record(self, func: Any, info: OpInfo, args: tuple, kwargs: dict) -> Any:
@@ -239,7 +239,8 @@ class Recorder(DispatchModeWithoutDynamoGuard):
                 for slot, t, version in zip(writes, mutated, versions)
             ]
         if self.ops is not None:
-            self.ops.op(func, args, kwargs, out, index, (targs, tkwargs))
+            inert = not info.random and not info.mutated
+            self.ops.op(func, args, kwargs, out, index, (targs, tkwargs), inert)
         if timer is not None and index >= 0:
             self.block.trace.forward_times[index] = sample
         return out
