@@ -131,3 +131,28 @@ def test_a_hook_that_draws_random_numbers_on_some_steps_is_refused_not_wrong(
             level,
             3,
         )
+
+
+def test_a_router_monitor_in_an_eager_experts_moe_keeps_its_steps_steady() -> None:
+    """Where sizes follow the routing (``data_sizes.py``): a hook logging the router's output
+    every 5 calls (steps 4 and 9) was refused at its first steady step."""
+    pytest.importorskip("transformers")
+    from moe_families import VOCAB, moe_model
+    from support import token_ids
+    from test_moe_families import _lockstep
+
+    reference, layer = moe_model("qwen3_moe", "eager")
+    model = copy.deepcopy(reference)
+    logs: tuple[list, list] = ([], [])
+    for m, log in zip((reference, model), logs):
+        for name, module in m.named_modules():
+            if name.endswith("mlp.gate"):
+                module.register_forward_hook(every(5, 5, lambda out: _mean(out[0]), log))
+    tapesac_core.checkpoint_modules(model, {layer})
+    step = _lockstep(reference, model)
+    for i in range(10):
+        with tapesac_core.trace() as blocks:
+            step(token_ids(i, batch=2, seq=24, vocab=VOCAB), i)
+        if i in (4, 8):  # after warm-up: steady on the hook's steps and the others
+            assert all(b.steady for b in blocks), [b.diverged for b in blocks]
+    assert logs[1] == logs[0] and len(logs[1]) == 4  # two layers, steps 4 and 9

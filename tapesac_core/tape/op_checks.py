@@ -573,8 +573,8 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
 
     @property
     def complete(self) -> bool:
-        """Every logged op ran, but grad-free ones it passed over."""
-        return all(check.grad_free for check in self.checks[self.count :])
+        """Every logged op ran, but grad-free ones it may pass over."""
+        return all(self._skippable(check) for check in self.checks[self.count :])
 
     def _same_fast(self, fast: FastCheck, args: tuple, kwargs: dict) -> bool:
         """Whether the op's arguments are the tape's (False: ``_differs`` says how, if at all)."""
@@ -626,28 +626,36 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
     def _unmatched(self, c: int, why: str, func: Any, args: tuple, kwargs: dict) -> Any:
         """Op ``c`` is not the log's (``why``): it is a later one, past grad-free ops the
         forward did not dispatch, or a grad-free op of its own, both passed over
-        (``grad_free.py``); else the call departs. Not where sizes follow the data: those
-        calls bind their sizes op by op (``data_sizes.py``)."""
-        if self.size_arguments is None:
-            checks, k = self.checks, c
-            while k < len(checks) and checks[k].grad_free:
-                k += 1
-                if k < len(checks) and checks[k].op is func:
-                    if self._differs(checks[k], args, kwargs) is None:
-                        self.count = k + 1
-                        return self._matched(k, func, args, kwargs)
-            info = op_info(func)
-            if not info.mutated and not info.random and not reads_gradients(args, kwargs):
-                before, hooked = Before(args, kwargs), self.hooked
-                out = raw_call(func)(*args, **kwargs)
-                if before.grad_free(out) and self.hooked == hooked:
-                    self.pass_over(why, out)
-                    self.count = c
-                    return out
-                self.diverge(why, c)
-                return self._logged(func, args, kwargs, out)
+        (``grad_free.py``); else the call departs."""
+        checks, k = self.checks, c
+        while k < len(checks) and self._skippable(checks[k]):
+            k += 1
+            if k < len(checks) and checks[k].op is func:
+                gathered = len(self.sizes)
+                if self._differs(checks[k], args, kwargs) is None:
+                    self.count = k + 1
+                    return self._matched(k, func, args, kwargs)
+                del self.sizes[gathered:]
+        info = op_info(func)
+        if not info.mutated and not info.random and not reads_gradients(args, kwargs):
+            before, hooked = Before(args, kwargs), self.hooked
+            out = raw_call(func)(*args, **kwargs)
+            if before.grad_free(out) and self.hooked == hooked:
+                self.pass_over(why, out)
+                self.count = c
+                return out
+            self.diverge(why, c)
+            return self._logged(func, args, kwargs, out)
         self.diverge(why, c)
         return self._logged(func, args, kwargs)
+
+    def _skippable(self, check: Check) -> bool:
+        """A grad-free entry the call may not make: where sizes follow the data, only one with
+        no size arguments (the call's gathered sizes are compared with the tape's in order)."""
+        if not check.grad_free:
+            return False
+        sized = self.size_arguments
+        return sized is None or check.node < 0 or sized(check.op) == _NONE
 
     def _matched(self, c: int, func: Any, args: tuple, kwargs: dict) -> Any:
         """Op ``c`` is the log's: run, its outputs of source ``c``."""
