@@ -1,8 +1,11 @@
 """Calls that leave the gradients alone (``tape/grad_free.py``): a monitoring hook that runs on
-some steps only neither makes a step depart from its tape nor fails the check of a departed
-step's backward, at the call level and, under autocast, at the op level. Before, each step the
-hook ran on departed, and its backward's run of the forward (the hook's counter moved on) was
-refused with a ``TapeSACError``: training stopped where ``torch.utils.checkpoint`` is right."""
+some steps only no longer stops training. Before, each step the hook ran on departed from its
+tape, and its backward's run of the forward (the hook's counter moved on) was refused with a
+``TapeSACError`` where ``torch.utils.checkpoint`` is right. Now that run may skip the forward's
+grad-free calls, and a tape recorded while the hook ran serves the steps it does not; at the
+call level and, under autocast, at the op level. What the skipping must never let through (a
+mask read by a product, a custom ``autograd.Function`` saving what such calls made, a random
+draw) departs or is refused, never wrong."""
 
 from __future__ import annotations
 
@@ -90,10 +93,14 @@ def _mean(out: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("plan", [None, {"block": {("aten.addmm.default", 0, 0)}}])
-def test_a_monitoring_hook_on_some_steps_leaves_every_step_steady(level: str, plan) -> None:
+def test_a_monitoring_hook_on_some_steps_trains_bitwise(level: str, plan) -> None:
     paths, expected, logged = _run(Block, lambda log: every(3, 3, _mean, log), level, 9, plan)
-    assert paths[1:] == ["steady"] * 8  # the hook ran on steps 2, 5 and 8
-    assert logged == expected and len(logged) == 3  # once a step: no second run in backward
+    # The hook runs on step 2: that step departs, and its backward's run of the forward (the
+    # hook's counter at 4) skips the hook's calls. Its counter runs one ahead from there, as
+    # under torch's checkpoint, which runs the forward again too: it runs on steps 4 and 6.
+    assert paths[1:3] == ["steady", "diverged"]
+    assert [i for i, p in enumerate(paths) if p == "diverged"] == [2, 4, 6]
+    assert logged[0] == expected[0] and len(logged) == 4
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -103,7 +110,7 @@ def test_a_tape_recorded_while_the_hook_ran_serves_the_steps_it_does_not(level: 
 
     paths, expected, logged = _run(Block, lambda log: every(4, 1, detached, log), level, 6)
     assert paths[1:] == ["steady"] * 5  # steps 0 (recorded) and 4 ran the hook
-    assert [t.item() for t in logged] == [t.item() for t in expected]
+    assert [t.item() for t in logged] == [t.item() for t in expected]  # no run in backward
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -133,15 +140,17 @@ def test_a_hook_that_draws_random_numbers_on_some_steps_is_refused_not_wrong(
         )
 
 
-def test_a_router_monitor_in_an_eager_experts_moe_keeps_its_steps_steady() -> None:
+def test_a_router_monitor_in_an_eager_experts_moe_trains_bitwise() -> None:
     """Where sizes follow the routing (``data_sizes.py``): a hook logging the router's output
-    every 5 calls (steps 4 and 9) was refused at its first steady step."""
+    every 5 calls (step 4, then one step later for each of its steps that departed) was refused
+    at its first steady step."""
     pytest.importorskip("transformers")
     from moe_families import VOCAB, moe_model
     from support import token_ids
     from test_moe_families import _lockstep
 
     reference, layer = moe_model("qwen3_moe", "eager")
+    reference.config.use_cache = False
     model = copy.deepcopy(reference)
     logs: tuple[list, list] = ([], [])
     for m, log in zip((reference, model), logs):
@@ -150,9 +159,100 @@ def test_a_router_monitor_in_an_eager_experts_moe_keeps_its_steps_steady() -> No
                 module.register_forward_hook(every(5, 5, lambda out: _mean(out[0]), log))
     tapesac_core.checkpoint_modules(model, {layer})
     step = _lockstep(reference, model)
+    paths = []
     for i in range(10):
         with tapesac_core.trace() as blocks:
-            step(token_ids(i, batch=2, seq=24, vocab=VOCAB), i)
-        if i in (4, 8):  # after warm-up: steady on the hook's steps and the others
-            assert all(b.steady for b in blocks), [b.diverged for b in blocks]
-    assert logs[1] == logs[0] and len(logs[1]) == 4  # two layers, steps 4 and 9
+            step(token_ids(i, batch=2, seq=24, vocab=VOCAB), i)  # bitwise, or it raises
+        paths.append(["steady" if b.steady else b.diverged for b in blocks])
+    assert paths[4] == [None, None] or "steady" not in paths[4], paths  # the hook's step
+    assert logs[1][:2] == logs[0][:2]
+
+
+class ScheduledClip(torch.autograd.Function):
+    """A straight-through sign: saves the mask ``|h| <= clip``, made without grad."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, clip: float) -> torch.Tensor:
+        ctx.save_for_backward(h.abs() <= clip)
+        return torch.sign(h)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (mask,) = ctx.saved_tensors
+        return g * mask, None
+
+
+class Binarized(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clip = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(ScheduledClip.apply(self.a(x), self.clip)).float()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_custom_function_saving_a_mask_from_a_scheduled_number_departs(level: str) -> None:
+    """Inside ``Function.forward`` grad mode is off, but the comparison reads the input, which
+    requires grad: not grad-free (found by a review: passed over, it was saved as the tape's
+    old mask, wrong from the schedule's change on)."""
+
+    def clip(block: Block, i: int) -> None:
+        block.clip = 1.0 if i < 2 else 0.25
+
+    paths, _, _ = _run(Binarized, None, level, 5, change=clip)
+    assert paths[1:3] == ["steady", "diverged"] and paths[4] == "steady"
+
+
+class Reports(Block):
+    """Returns beside its output the mask a product saved, or on some steps its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.report_input = False
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        mask = (h.detach() > 0).to(h.dtype)
+        return self.b(h * mask).float(), x.detach() if self.report_input else mask
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_output_that_is_another_tensor_than_the_tapes_is_not_taken_alive(level: str) -> None:
+    """Backward takes a block output that is a saved value alive, instead of replaying it; a
+    step returning its input there (the same calls otherwise) gave backward the input as the
+    mask: wrong gradients, silently (found by a review; older than grad-free calls)."""
+    torch.manual_seed(0)
+    reference = Reports()
+    block = tapesac_core.checkpoint_module(copy.deepcopy(reference), region="block")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if level == "ops" else nullcontext()
+    kept = []  # a logger keeping what the block reported, alive through backward
+    for i in range(4):
+        for m in (reference, block):
+            m.report_input = i == 2
+        x = torch.randn(4, D, generator=torch.Generator().manual_seed(i), requires_grad=True)
+
+        def loss(m: torch.nn.Module) -> torch.Tensor:
+            out, report = m(x)
+            kept.append(report)
+            return out.square().sum()
+
+        with autocast:
+            ref = step(reference, lambda: loss(reference), seed=i)
+        with tapesac_core.trace() as blocks, autocast:
+            got = step(block, lambda: loss(block), seed=i)
+        assert_bitwise(ref, got)
+        assert blocks[0].steady == (i > 0)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_hook_under_inference_mode_is_no_crash(level: str) -> None:
+    """Inference tensors have no version to read: such calls are not grad-free. The step the
+    hook runs on departs, and its run in backward, without the hook, is refused, as before."""
+
+    def stat(out: torch.Tensor) -> float:
+        with torch.inference_mode():
+            return out.detach().abs().mean().item()
+
+    with pytest.raises(TapeSACError, match="ran differently when run again in backward"):
+        _run(Block, lambda log: every(3, 3, stat, log), level, 3)

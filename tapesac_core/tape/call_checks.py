@@ -32,9 +32,9 @@ dispatch, which eligibility makes sure of, per recorded call:
 Calls that dispatch nothing and make no tensor (a property's getter, ``size()``,
 ``register_hook``) are neither logged nor compared, and ``detach`` and ``.data`` give their
 result their argument's source: a user's tools (module trackers, monitoring hooks) make such
-calls on some steps only. Calls that leave the gradients alone (a hook's
-``out.detach().abs().mean()``) are passed over where the log lacks them or the call skips
-them (``grad_free.py``). A tape whose log is not eligible is checked op by op
+calls on some steps only. A logged call that leaves the gradients alone (a hook's
+``out.detach().abs().mean()``) may be skipped by a call that does not make it
+(``grad_free.py``). A tape whose log is not eligible is checked op by op
 (``op_checks.py``). The first difference makes the call diverged, as there: its backward runs
 the forward again, checked against the log's calls before the difference and those the call
 made after it (``trail``, ``rerun_checks.py``).
@@ -58,8 +58,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._compat import any_autocast_enabled, torch_function_modes
-from ..tensors import flat_tensors
-from .grad_free import Before, inert_call
+from .grad_free import Before, inert_call, untouched
 from .op_checks import OUTPUT_BITS, Check, Checking, Sources, difference, same_number, shown
 
 Tensor = torch.Tensor
@@ -156,10 +155,7 @@ class CallLog(TorchFunctionMode):
             return out
         index = len(self.calls)
         # Grad-free as far as it and its outputs tell; ``eligible`` adds what its ops tell.
-        arguments = flat_tensors((args, kwargs))
-        free = inert_call(func, kwargs) and not any(
-            t.requires_grad or any(t is a for a in arguments) for t in flat_tensors(out)
-        )
+        free = inert_call(func, kwargs) and untouched(args, kwargs, out)
         self.calls.append(Call(_key(func), t_args, t_kwargs, (first, end), state and state(), free))
         self.sources.made(out, index)
         return out
@@ -193,10 +189,16 @@ class LoggedCalls(NamedTuple):
 
 
 def eligible(
-    log: CallLog, checks: Sequence[Check], nodes: Sequence[Any], passed: bool, sized: bool
+    log: CallLog,
+    checks: Sequence[Check],
+    nodes: Sequence[Any],
+    passed: bool,
+    sized: bool,
+    packed: frozenset[int],
 ) -> LoggedCalls | str:
     """The log as steady-state calls check it, or why it cannot check them (``passed``: ops
-    were passed over; ``sized``: the tape's sizes follow its data)."""
+    were passed over; ``sized``: the tape's sizes follow its data; ``packed``: the values
+    autograd saved, whose makers are not grad-free)."""
     if log.why_not is not None:
         return log.why_not
     if passed:
@@ -218,8 +220,9 @@ def eligible(
             return f"{_name(call.func)} draws {len(random)} times"
         if random:
             drawing[c] = random[0]
-        writes = any(nodes[checks[i].node].writes for i in range(first, end))
-        calls.append(call._replace(grad_free=call.grad_free and not random and not writes))
+        made = [nodes[checks[i].node] for i in range(first, end) if checks[i].node >= 0]
+        touches = any(n.writes or not packed.isdisjoint(n.outs) for n in made)
+        calls.append(call._replace(grad_free=call.grad_free and not random and not touches))
     if covered != len(checks):
         return f"op {covered} ran outside any torch function"
     return LoggedCalls(tuple(calls), drawing)
@@ -253,7 +256,7 @@ class CallCheck(TorchFunctionMode, Checking):
 
     @property
     def complete(self) -> bool:
-        """Every logged call ran, but grad-free ones it passed over."""
+        """Every logged call ran, but grad-free ones it may skip."""
         return all(call.grad_free for call in self.calls[self.count :])
 
     def __torch_function__(
@@ -287,26 +290,18 @@ class CallCheck(TorchFunctionMode, Checking):
         return self._matched(c, func, args, kwargs, ran)
 
     def _unmatched(self, c: int, why: str, func: Any, args: tuple, kwargs: dict, ran: Any) -> Any:
-        """Call ``c`` is not the log's (``why``): it is a later one, past grad-free calls the
-        forward did not make, or a grad-free call of its own, both passed over
-        (``grad_free.py``); else the call departs."""
+        """Call ``c`` is not the log's (``why``): it is a later one, past grad-free calls of the
+        log the forward did not make (``grad_free.py``), else the call departs."""
         count = self.count
-        if _hidden_state(self.default_dtype) is None and inert_call(func, kwargs):
+        if _hidden_state(self.default_dtype) is None:
             k = c
             while k < len(self.calls) and self.calls[k].grad_free:
                 k += 1
                 if self._departure(k, func, args, kwargs) is None:
                     return self._matched(k, func, args, kwargs, ran)
-            before, hooked = Before(args, kwargs), self.hooked
-            ran = func(*args, **kwargs) if ran is _NOT_RUN else ran
-            # A call that saved a tensor or returned from a submodule is not passed over.
-            if before.grad_free(ran) and self.hooked == hooked:
-                self.count = c
-                self.pass_over(why, ran)
-                return ran
         self.count = count
         self.diverge(why, c)
-        return self._logged(func, args, kwargs, ran, False)
+        return self._logged(func, args, kwargs, ran)
 
     def _matched(self, c: int, func: Any, args: tuple, kwargs: dict, ran: Any) -> Any:
         """Call ``c`` is the log's: run (``ran`` as for ``_checked``), its outputs of source
@@ -320,14 +315,12 @@ class CallCheck(TorchFunctionMode, Checking):
             self.sources.made(out, c)
         return out
 
-    def _logged(
-        self, func: Any, args: tuple, kwargs: dict, ran: Any, free: bool | None = None
-    ) -> Any:
+    def _logged(self, func: Any, args: tuple, kwargs: dict, ran: Any) -> Any:
         """A call after the call departed (its first, the departing call): run, and logged as
-        a recorded call logs it, for the check of the backward's run of the forward
-        (``trail``; ``ran`` as for ``_checked``; ``free``: whether it is grad-free, where
-        known). An argument not compared by value, or dispatch state a check would see as
-        hidden, leaves the run unchecked (``trail`` None)."""
+        a recorded call logs it, with whether it was grad-free (``grad_free.py``), for the
+        check of the backward's run of the forward (``trail``; ``ran`` as for ``_checked``).
+        An argument not compared by value, or dispatch state a check would see as hidden,
+        leaves the run unchecked (``trail`` None)."""
         self.unchecked(args, kwargs)
         trail = self.trail
         if trail is not None and _hidden_state(self.default_dtype) is None:
@@ -342,11 +335,12 @@ class CallCheck(TorchFunctionMode, Checking):
         get_state = _STATE.get(func)
         state = get_state and get_state()
         # A getter that ``ran`` has no side effects: what it changed is what ``Before`` reads.
-        before = Before(args, kwargs) if free is None and inert_call(func, kwargs) else None
+        before = Before.of(args, kwargs) if inert_call(func, kwargs) else None
+        hooked = self.hooked
         out = func(*args, **kwargs) if ran is _NOT_RUN else ran
-        if free is None:
-            free = before is not None and before.grad_free(out)
-        trail.append(Call(_key(func), t_args, t_kwargs, (0, 0), state, bool(free)))
+        # Not grad-free either: a call that saved a tensor or returned from a submodule.
+        free = before is not None and before.grad_free(out) and self.hooked == hooked
+        trail.append(Call(_key(func), t_args, t_kwargs, (0, 0), state, free))
         assert self.matched is not None, "logged after a departure"
         self.sources.made(out, self.matched + len(trail) - 1)
         return out

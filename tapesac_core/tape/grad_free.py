@@ -1,27 +1,32 @@
 """Calls that leave a block's gradients alone, which a check may let come and go.
 
-Why. A user's monitoring hook inside a block (``out.detach().abs().mean()`` every 100 steps)
-makes calls on some steps only. Checked as any other call, such a step departs from its tape,
-and its backward's run of the forward, in which the hook (its own counter moved on) makes other
-calls again, is refused (``rerun_checks.py``): a training run stopped where
+Why. A user's monitoring hook inside a block (``out.detach().abs().mean().item()`` every 100
+steps) makes calls on some steps only. Such a step departs from its tape and its backward runs
+the forward again, in which the hook (its counter moved on) does not make them: checked as any
+other calls, that run was refused (``rerun_checks.py``), a training run stopped where
 ``torch.utils.checkpoint`` computes the right gradients.
 
-Contract. A call is grad-free when none of its outputs requires grad or is one of its
-arguments, it is not in-place, a setter or a call into ``out=`` (``inert_call``; an op: no
-write in its schema), it wrote into no tensor (no argument's version moved), and it took no
-``Generator`` and moved no default generator's state (it drew no random numbers). Such a call
-saves nothing for backward and changes nothing another call reads but its own outputs, so a check (``call_checks.CallCheck``) may pass over one that
-its tape (or the forward it checks a run against) does not have, and a tape's grad-free entry
-that the call does not make, as long as no call it compares reads such a call's output: those
-outputs get a source no entry has (``EXTRA``), and a skipped entry's source is never given to a
-tensor, so a compared call that reads one departs, as before. Numbers such a call returns
-(``.item()``) are compared where a compared call takes them, and what they steer shows as other
-calls.
+Contract. A call is grad-free when no tensor it takes or returns requires grad (not merely grad
+mode off: inside a custom ``autograd.Function``'s forward, calls on its inputs decide what it
+saves) or is an inference tensor (no version to read), it is not in-place, a setter or a call
+into ``out=`` (``inert_call``; an op: no write in its schema), no tensor argument's version
+moved, it took no ``Generator`` and moved no default generator's state (it drew no random
+numbers), and autograd saved nothing and no submodule returned while it ran. What it made is
+read by later calls only as their arguments: compared by source and value, so skipping it is
+seen wherever it mattered, unless autograd saves what it made, which takes no argument.
+
+So a check may skip a grad-free entry its tape has and the call does not make (a tape recorded
+on a step the hook ran), and the check of a departed call's run in backward may skip the
+forward's grad-free calls the run does not make, but never one whose output autograd saved
+(``Checking.packed``, and the tape's packed values at recording). A call of its own, in the
+forward or in the run, is never passed over: in the forward it departs (its backward runs the
+forward again), in the run it is refused (a hook firing only there would change its state a
+second time). Where sizes follow the data, only entries with no size arguments are skipped
+(``op_checks.SteadyCheck``).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,35 +39,31 @@ from ..tensors import default_generator, flat_tensors, has_default_generator
 Tensor = torch.Tensor
 
 
-class _Extra:
-    """The source of a tensor a grad-free call made that its tape has no entry for."""
-
-    def __repr__(self) -> str:
-        return "a grad-free call's output"
-
-
-EXTRA = _Extra()
-
-
 class Before:
     """What a call may change without a dispatch mode seeing it, read just before it runs: its
     tensor arguments' versions and the states of the default generators it may draw from."""
 
     __slots__ = ("generators", "states", "tensors", "versions")
 
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        self.tensors = flat_tensors((args, kwargs))
-        self.versions = [t._version for t in self.tensors]
-        self.generators = _generators(self.tensors, args, kwargs)
-        self.states = [_state(g) for g in self.generators] if self.generators else []
+    def __init__(self, tensors: list[Tensor], generators: list[torch.Generator]) -> None:
+        self.tensors, self.generators = tensors, generators
+        self.versions = [t._version for t in tensors]
+        self.states = [_state(g) for g in generators]
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict) -> Before | None:
+        """The state before a call on ``args`` and ``kwargs``; None where it cannot be
+        grad-free (a tensor requiring grad or an inference tensor, a ``Generator``)."""
+        tensors = flat_tensors((args, kwargs))
+        if any(t.requires_grad or t.is_inference() for t in tensors):
+            return None
+        generators = _generators(tensors, args, kwargs)
+        return None if generators is None else cls(tensors, generators)
 
     def grad_free(self, out: Any) -> bool:
         """Whether the call, which returned ``out``, was grad-free (see the module)."""
-        if self.generators is None:  # a Generator argument: it may have drawn
+        if any(t.requires_grad or t.is_inference() for t in flat_tensors(out)):
             return False
-        for t in flat_tensors(out):
-            if t.requires_grad or any(t is a for a in self.tensors):
-                return False
         if any(t._version != v for t, v in zip(self.tensors, self.versions)):
             return False
         # Bookkeeping, unseen by every mode (a user's FLOP counter).
@@ -94,6 +95,12 @@ def _generators(
     return [default_generator(d) for d in devices if d.type != "meta" and has_default_generator(d)]
 
 
+def untouched(args: tuple, kwargs: dict, out: Any) -> bool:
+    """Whether no tensor a recorded call took or returned requires grad or is an inference
+    tensor: the part of being grad-free a recording tells by itself."""
+    return not any(t.requires_grad or t.is_inference() for t in flat_tensors((args, kwargs, out)))
+
+
 def inert_call(func: Any, kwargs: dict) -> bool:
     """Whether a torch function may be grad-free by what it is: not an in-place method
     (``add_``, ``__iadd__``), a setter (``t.data = x``, ``t[i] = x``) nor a call into ``out=``,
@@ -120,10 +127,3 @@ _SETTERS = frozenset(
         ),
     )
 )
-
-
-def pass_over(out: Any, made_by_id: dict[int, Any]) -> None:
-    """A grad-free call no entry stands for returned ``out``: its tensors take the source
-    ``EXTRA``."""
-    for t in flat_tensors(out):
-        made_by_id[id(t)] = (weakref.ref(t), EXTRA, t.data_ptr())

@@ -44,7 +44,7 @@ import torch
 from .._compat import DispatchModeWithoutDynamoGuard, raw_call
 from ..measure.memory import not_counted
 from ..tensors import Slot, flat_tensors, slot
-from .grad_free import Before, pass_over
+from .grad_free import Before, untouched
 from .ops import op_info
 
 Tensor = torch.Tensor
@@ -221,7 +221,7 @@ class OpLog:
         it neither draws random numbers nor writes in place."""
         e_args, e_kwargs = recorded
         sources = _sources(args, kwargs, e_args, e_kwargs, self.sources)
-        free = inert and not reads_gradients(args, kwargs)
+        free = inert and untouched(args, kwargs, out)
         if node >= 0:
             check = Check(func, node, None, None, sources, free)
         else:
@@ -242,20 +242,11 @@ class OpLog:
         return OpKinds(frozenset(self.passed), frozenset(self.same_ops))
 
 
-def logged_check(
-    func: Any, args: tuple, kwargs: dict, sources: Sources, grad_free: bool = False
-) -> Check:
+def logged_check(func: Any, args: tuple, kwargs: dict, sources: Sources) -> Check:
     """``func`` on ``args`` and ``kwargs`` as a check compares a later call of it: its
     arguments with each tensor a ``Slot``, and where each tensor came from."""
     e_args, e_kwargs = _slotted(args), {k: _slotted(v) for k, v in kwargs.items()}
-    sources_of = _sources(args, kwargs, e_args, e_kwargs, sources)
-    return Check(func, -1, e_args, e_kwargs, sources_of, grad_free)
-
-
-def reads_gradients(args: tuple, kwargs: dict) -> bool:
-    """Whether an op on ``args`` and ``kwargs`` makes outputs that require grad, as autograd,
-    above a dispatch mode, decides: grad mode on and a tensor argument requiring grad."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in flat_tensors((args, kwargs)))
+    return Check(func, -1, e_args, e_kwargs, _sources(args, kwargs, e_args, e_kwargs, sources))
 
 
 def _sources(args: tuple, kwargs: dict, e_args: Any, e_kwargs: Any, sources: Sources) -> tuple:
@@ -447,22 +438,25 @@ class Checking:
     # (``rerun_checks.py``).
     matched: int | None = None
     trail: list[Any] | None = None
-    # How the first call or op the check passed over as grad-free differed (``grad_free.py``):
-    # where a later one departs, likely why.
-    passed: str | None = None
 
     def diverge(self, why: str, at: int) -> None:
         """The call departed from its tape at entry ``at``: said once, and nothing more is
         compared; what it runs from there is logged (``trail``)."""
-        if self.passed is not None:
-            why = f"{why}; before it, {self.passed}, passed over as grad-free"
         self.diverged, self.off = why, True
         self.matched, self.trail = at, []
 
-    def pass_over(self, why: str, out: Any) -> None:
-        """A grad-free call or op that differed from its tape (``why``) returned ``out``."""
-        self.passed = self.passed or why
-        pass_over(out, self.sources.made_by_id)
+    def packed(self, t: Tensor) -> None:
+        """After a departure, autograd saves ``t``: the run in backward may not skip the entry
+        of the trail that made it (``grad_free.py``)."""
+        entry = self.sources.made_by_id.get(id(t))
+        trail, matched = self.trail, self.matched
+        if entry is None or entry[0]() is not t or trail is None or matched is None:
+            return
+        key = entry[1]
+        if type(key) is int and key >= 0:
+            i = (key >> OUTPUT_BITS) - matched
+            if 0 <= i < len(trail) and trail[i].grad_free:
+                trail[i] = trail[i]._replace(grad_free=False)
 
     hooked = 0  # how many times a hook paused the check (``pause``): packs, submodule exits
 
@@ -624,9 +618,8 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         return out
 
     def _unmatched(self, c: int, why: str, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Op ``c`` is not the log's (``why``): it is a later one, past grad-free ops the
-        forward did not dispatch, or a grad-free op of its own, both passed over
-        (``grad_free.py``); else the call departs."""
+        """Op ``c`` is not the log's (``why``): it is a later one, past grad-free ops of the log
+        the forward did not dispatch (``grad_free.py``), else the call departs."""
         checks, k = self.checks, c
         while k < len(checks) and self._skippable(checks[k]):
             k += 1
@@ -636,16 +629,6 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
                     self.count = k + 1
                     return self._matched(k, func, args, kwargs)
                 del self.sizes[gathered:]
-        info = op_info(func)
-        if not info.mutated and not info.random and not reads_gradients(args, kwargs):
-            before, hooked = Before(args, kwargs), self.hooked
-            out = raw_call(func)(*args, **kwargs)
-            if before.grad_free(out) and self.hooked == hooked:
-                self.pass_over(why, out)
-                self.count = c
-                return out
-            self.diverge(why, c)
-            return self._logged(func, args, kwargs, out)
         self.diverge(why, c)
         return self._logged(func, args, kwargs)
 
@@ -665,11 +648,11 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         self.sources.made(out, c)
         return out
 
-    def _logged(self, func: Any, args: tuple, kwargs: dict, ran: Any = _MISSING) -> Any:
-        """An op after the call departed (its first, the departing op): run (unless it ``ran``
-        already, a departing op that was not grad-free), and logged as a recorded call logs it,
-        for the check of the backward's run of the forward (``trail``); ops any check lets pass
-        wherever they come (``_unexpected``: identity, unrecorded and collective ops) are not."""
+    def _logged(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op after the call departed (its first, the departing op): run, and logged as a
+        recorded call logs it, with whether it was grad-free (``grad_free.py``), for the check
+        of the backward's run of the forward (``trail``); ops any check lets pass wherever they
+        come (``_unexpected``: identity, unrecorded and collective ops) are not."""
         info = op_info(func)
         if info.unrecorded or info.collective:
             return func(*args, **kwargs)
@@ -681,15 +664,14 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         trail = self.trail
         assert trail is not None and self.matched is not None, "logged after a departure"
         check = logged_check(func, args, kwargs, self.sources)
-        if ran is _MISSING:
-            inert = not info.mutated and not info.random and not reads_gradients(args, kwargs)
-            before = Before(args, kwargs) if inert else None
-            ran = raw_call(func)(*args, **kwargs)
-            if before is not None and before.grad_free(ran):
-                check = check._replace(grad_free=True)
+        before = None if info.mutated or info.random else Before.of(args, kwargs)
+        hooked = self.hooked
+        out = raw_call(func)(*args, **kwargs)
+        if before is not None and before.grad_free(out) and self.hooked == hooked:
+            check = check._replace(grad_free=True)
         trail.append(check)
-        self.sources.made(ran, self.matched + len(trail) - 1)
-        return ran
+        self.sources.made(out, self.matched + len(trail) - 1)
+        return out
 
     def _differs(self, check: Check, args: tuple, kwargs: dict) -> str | None:
         if check.node >= 0:

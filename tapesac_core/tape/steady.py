@@ -139,6 +139,10 @@ class SteadyTape:
     empty: tuple[tuple[int, Meta], ...]  # external tensors of no bytes, made again by layout
     inputs: tuple[int | None, ...]  # per block input, the value it is kept as (None: not kept)
     outputs: tuple[int | None, ...]  # per output tensor, its value if backward may take it alive
+    # Per output tensor, where it came from (``op_checks.Sources.key``), as the calls' check
+    # and as the ops' check know it: a call returning another tensor there (its input, say)
+    # gives backward none alive.
+    output_sources: tuple[tuple[Any, ...], tuple[Any, ...]]
     kept: frozenset[int]
     saved: frozenset[int]
     pack_count: Mapping[int, int]
@@ -242,7 +246,8 @@ def steady_tape(
     random = tuple(n for n in stateless.nodes if n.rng is not None)
     data = data_dependent(tape)
     leaf_storages = {v.sid: v.vid for v in values if v.kind in (PARAM, BUFFER)}
-    by_call = eligible(calls, ops.checks, tape.nodes, bool(ops.passed), data)
+    packed = frozenset(handles)
+    by_call = eligible(calls, ops.checks, tape.nodes, bool(ops.passed), data, packed)
     return SteadyTape(
         tape=stateless,
         handles=handles,
@@ -253,13 +258,22 @@ def steady_tape(
         empty=tuple(empty),
         inputs=tuple(input_vid.get(i) for i in range(len(inputs))),
         outputs=tuple(v if v in alive else None for v in output_vids),
+        output_sources=(
+            tuple(calls.sources.key(t) for t in outputs),
+            tuple(ops.sources.key(t) for t in outputs),
+        ),
         kept=block.kept,
         saved=block.trace.saved,
         pack_count=block.pack_count,
         writes_in_place=block.writes_in_place,
         device_types=frozenset(block.device_types),
         autograd=autograd,
-        checks=tuple(ops.checks),
+        checks=tuple(
+            c._replace(grad_free=False)
+            if c.grad_free and c.node >= 0 and not packed.isdisjoint(tape.nodes[c.node].outs)
+            else c
+            for c in ops.checks
+        ),
         drawing={
             c: check.node
             for c, check in enumerate(ops.checks)
@@ -445,6 +459,8 @@ class SteadyForward:
     def _pack(self, t: Tensor) -> int:
         k = self.count
         self.count = k + 1
+        if self.check.diverged is not None:
+            self.check.packed(t)
         if self.diverged is None and self.binding is not None:
             return self._pack_bound(k, t, self.binding)
         if self.diverged is None:
@@ -577,10 +593,12 @@ class SteadyForward:
             block.trace.draws_bytes = block.draws.nbytes
         self.rng = []  # only a recomputation needs it: the pack hook lives as long as the graph
         block.note_leaves(check.sources.read)
+        sources = entry.output_sources[0 if isinstance(check, CallCheck) else 1]
+        key = check.sources.key
         block.refs = {
             vid: (weakref.ref(t), t._version)
-            for vid, t in zip(entry.outputs, outputs)
-            if vid is not None
+            for vid, t, source in zip(entry.outputs, outputs, sources)
+            if vid is not None and key(t) == source
         }
         return None
 
