@@ -58,6 +58,7 @@ def _run(
     steps: int,
     plan: dict | None = None,
     change: Callable[[Block, int], None] | None = None,
+    input_grad: bool = True,
 ) -> tuple[list[str], list, list]:
     """``steps`` training steps of a checkpointed ``make()`` against one without checkpointing,
     each with ``hook(log)`` on its ``a``: bitwise every step; the path each step took and both
@@ -77,7 +78,8 @@ def _run(
             if change is not None:
                 change(reference, i)
                 change(block, i)
-            x = torch.randn(4, D, generator=torch.Generator().manual_seed(i), requires_grad=True)
+            x = torch.randn(4, D, generator=torch.Generator().manual_seed(i))
+            x.requires_grad_(input_grad)
             with autocast:
                 ref = step(reference, lambda: reference(x).square().sum(), seed=i)
             with tapesac_core.trace() as blocks, autocast:
@@ -256,3 +258,97 @@ def test_a_hook_under_inference_mode_is_no_crash(level: str) -> None:
 
     with pytest.raises(TapeSACError, match="ran differently when run again in backward"):
         _run(Block, lambda log: every(3, 3, stat, log), level, 3)
+
+
+class Scaled(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_run_in_backward_that_makes_a_call_the_forward_skipped_is_refused(level: str) -> None:
+    """The tape was recorded while the hook ran (step 0); step 3 skips its calls, then departs
+    (a new scale), and in its run in backward the hook (counter moved on) runs: its calls are
+    the tape's, but not the forward's. Accepted, the hook's state moved twice (found by a
+    review); refused, as a call only the run makes is."""
+
+    def scale(block: Block, i: int) -> None:
+        block.scale = 1.0 if i < 3 else 0.5
+
+    def detached(out: torch.Tensor) -> torch.Tensor:
+        return out.detach().abs().mean()
+
+    with pytest.raises(TapeSACError, match="none there \\(a grad-free call it skipped\\)"):
+        _run(Scaled, lambda log: every(4, 1, detached, log), level, 4, change=scale)
+
+
+class Frozen(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a.requires_grad_(False)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_hook_call_returning_its_argument_leaves_its_source(level: str) -> None:
+    """``out.float()`` of a float output that needs no grad (a frozen first layer, an input
+    that needs none) returns ``out``: a call of the tape that does so no longer gives the
+    block's own tensor a new source, which steps without the hook then read from elsewhere
+    (refused before, found by a review)."""
+
+    def as_float(out: torch.Tensor) -> torch.Tensor:
+        return out.float().abs().mean()
+
+    hook = lambda log: every(4, 1, as_float, log)  # noqa: E731
+    paths, expected, logged = _run(Frozen, hook, level, 6, input_grad=False)
+    assert paths[1:] == ["steady"] * 5
+    assert [t.item() for t in logged] == [t.item() for t in expected]
+
+
+class DoubleBuffered(Block):
+    """Uses the previous refresh's mask; on a refresh, computes the next one without grad. A
+    custom Function saves the mask it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refresh = False
+        self.register_buffer("mask", torch.ones(4, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        mask = self.mask
+        if self.refresh:
+            self.refresh = False  # the run in backward does not refresh
+            self.mask = (h.detach().abs() > 0.3).to(h.dtype)
+        return self.b(Through.apply(h, mask)).float()
+
+
+class Through(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(mask)
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (mask,) = ctx.saved_tensors
+        return g * mask, None
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_run_in_backward_saving_another_tensor_is_never_read(level: str) -> None:
+    """The run in backward skips the refresh and hands the Function the new mask (found by a
+    review: read by backward, silently). Each step is bitwise, or refused."""
+
+    def refresh(block: Block, i: int) -> None:
+        block.refresh = i == 2
+
+    try:
+        paths, _, _ = _run(DoubleBuffered, None, level, 4, change=refresh)
+    except TapeSACError as e:
+        assert "saved tensor 2 was made by other calls than the forward's" in str(e)
+    else:
+        assert paths[2] == "diverged"

@@ -17,6 +17,7 @@ import torch
 from support import assert_bitwise, block_paths, step
 
 import tapesac_core
+from tapesac_core.errors import TapeSACError
 from tapesac_core.tape.op_checks import shown
 from tapesac_core.tape.steady import Recorded
 
@@ -312,3 +313,57 @@ def test_a_schedule_that_settles_runs_in_steady_state_again() -> None:
     paths = _paths(Ramped, 14, _ramp)
     assert "diverged" in paths and str(Recorded.GRAPH_DIFFERS) in paths
     assert paths[-3:] == ["steady"] * 3
+
+
+class Pick(torch.autograd.Function):
+    """Saves ``sin`` or ``cos`` of its input as ``flag`` says: both computed either way."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, flag: bool) -> torch.Tensor:
+        a, b = h.sin(), h.cos()
+        ctx.save_for_backward(a if flag else b)
+        return h * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (saved,) = ctx.saved_tensors
+        return g * saved, None
+
+
+class Picking(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(D, D)
+        self.flag = True
+        self.counted = False  # the forward flips the flag itself, every call
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        flag = self.calls % 2 == 0 if self.counted else self.flag
+        return Pick.apply(self.a(x), flag).tanh()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_what_a_custom_function_saves_is_checked_by_where_it_came_from(autocast: bool) -> None:
+    """The same calls either way; only the saved tensor differs (same shape and dtype). Before,
+    the step after the flag changed ran from the tape and saved the tape's choice: wrong
+    gradients, silently, at both levels."""
+
+    def flip(m: torch.nn.Module, i: int) -> None:
+        m.flag = i < 2
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        paths = _paths(Picking, 4, flip)
+    assert paths[1:3] == ["steady", "diverged"]
+
+
+def test_a_run_in_backward_that_saves_another_tensor_is_refused() -> None:
+    """A departed call's run in backward makes the same calls, but its Function saves the other
+    tensor (the forward's counter moved): refused, where it would read what it saved."""
+    block = tapesac_core.checkpoint_module(Picking())
+    block.counted = True
+    x = torch.randn(4, D, requires_grad=True)
+    block(x).sum().backward()  # recorded, flag False
+    with pytest.raises(TapeSACError, match="saved tensor 2 was made by other calls"):
+        block(x).sum().backward()  # flag True: departs; its run in backward saves as False

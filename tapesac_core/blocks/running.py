@@ -208,6 +208,8 @@ class _Recording:
         # A module block's calls, for its steady-state calls to check (``call_checks.py``).
         module = block.module
         self.calls = CallLog(inputs, module, recorder.ops) if module is not None else None
+        if self.calls is not None:
+            recorder.call_sources = self.calls.sources
         self.outputs: list[torch.Tensor] = []
         self.output_vids: list[int] = []
 
@@ -369,6 +371,7 @@ def _run_steady(
             forward.rng,
             signature.autocast,
             forward.layouts(),
+            forward.sources,
             _recording,
             [] if block.module is None else leaves_of(block.module, forward.check.sources.read),
             rerun_check(forward.check),

@@ -157,7 +157,8 @@ class CallLog(TorchFunctionMode):
         # Grad-free as far as it and its outputs tell; ``eligible`` adds what its ops tell.
         free = inert_call(func, kwargs) and untouched(args, kwargs, out)
         self.calls.append(Call(_key(func), t_args, t_kwargs, (first, end), state and state(), free))
-        self.sources.made(out, index)
+        if not _returned_argument(func, args, kwargs, out):
+            self.sources.made(out, index)
         return out
 
 
@@ -298,6 +299,7 @@ class CallCheck(TorchFunctionMode, Checking):
             while k < len(self.calls) and self.calls[k].grad_free:
                 k += 1
                 if self._departure(k, func, args, kwargs) is None:
+                    self.skip(c, k)
                     return self._matched(k, func, args, kwargs, ran)
         self.count = count
         self.diverge(why, c)
@@ -309,6 +311,8 @@ class CallCheck(TorchFunctionMode, Checking):
         if c in self.drawing:
             self.read_state(self.drawing[c])
         out = func(*args, **kwargs) if ran is _NOT_RUN else ran
+        if args and out is args[0] and _returned_argument(func, args, kwargs, out):
+            return out
         if type(out) is Tensor:
             self.made_by_id[id(out)] = (weakref.ref(out), c << OUTPUT_BITS, out.data_ptr())
         else:
@@ -342,7 +346,8 @@ class CallCheck(TorchFunctionMode, Checking):
         free = before is not None and before.grad_free(out) and self.hooked == hooked
         trail.append(Call(_key(func), t_args, t_kwargs, (0, 0), state, free))
         assert self.matched is not None, "logged after a departure"
-        self.sources.made(out, self.matched + len(trail) - 1)
+        if not _returned_argument(func, args, kwargs, out):
+            self.sources.made(out, self.matched + len(trail) - 1)
         return out
 
     def _departure(self, c: int, func: Any, args: tuple, kwargs: dict) -> str | None:
@@ -550,6 +555,13 @@ def _key(func: Any) -> Any:
     """``func`` as a value equal for equal functions: a property's getter or setter comes as a
     new method-wrapper at each access, around the same descriptor."""
     return (func.__self__, func.__name__) if type(func) is MethodWrapperType else func
+
+
+def _returned_argument(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+    """Whether a call returned its first argument as it was (``.float()`` of a float tensor,
+    ``.contiguous()`` of a contiguous one): it keeps its source, whether a hook made the call
+    or not. An in-place method returns its written argument: a new source."""
+    return bool(args) and out is args[0] and inert_call(func, kwargs)
 
 
 def _name(func: Any) -> str:

@@ -21,8 +21,10 @@ forward's grad-free calls the run does not make, but never one whose output auto
 (``Checking.packed``, and the tape's packed values at recording). A call of its own, in the
 forward or in the run, is never passed over: in the forward it departs (its backward runs the
 forward again), in the run it is refused (a hook firing only there would change its state a
-second time). Where sizes follow the data, only entries with no size arguments are skipped
-(``op_checks.SteadyCheck``).
+second time), and so is a tape entry the forward skipped (``rerun_checks``). Where sizes
+follow the data, only entries with no size arguments are skipped (``op_checks.SteadyCheck``).
+What autograd saves is checked by its source as well (``Sources.pack_key``): a custom
+``autograd.Function`` may save what such a call made, which no argument shows.
 """
 
 from __future__ import annotations

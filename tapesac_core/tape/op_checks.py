@@ -84,6 +84,12 @@ def leaf_names(module: torch.nn.Module) -> dict[int, str]:
     return names
 
 
+class SavedLeaf(NamedTuple):
+    """The source of a saved tensor that is the block module's parameter or buffer ``name``."""
+
+    name: str
+
+
 class Sources:
     """Where each tensor a block's forward touches came from, as keys equal across two calls
     that dispatched the same ops: an int for a logged op's output and for a block input (by
@@ -113,6 +119,36 @@ class Sources:
         if entry is not None and entry[0]() is t and entry[2] == t.data_ptr():
             return entry[1]
         return self._unseen(t)
+
+    def made_key(self, t: Tensor) -> Any:
+        """``t``'s source where a logged call or op of this forward made it, or it is an input
+        or the ``detach`` of one; else None (a parameter, or made by the call running now): at
+        a pack, the same in every call that ran the same calls."""
+        entry = self.made_by_id.get(id(t))
+        if entry is not None and entry[0]() is t and entry[2] == t.data_ptr():
+            return entry[1]
+        return None
+
+    def pack_key(self, t: Tensor) -> Any:
+        """``made_key``, or for a parameter or buffer its ``SavedLeaf`` (read as the forward
+        read it: a forward may replace it on its module after saving it)."""
+        key = self.made_key(t)
+        if key is not None:
+            return key
+        if self._leaves is None:
+            self._leaves = leaf_names(self._module)
+        name = self._leaves.get(id(t))
+        if name is None:
+            return None
+        self.read.setdefault(name, t)
+        return SavedLeaf(name)
+
+    def saved_is(self, t: Tensor, key: Any) -> bool:
+        """Whether autograd saves in ``t`` what it saved with ``pack_key`` ``key``: for a
+        parameter or buffer by its name on the module (cheaper than ``pack_key``)."""
+        if type(key) is SavedLeaf:
+            return self.made_key(t) is None and self.named(t, key.name)
+        return self.made_key(t) == key
 
     def note_leaf(self, t: Tensor) -> None:
         """If ``t``, not made by the forward, is one of the module's parameters or buffers, it
@@ -445,6 +481,14 @@ class Checking:
         self.diverged, self.off = why, True
         self.matched, self.trail = at, []
 
+    # The tape's grad-free entries the call skipped (``grad_free.py``): the run in backward may
+    # not make them (``rerun_checks.rerun_check``).
+    skipped: tuple[int, ...] = ()
+
+    def skip(self, first: int, end: int) -> None:
+        """The call skipped the tape's grad-free entries ``first`` to ``end`` (not included)."""
+        self.skipped = (*self.skipped, *range(first, end))
+
     def packed(self, t: Tensor) -> None:
         """After a departure, autograd saves ``t``: the run in backward may not skip the entry
         of the trail that made it (``grad_free.py``)."""
@@ -627,6 +671,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
                 gathered = len(self.sizes)
                 if self._differs(checks[k], args, kwargs) is None:
                     self.count = k + 1
+                    self.skip(c, k)
                     return self._matched(k, func, args, kwargs)
                 del self.sizes[gathered:]
         self.diverge(why, c)

@@ -37,6 +37,7 @@ class Recompute:
         rng: list[tuple[torch.Generator, Tensor]],
         autocast: Sequence[tuple[str, torch.dtype]],
         layouts: list[Layout],
+        sources: list[Any],
         running: Callable[[Any], AbstractContextManager[Any]],
         leaves: list[Leaf],
         checked: RerunCheck | None,
@@ -44,6 +45,10 @@ class Recompute:
     ) -> None:
         self.name, self.fn, self.args, self.kwargs = name, fn, args, kwargs
         self.rng, self.autocast, self.layouts, self.running = rng, autocast, layouts, running
+        # Where each tensor the forward saved came from (``Sources.made_key``), and the run's:
+        # a custom ``autograd.Function`` picks what it saves in Python, which no check sees.
+        self.sources = sources
+        self._sources: list[Any] = []
         self.leaves = leaves  # the module's parameters and buffers as the forward used them
         # What the forward ran, which the run checks against (``rerun_checks.py``), and the
         # mode checking the run now (paused at its packs).
@@ -114,6 +119,13 @@ class Recompute:
         if check is not None:
             assert self.checked is not None, "a run is checked against its forward"
             why = self.checked.verdict(check)
+            sources, self._sources = self._sources, []
+            if why is None and sources != self.sources:
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(sources, self.sources)) if a != b),
+                    min(len(sources), len(self.sources)),
+                )
+                why = f"saved tensor {first} was made by other calls than the forward's"
             if why is not None:
                 self._packing = []
                 raise TapeSACError(
@@ -146,6 +158,7 @@ class Recompute:
     def pack(self, t: Tensor) -> int:
         check = self._check
         if check is not None:
+            self._sources.append(check.sources.pack_key(t))
             check.pause()
         try:
             if self.recorder_pack is not None:

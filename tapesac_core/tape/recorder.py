@@ -43,7 +43,7 @@ from ..tensors import (
     view_on,
 )
 from .holding import Holding
-from .op_checks import OpLog
+from .op_checks import OpLog, Sources
 from .ops import OpInfo, arg, is_random_call, op_info
 from .steady import PackLog
 from .tape import BUFFER, INPUT, OP, PARAM, Node, Value
@@ -84,6 +84,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         self.hot: dict[int, OpInfo] = {}  # the ops of ``infos`` the fast path records
         self.log = PackLog()  # what steady-state calls check and bind at their packs
         self.ops: OpLog | None = None  # what a module block's steady-state calls check
+        self.call_sources: Sources | None = None  # where its calls' log knows tensors from
         # The last op's writes, each (tensor, its version before, its values before and after,
         # the packs so far), until ``settle_writes`` sees whether autograd bumped the version.
         self.pending_writes: list[tuple[Tensor, int, int, int, int]] = []
@@ -143,6 +144,11 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         )
         self.packs_on.setdefault(self.ids.values[vid].sid, []).append(len(handles) - 1)
         log = self.log
+        if self.ops is not None:
+            calls = self.call_sources
+            log.sources.append(
+                (None if calls is None else calls.pack_key(t), self.ops.sources.pack_key(t))
+            )
         log.layouts.append((t.shape, t.dtype))
         log.views.append((t.stride(), t.storage_offset()))  # type: ignore[arg-type]  # eager: int
         holding = self.holding

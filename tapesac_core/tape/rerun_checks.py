@@ -113,12 +113,12 @@ def rerun_check(check: SteadyCheck | CallCheck) -> RerunCheck | None:
         matched, trail = check.matched, check.trail
     outside = tuple(check.sources.outside)
     if isinstance(check, CallCheck):
-        expected = (*check.calls[:matched], *trail)
+        expected = (*_unmade(check.calls[:matched], check.skipped, "func"), *trail)
         return RerunCheck(False, expected, (), None, check.nodes, None, (), outside)
     fast = (*check.fast[:matched], *fast_checks(trail, check.nodes))
     return RerunCheck(
         True,
-        (*check.checks[:matched], *trail),
+        (*_unmade(check.checks[:matched], check.skipped, "op"), *trail),
         fast,
         check.kinds,
         check.nodes,
@@ -126,3 +126,23 @@ def rerun_check(check: SteadyCheck | CallCheck) -> RerunCheck | None:
         tuple(check.sizes),
         outside,
     )
+
+
+class _Skipped:
+    """What a tape entry the forward skipped (``grad_free.py``) stands for in the run's check:
+    no call or op is it, so the run may skip it too, never make it (a hook firing only there)."""
+
+    def __repr__(self) -> str:
+        return "none there (a grad-free call it skipped)"
+
+
+_SKIPPED = _Skipped()
+
+
+def _unmade(entries: Sequence[Any], skipped: tuple[int, ...], field: str) -> list[Any]:
+    """``entries`` with those the forward skipped made unmatchable (their ``field``)."""
+    out = list(entries)
+    for i in skipped:
+        if i < len(out):
+            out[i] = out[i]._replace(**{field: _SKIPPED})
+    return out

@@ -112,6 +112,9 @@ class PackLog:
     layouts: list[Layout] = field(default_factory=list)
     views: list[View] = field(default_factory=list)
     exit_packs: list[int] = field(default_factory=list)
+    # Each packed tensor's source as the calls' and as the ops' check know it
+    # (``Sources.made_key``): a custom ``autograd.Function`` picks what it saves in Python.
+    sources: list[tuple[Any, Any]] = field(default_factory=list)
 
 
 class Holds(NamedTuple):
@@ -131,6 +134,8 @@ class SteadyTape:
 
     tape: Tape
     handles: tuple[int, ...]  # the value of each pack, in pack order
+    # Per pack, its tensor's source as the calls' check, and as the ops' check, knows it.
+    pack_sources: tuple[tuple[Any, ...], tuple[Any, ...]]
     packs: tuple[Layout, ...]  # shape and dtype of each pack, checked as the packs come
     hold: Mapping[int, Holds]  # pack index -> the values held from the packed tensor's storage
     # Submodule exit -> (position of a returned tensor, its layout, what is held from it).
@@ -251,6 +256,7 @@ def steady_tape(
     return SteadyTape(
         tape=stateless,
         handles=handles,
+        pack_sources=(tuple(c for c, _ in log.sources), tuple(o for _, o in log.sources)),
         packs=tuple(log.layouts),
         hold=hold,
         exit_hold=exit_hold,
@@ -400,12 +406,14 @@ class SteadyForward:
         self.diverged: str | None = None
         self.departed: int | None = None  # op checks passed before a pack departed
         self.later: list[Layout] = []  # packs after a divergence, for the recomputation's check
+        self.sources: list[Any] = []  # each pack's ``Sources.made_key``, for it too
         self.exits = 0
         self.outside: dict[int, Tensor] = {}  # held externals, as ``Holding.outside``
         block.on_exit = self.exited
         self.rng = generator_states(inputs)
         assert block.module is not None, "only module blocks run in steady state"
         self.check = _checking(entry, inputs, block.module, binding)
+        self.level = 0 if isinstance(self.check, CallCheck) else 1  # of ``pack_sources``
         self._switch = switch  # to another template of the binding's family
         if switch is not None and isinstance(self.check, SteadyCheck):
             self.check.switch = self.switched
@@ -459,21 +467,30 @@ class SteadyForward:
     def _pack(self, t: Tensor) -> int:
         k = self.count
         self.count = k + 1
-        if self.check.diverged is not None:
-            self.check.packed(t)
+        check = self.check
+        if check.diverged is not None:
+            check.packed(t)
         if self.diverged is None and self.binding is not None:
             return self._pack_bound(k, t, self.binding)
         if self.diverged is None:
-            packs = self.entry.packs
+            entry = self.entry
+            packs = entry.packs
             if k < len(packs) and packs[k][1] is t.dtype and packs[k][0] == t.shape:
-                holds = self.entry.hold.get(k)
-                if holds is not None:
-                    self._hold(t, holds)
-                return k
-            expected = f"{tuple(packs[k][0])} {packs[k][1]}" if k < len(packs) else "no pack"
-            self.diverged = (
-                f"saved tensor {k} is {tuple(t.shape)} {t.dtype}, the tape has {expected}"
-            )
+                # Where it came from: a custom ``autograd.Function`` picks what it saves.
+                source = entry.pack_sources[self.level][k]
+                if check.sources.saved_is(t, source):
+                    self.sources.append(source)
+                    holds = entry.hold.get(k)
+                    if holds is not None:
+                        self._hold(t, holds)
+                    return k
+                self.diverged = f"saved tensor {k} was made by other calls than the tape's"
+            else:
+                expected = f"{tuple(packs[k][0])} {packs[k][1]}" if k < len(packs) else "no pack"
+                self.diverged = (
+                    f"saved tensor {k} is {tuple(t.shape)} {t.dtype}, the tape has {expected}"
+                )
+        self.sources.append(check.sources.pack_key(t))
         self.later.append((t.shape, t.dtype))
         return k
 
@@ -482,11 +499,19 @@ class SteadyForward:
         why = binding.check(k, t)
         if why is not None and self.switched(self.check.count, t):
             binding, why = self.binding, None  # type: ignore[assignment]
-        self.diverged = why
+        sources = self.check.sources
         if why is not None:
-            self.departed = self.check.count
+            self.diverged, self.departed = why, self.check.count
+            self.sources.append(sources.pack_key(t))
             self.later.append((t.shape, t.dtype))
             return k
+        source = self.entry.pack_sources[1][k]
+        if not sources.saved_is(t, source):  # bound: among the binding's layouts
+            self.diverged = f"saved tensor {k} was made by other ops than the tape's"
+            self.departed = self.check.count
+            self.sources.append(sources.pack_key(t))
+            return k
+        self.sources.append(source)
         holds = self.entry.hold.get(k)
         if holds is not None:
             self._hold(t, binding.holds(k, holds))
