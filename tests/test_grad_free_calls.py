@@ -93,10 +93,16 @@ def _mean(out: torch.Tensor) -> float:
     return out.detach().abs().mean().item()
 
 
+def _mean_without_grad(out: torch.Tensor) -> float:
+    with torch.no_grad():  # its arguments require grad, its outputs do not
+        return out.abs().mean().item()
+
+
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("plan", [None, {"block": {("aten.addmm.default", 0, 0)}}])
-def test_a_monitoring_hook_on_some_steps_trains_bitwise(level: str, plan) -> None:
-    paths, expected, logged = _run(Block, lambda log: every(3, 3, _mean, log), level, 9, plan)
+@pytest.mark.parametrize("stat", [_mean, _mean_without_grad])
+def test_a_monitoring_hook_on_some_steps_trains_bitwise(level: str, plan, stat) -> None:
+    paths, expected, logged = _run(Block, lambda log: every(3, 3, stat, log), level, 9, plan)
     # The hook runs on step 2: that step departs, and its backward's run of the forward (the
     # hook's counter at 4) skips the hook's calls. Its counter runs one ahead from there, as
     # under torch's checkpoint, which runs the forward again too: it runs on steps 4 and 6.

@@ -1,7 +1,9 @@
 """Writes the dispatcher cannot see: found by the verifying step, then saved (mandatory)."""
 
 import copy
+import functools
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -192,7 +194,7 @@ def test_a_view_saved_before_a_write_without_a_version_bump_reads_what_was_writt
     assert any(n.name == "tapesac.alias" for n in traces[0].tape.nodes)
 
 
-def assert_three_calls_bitwise(cls: type[torch.nn.Module], region: str, plan: dict) -> None:
+def assert_three_calls_bitwise(cls: Callable[[], torch.nn.Module], region: str, plan: dict) -> None:
     """Three calls of a checkpointed copy of ``cls()`` under ``plan`` (recorded, then steady),
     each on a new batch, bitwise those of the module without checkpointing."""
     torch.manual_seed(0)
@@ -207,44 +209,30 @@ def assert_three_calls_bitwise(cls: type[torch.nn.Module], region: str, plan: di
 
 class DataWritten(torch.nn.Module):
     """Writes a saved tensor through ``.data``, whose version counter is not the tensor's:
-    autograd reads the written bytes with no error."""
+    autograd reads the written bytes with no error. ``dropped``: after dropping the tensor,
+    where only its storage tells where the write lands."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropped: bool = False) -> None:
         super().__init__()
         self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.dropped = dropped
 
     def forward(self, x):
         h = self.a(x)
         y = h.sin()  # saves h
+        if self.dropped:
+            d = h.data
+            del h
+            d.clamp_(-0.1, 0.1)
+            return self.b(y)
         h.data.clamp_(-0.1, 0.1)
         return self.b(y + h.cos())  # cos reads (and saves) h as written
 
 
 @pytest.mark.parametrize("plan", [{}, {"written": {("aten.addmm.default", 0, 0)}}])
-def test_a_saved_tensor_written_through_data_is_what_backward_reads(plan) -> None:
-    assert_three_calls_bitwise(DataWritten, "written", plan)
-
-
-class DataWrittenAfterFreed(torch.nn.Module):
-    """Writes a saved tensor's bytes through ``.data`` after dropping the tensor: autograd keeps
-    the tensor and reads the written bytes; its counter did not move (``.data`` has its own)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = self.a(x)
-        y = h.sin()  # saves h
-        d = h.data
-        del h  # the pack's tensor is gone: only the storage tells where the write lands
-        d.clamp_(-0.1, 0.1)
-        return self.b(y)
-
-
-@pytest.mark.parametrize("plan", [{}, {"freed": {("aten.addmm.default", 0, 0)}}])
-def test_a_saved_tensor_dropped_then_written_through_data_is_what_backward_reads(plan) -> None:
-    assert_three_calls_bitwise(DataWrittenAfterFreed, "freed", plan)
+@pytest.mark.parametrize("dropped", [False, True])
+def test_a_saved_tensor_written_through_data_is_what_backward_reads(plan, dropped: bool) -> None:
+    assert_three_calls_bitwise(functools.partial(DataWritten, dropped), "written", plan)
 
 
 class Retargeted(torch.nn.Module):

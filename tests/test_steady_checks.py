@@ -367,3 +367,48 @@ def test_a_run_in_backward_that_saves_another_tensor_is_refused() -> None:
     block(x).sum().backward()  # recorded, flag False
     with pytest.raises(TapeSACError, match="saved tensor 2 was made by other calls"):
         block(x).sum().backward()  # flag True: departs; its run in backward saves as False
+
+
+class Scale(torch.autograd.Function):
+    """Saves its second argument, which no call reads."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
+        return h * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        return g * scale, None
+
+
+class ScaledByAttribute(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(D, D)
+        self.scale = torch.ones(1, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Scale.apply(self.a(x), self.scale.detach()).tanh()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_saved_external_whose_sizes_follow_the_batch_stays_steady(autocast: bool) -> None:
+    """A tensor the loop sets per batch, saved by a Function: its source is compared without
+    its sizes, which its size template binds (found by a review: every call departed)."""
+    torch.manual_seed(0)
+    reference = ScaledByAttribute()
+    block = tapesac_core.checkpoint_module(copy.deepcopy(reference))
+    paths = []
+    for i, rows in enumerate((2, 3, 4, 5, 6, 7, 8)):
+        for m in (reference, block):
+            m.scale = torch.linspace(0.5, 1.5, D).repeat(rows, 1)
+        x = torch.randn(rows, D, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            ref = step(reference, lambda: reference(x).float().sum(), seed=i)
+            with tapesac_core.trace() as blocks:
+                got = step(block, lambda: block(x).float().sum(), seed=i)
+        assert_bitwise(ref, got)
+        paths.append(block_paths(blocks)[0])
+    assert paths[-3:] == ["steady"] * 3, paths

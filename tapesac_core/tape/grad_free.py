@@ -6,14 +6,15 @@ the forward again, in which the hook (its counter moved on) does not make them: 
 other calls, that run was refused (``rerun_checks.py``), a training run stopped where
 ``torch.utils.checkpoint`` computes the right gradients.
 
-Contract. A call is grad-free when no tensor it takes or returns requires grad (not merely grad
-mode off: inside a custom ``autograd.Function``'s forward, calls on its inputs decide what it
-saves) or is an inference tensor (no version to read), it is not in-place, a setter or a call
-into ``out=`` (``inert_call``; an op: no write in its schema), no tensor argument's version
-moved, it took no ``Generator`` and moved no default generator's state (it drew no random
-numbers), and autograd saved nothing and no submodule returned while it ran. What it made is
-read by later calls only as their arguments: compared by source and value, so skipping it is
-seen wherever it mattered, unless autograd saves what it made, which takes no argument.
+Contract. A call is grad-free when none of its outputs requires grad (an op, below autograd:
+grad mode off or no argument requiring grad, ``reads_gradients``), none of its tensors is an
+inference tensor (no version to read), it is not in-place, a setter or a call into ``out=``
+(``inert_call``; an op: no write in its schema), no tensor argument's version moved, it took
+no ``Generator`` and moved no default generator's state (it drew no random numbers), and
+autograd saved nothing and no submodule returned while it ran. What it made is read by later
+calls only as their arguments: compared by source and value, so skipping it is seen wherever
+it mattered, unless autograd saves what it made (a custom ``autograd.Function`` may), which
+takes no argument: such entries are not skipped, and saved tensors are checked by source.
 
 So a check may skip a grad-free entry its tape has and the call does not make (a tape recorded
 on a step the hook ran), and the check of a departed call's run in backward may skip the
@@ -55,9 +56,9 @@ class Before:
     @classmethod
     def of(cls, args: tuple, kwargs: dict) -> Before | None:
         """The state before a call on ``args`` and ``kwargs``; None where it cannot be
-        grad-free (a tensor requiring grad or an inference tensor, a ``Generator``)."""
+        grad-free (an inference tensor, a ``Generator``)."""
         tensors = flat_tensors((args, kwargs))
-        if any(t.requires_grad or t.is_inference() for t in tensors):
+        if any(t.is_inference() for t in tensors):
             return None
         generators = _generators(tensors, args, kwargs)
         return None if generators is None else cls(tensors, generators)
@@ -98,9 +99,17 @@ def _generators(
 
 
 def untouched(args: tuple, kwargs: dict, out: Any) -> bool:
-    """Whether no tensor a recorded call took or returned requires grad or is an inference
-    tensor: the part of being grad-free a recording tells by itself."""
-    return not any(t.requires_grad or t.is_inference() for t in flat_tensors((args, kwargs, out)))
+    """Whether no output of a recorded call requires grad and none of its tensors is an
+    inference tensor: the part of being grad-free a recording tells by itself."""
+    if any(t.is_inference() for t in flat_tensors((args, kwargs))):
+        return False
+    return not any(t.requires_grad or t.is_inference() for t in flat_tensors(out))
+
+
+def reads_gradients(args: tuple, kwargs: dict) -> bool:
+    """Whether an op's outputs will require grad, as autograd above a dispatch mode decides
+    (where a mode sees them, they do not yet): grad mode on and an argument requiring grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in flat_tensors((args, kwargs)))
 
 
 def inert_call(func: Any, kwargs: dict) -> bool:

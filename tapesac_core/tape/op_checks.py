@@ -44,7 +44,7 @@ import torch
 from .._compat import DispatchModeWithoutDynamoGuard, raw_call
 from ..measure.memory import not_counted
 from ..tensors import Slot, flat_tensors, slot
-from .grad_free import Before, untouched
+from .grad_free import Before, reads_gradients, untouched
 from .ops import op_info
 
 Tensor = torch.Tensor
@@ -82,6 +82,12 @@ def leaf_names(module: torch.nn.Module) -> dict[int, str]:
         for name, t in named:
             names.setdefault(id(t), name)
     return names
+
+
+def _without_layout(key: Any) -> Any:
+    """A source key as a pack compares it: an alias's or an external's, ``(kind, which,
+    layout)``, without the layout."""
+    return key[:2] if type(key) is tuple else key
 
 
 class SavedLeaf(NamedTuple):
@@ -130,9 +136,11 @@ class Sources:
         return None
 
     def pack_key(self, t: Tensor) -> Any:
-        """``made_key``, or for a parameter or buffer its ``SavedLeaf`` (read as the forward
-        read it: a forward may replace it on its module after saving it)."""
-        key = self.made_key(t)
+        """``made_key`` (an alias's or an external's without its layout: where sizes follow the
+        data, a saved tensor's sizes are bound, not compared), or for a parameter or buffer its
+        ``SavedLeaf`` (read as the forward read it: a forward may replace it on its module
+        after saving it)."""
+        key = _without_layout(self.made_key(t))
         if key is not None:
             return key
         if self._leaves is None:
@@ -148,7 +156,7 @@ class Sources:
         parameter or buffer by its name on the module (cheaper than ``pack_key``)."""
         if type(key) is SavedLeaf:
             return self.made_key(t) is None and self.named(t, key.name)
-        return self.made_key(t) == key
+        return _without_layout(self.made_key(t)) == key
 
     def note_leaf(self, t: Tensor) -> None:
         """If ``t``, not made by the forward, is one of the module's parameters or buffers, it
@@ -257,7 +265,7 @@ class OpLog:
         it neither draws random numbers nor writes in place."""
         e_args, e_kwargs = recorded
         sources = _sources(args, kwargs, e_args, e_kwargs, self.sources)
-        free = inert and untouched(args, kwargs, out)
+        free = inert and not reads_gradients(args, kwargs) and untouched(args, kwargs, out)
         if node >= 0:
             check = Check(func, node, None, None, sources, free)
         else:
@@ -709,7 +717,8 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         trail = self.trail
         assert trail is not None and self.matched is not None, "logged after a departure"
         check = logged_check(func, args, kwargs, self.sources)
-        before = None if info.mutated or info.random else Before.of(args, kwargs)
+        inert = not (info.mutated or info.random or reads_gradients(args, kwargs))
+        before = Before.of(args, kwargs) if inert else None
         hooked = self.hooked
         out = raw_call(func)(*args, **kwargs)
         if before is not None and before.grad_free(out) and self.hooked == hooked:

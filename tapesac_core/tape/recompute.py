@@ -45,7 +45,7 @@ class Recompute:
     ) -> None:
         self.name, self.fn, self.args, self.kwargs = name, fn, args, kwargs
         self.rng, self.autocast, self.layouts, self.running = rng, autocast, layouts, running
-        # Where each tensor the forward saved came from (``Sources.made_key``), and the run's:
+        # Where each tensor the forward saved came from (``Sources.pack_key``), and the run's:
         # a custom ``autograd.Function`` picks what it saves in Python, which no check sees.
         self.sources = sources
         self._sources: list[Any] = []

@@ -113,7 +113,7 @@ class PackLog:
     views: list[View] = field(default_factory=list)
     exit_packs: list[int] = field(default_factory=list)
     # Each packed tensor's source as the calls' and as the ops' check know it
-    # (``Sources.made_key``): a custom ``autograd.Function`` picks what it saves in Python.
+    # (``Sources.pack_key``): a custom ``autograd.Function`` picks what it saves in Python.
     sources: list[tuple[Any, Any]] = field(default_factory=list)
 
 
@@ -406,7 +406,7 @@ class SteadyForward:
         self.diverged: str | None = None
         self.departed: int | None = None  # op checks passed before a pack departed
         self.later: list[Layout] = []  # packs after a divergence, for the recomputation's check
-        self.sources: list[Any] = []  # each pack's ``Sources.made_key``, for it too
+        self.sources: list[Any] = []  # each pack's ``Sources.pack_key``, for it too
         self.exits = 0
         self.outside: dict[int, Tensor] = {}  # held externals, as ``Holding.outside``
         block.on_exit = self.exited
@@ -484,7 +484,7 @@ class SteadyForward:
                     if holds is not None:
                         self._hold(t, holds)
                     return k
-                self.diverged = f"saved tensor {k} was made by other calls than the tape's"
+                self.diverged = f"saved tensor {k} was made by other {check.unit} than the tape's"
             else:
                 expected = f"{tuple(packs[k][0])} {packs[k][1]}" if k < len(packs) else "no pack"
                 self.diverged = (
