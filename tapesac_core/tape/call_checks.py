@@ -104,7 +104,7 @@ class Call(NamedTuple):
     kwargs: tuple[tuple[str, Any], ...]
     ops: tuple[int, int]  # the tape's checks it dispatched: [first, end)
     state: Any = None  # the global state its dispatch depends on (``_STATE``), where it does
-    grad_free: bool = False  # a check may pass over it (``grad_free.py``)
+    grad_free: bool = False  # a call that does not make it may skip it (``grad_free.py``)
 
 
 class CallLog(TorchFunctionMode):

@@ -60,7 +60,7 @@ class Check(NamedTuple):
     args: Any  # for ``node == -1``: its arguments, each tensor a ``Slot``
     kwargs: Any
     sources: tuple  # per tensor argument, in slot order: where it came from (``Sources.key``)
-    grad_free: bool = False  # a check may pass over it (``grad_free.py``)
+    grad_free: bool = False  # a call that does not make it may skip it (``grad_free.py``)
 
 
 class OpKinds(NamedTuple):
@@ -619,7 +619,7 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
 
     @property
     def complete(self) -> bool:
-        """Every logged op ran, but grad-free ones it may pass over."""
+        """Every logged op ran, but grad-free ones it may skip."""
         return all(self._skippable(check) for check in self.checks[self.count :])
 
     def _same_fast(self, fast: FastCheck, args: tuple, kwargs: dict) -> bool:
