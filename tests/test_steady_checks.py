@@ -412,3 +412,33 @@ def test_a_saved_external_whose_sizes_follow_the_batch_stays_steady(autocast: bo
         assert_bitwise(ref, got)
         paths.append(block_paths(blocks)[0])
     assert paths[-3:] == ["steady"] * 3, paths
+
+
+class SaveHalf(torch.autograd.Function):
+    """Saves a view of its input (as fused kernels save ``q`` after a transpose)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h[:, : D // 2])
+        return h * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (half,) = ctx.saved_tensors
+        return g * half.repeat(1, 2)
+
+
+class SavingAView(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return SaveHalf.apply(self.a(x)).tanh()
+
+
+def test_a_custom_function_saving_a_view_runs_in_steady_state() -> None:
+    """The recorder's pack hook reads ``t._base``; where a Function saves, no torch function
+    runs, and the call log took that read for a call of the forward: every steady call then
+    departed (found by a review)."""
+    assert _paths(SavingAView, 4, lambda m, i: None)[1:] == ["steady"] * 3

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .._compat import DispatchModeWithoutDynamoGuard, dispatch_disabled
+from .._compat import DispatchModeWithoutDynamoGuard, dispatch_disabled, torch_function_disabled
 from ..errors import TapeSACError
 from ..measure.memory import not_counted
 from ..tensors import (
@@ -122,6 +122,12 @@ class Recorder(DispatchModeWithoutDynamoGuard):
     def pack(self, t: Tensor) -> int:
         """Autograd saves ``t``: record it in the demand set and hand autograd a handle (the
         pack's index in ``block.handles``)."""
+        # Unseen by the call log, whose mode is on where a custom ``autograd.Function`` saves
+        # (no torch function runs then): its reads (``t._base``) are bookkeeping, not calls.
+        with torch_function_disabled():
+            return self._pack(t)
+
+    def _pack(self, t: Tensor) -> int:
         if self.pending_writes:  # autograd packs an op's inputs before the op dispatches
             self.settle_writes()
         block = self.block
