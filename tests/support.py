@@ -341,3 +341,18 @@ def every_other_saved(tape: tapesac_core.Tape) -> set[tuple]:
         if tape.values[v].kind == "op" and v not in tape.mandatory
     )
     return set(coords[::2])
+
+
+class ScaledBySaved(torch.autograd.Function):
+    """A custom Function that saves its second argument, a tensor no call reads: ``h`` in
+    forward, the gradient times that tensor in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
+        return h * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        return g * scale, None

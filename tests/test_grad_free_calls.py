@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import assert_bitwise, block_paths, step
+from support import ScaledBySaved, assert_bitwise, block_paths, step
 
 import tapesac_core
 from tapesac_core.errors import TapeSACError
@@ -329,19 +329,7 @@ class DoubleBuffered(Block):
         if self.refresh:
             self.refresh = False  # the run in backward does not refresh
             self.mask = (h.detach().abs() > 0.3).to(h.dtype)
-        return self.b(Through.apply(h, mask)).float()
-
-
-class Through(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(mask)
-        return h.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (mask,) = ctx.saved_tensors
-        return g * mask, None
+        return self.b(ScaledBySaved.apply(h, mask)).float()
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import assert_bitwise, block_paths, step
+from support import ScaledBySaved, assert_bitwise, block_paths, step
 
 import tapesac_core
 from tapesac_core.errors import TapeSACError
@@ -369,20 +369,6 @@ def test_a_run_in_backward_that_saves_another_tensor_is_refused() -> None:
         block(x).sum().backward()  # flag True: departs; its run in backward saves as False
 
 
-class Scale(torch.autograd.Function):
-    """Saves its second argument, which no call reads."""
-
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(scale)
-        return h * 1.0
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (scale,) = ctx.saved_tensors
-        return g * scale, None
-
-
 class ScaledByAttribute(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -390,7 +376,7 @@ class ScaledByAttribute(torch.nn.Module):
         self.scale = torch.ones(1, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return Scale.apply(self.a(x), self.scale.detach()).tanh()
+        return ScaledBySaved.apply(self.a(x), self.scale.detach()).tanh()
 
 
 @pytest.mark.parametrize("autocast", [False, True])

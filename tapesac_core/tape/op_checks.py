@@ -121,10 +121,8 @@ class Sources:
             self.made_by_id[id(t)] = (weakref.ref(t), -1 - i, t.data_ptr())
 
     def key(self, t: Tensor) -> Any:
-        entry = self.made_by_id.get(id(t))
-        if entry is not None and entry[0]() is t and entry[2] == t.data_ptr():
-            return entry[1]
-        return self._unseen(t)
+        key = self.made_key(t)
+        return self._unseen(t) if key is None else key
 
     def made_key(self, t: Tensor) -> Any:
         """``t``'s source where a logged call or op of this forward made it, or it is an input
@@ -143,13 +141,8 @@ class Sources:
         key = _without_layout(self.made_key(t))
         if key is not None:
             return key
-        if self._leaves is None:
-            self._leaves = leaf_names(self._module)
-        name = self._leaves.get(id(t))
-        if name is None:
-            return None
-        self.read.setdefault(name, t)
-        return SavedLeaf(name)
+        name = self._leaf_read(t)
+        return None if name is None else SavedLeaf(name)
 
     def saved_is(self, t: Tensor, key: Any) -> bool:
         """Whether autograd saves in ``t`` what it saved with ``pack_key`` ``key``: for a
@@ -161,14 +154,16 @@ class Sources:
     def note_leaf(self, t: Tensor) -> None:
         """If ``t``, not made by the forward, is one of the module's parameters or buffers, it
         is that one as the forward read it (``read``)."""
-        entry = self.made_by_id.get(id(t))
-        if entry is not None and entry[0]() is t and entry[2] == t.data_ptr():
-            return
-        if self._leaves is None:
-            self._leaves = leaf_names(self._module)
-        name = self._leaves.get(id(t))
+        if self.made_key(t) is None:
+            self._leaf_read(t)
+
+    def _leaf_read(self, t: Tensor) -> str | None:
+        """The name of the module's parameter or buffer ``t`` is, if it is one, noted as the
+        forward read it (``read``)."""
+        name = self._names().get(id(t))
         if name is not None:
             self.read.setdefault(name, t)
+        return name
 
     def named(self, t: Tensor, name: str) -> bool:
         """Whether ``t`` is the module's parameter or buffer ``name`` now: the key of a leaf,
@@ -199,11 +194,8 @@ class Sources:
             self.made_by_id[id(out)] = (weakref.ref(out), self.key(source), out.data_ptr())
 
     def _unseen(self, t: Tensor) -> Any:
-        if self._leaves is None:
-            self._leaves = leaf_names(self._module)
-        name = self._leaves.get(id(t))
+        name = self._leaf_read(t)
         if name is not None:
-            self.read.setdefault(name, t)
             return name
         # Made outside the dispatcher (``.data``): known by the tensor whose storage it shares.
         layout = (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device)
@@ -216,7 +208,7 @@ class Sources:
             ]
             if on_storage:
                 return ("alias", min(on_storage, key=str), layout)
-            for leaf_id, leaf in self._leaves.items():
+            for leaf_id, leaf in self._names().items():
                 if self._leaf_ptrs().get(leaf_id) == ptr:
                     return ("alias", leaf, layout)
         # An external tensor (a cache's empty tensor made each call): its content reaches
@@ -230,6 +222,11 @@ class Sources:
             order = storages[ptr] = len(storages)
             self.outside.append((weakref.ref(t), t._version))
         return ("external", order, layout)
+
+    def _names(self) -> dict[int, str]:
+        if self._leaves is None:
+            self._leaves = leaf_names(self._module)
+        return self._leaves
 
     def _leaf_ptrs(self) -> dict[int, int]:
         if self._ptrs is None:
@@ -500,11 +497,10 @@ class Checking:
     def packed(self, t: Tensor) -> None:
         """After a departure, autograd saves ``t``: the run in backward may not skip the entry
         of the trail that made it (``grad_free.py``)."""
-        entry = self.sources.made_by_id.get(id(t))
         trail, matched = self.trail, self.matched
-        if entry is None or entry[0]() is not t or trail is None or matched is None:
+        if trail is None or matched is None:
             return
-        key = entry[1]
+        key = self.sources.made_key(t)
         if type(key) is int and key >= 0:
             i = (key >> OUTPUT_BITS) - matched
             if 0 <= i < len(trail) and trail[i].grad_free:

@@ -125,7 +125,7 @@ class Recompute:
                     (i for i, (a, b) in enumerate(zip(sources, self.sources)) if a != b),
                     min(len(sources), len(self.sources)),
                 )
-                why = f"saved tensor {first} was made by other calls than the forward's"
+                why = f"saved tensor {first} was made by other {check.unit} than the forward's"
             if why is not None:
                 self._packing = []
                 raise TapeSACError(
