@@ -216,6 +216,40 @@ def test_tensor_subclasses_inside_a_block_are_an_error() -> None:
         tapesac_core.checkpoint(torch.sin, x)
 
 
+class SparseInside(torch.nn.Module):
+    """A sparse tensor reaches its ops as an input, a plain attribute or an op's output."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.where = where
+        self.sparse = torch.eye(4).to_sparse()
+
+    def forward(self, x: torch.Tensor, sparse: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.a(x).float()
+        with torch.autocast("cpu", enabled=False):  # sparse.mm has no autocast rule
+            if self.where == "made":
+                return torch.sparse.mm(h.to_sparse(), self.a.weight)
+            return torch.sparse.mm(self.sparse if sparse is None else sparse, h)
+
+
+@pytest.mark.parametrize("where", ["input", "attribute", "made"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_sparse_tensor_inside_a_block_is_an_error_naming_the_fix(where, autocast) -> None:
+    """Before: ``NotImplementedError: Cannot access storage of SparseTensorImpl`` from inside
+    the recorder, on every call. The block then still trains without it."""
+    block = tapesac_core.checkpoint_module(SparseInside(where), region="sparse")
+    x = torch.randn(4, 4, requires_grad=True)
+    sparse = torch.eye(4).to_sparse() if where == "input" else None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with pytest.raises(TapeSACError, match=r"sparse_coo tensor .* Fix: make the sparse"):
+            block(x, sparse)
+        block.where = "dense"
+        block.sparse = torch.eye(4)
+        block(x).float().sum().backward()
+    assert x.grad is not None
+
+
 def test_a_policy_error_on_a_hugging_face_model_suggests_its_decoder_class() -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -112,6 +112,20 @@ def test_a_monitoring_hook_on_some_steps_trains_bitwise(level: str, plan, stat) 
 
 
 @pytest.mark.parametrize("level", LEVELS)
+def test_a_monitoring_hook_reading_a_tensor_from_outside_the_block_trains_bitwise(level) -> None:
+    """The run in backward skips the hook's calls, and so its read of ``target``: before, that
+    run was refused for reading other tensors from outside the block than the forward."""
+    target = torch.randn(4, D)
+
+    def error(out: torch.Tensor) -> float:
+        return (out.detach() - target).abs().mean().item()
+
+    paths, expected, logged = _run(Block, lambda log: every(3, 3, error, log), level, 7)
+    assert [i for i, p in enumerate(paths) if p == "diverged"] == [2, 4, 6]
+    assert logged[0] == expected[0]
+
+
+@pytest.mark.parametrize("level", LEVELS)
 def test_a_tape_recorded_while_the_hook_ran_serves_the_steps_it_does_not(level: str) -> None:
     def detached(out: torch.Tensor) -> torch.Tensor:  # kept as a tensor: no host read
         return out.detach().abs().mean()
@@ -158,7 +172,6 @@ def test_a_router_monitor_in_an_eager_experts_moe_trains_bitwise() -> None:
     from test_moe_families import _lockstep
 
     reference, layer = moe_model("qwen3_moe", "eager")
-    reference.config.use_cache = False
     model = copy.deepcopy(reference)
     logs: tuple[list, list] = ([], [])
     for m, log in zip((reference, model), logs):

@@ -4,6 +4,7 @@ import copy
 import functools
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -281,6 +282,8 @@ class DataSwapped(torch.nn.Module):
             h.data = self.other * 1.0
         elif self.swap == "as_is":  # under autocast: no op at all
             h.data = self.low
+        elif self.swap == "transposed":  # a square h: the same address in another layout
+            h.data = h.data.t()
         elif self.swap:
             h.data = h.data.clamp(-0.5, 0.5)
         return self.b(h.sin())  # sin saves h: what it holds after the swap
@@ -301,6 +304,26 @@ def test_a_storage_swapped_with_data_inside_the_forward_is_what_backward_reads(p
             ref = step(reference, lambda: reference(x).square().sum(), seed=s)
             assert_bitwise(ref, step(module, lambda: module(x).square().sum(), seed=s))
     assert sum(t.steady for t in traces) >= 3  # calls like the one before run in steady state
+
+
+@pytest.mark.parametrize("level", ["calls", "ops"])
+def test_a_tensor_moved_to_another_layout_at_its_address_is_what_backward_reads(level) -> None:
+    """``h.data = h.data.t()`` on a square ``h`` keeps its data address: the recorder took ``h``
+    for the linear's output after the move (wrong gradients on every call, silently)."""
+    torch.manual_seed(0)
+    reference = DataSwapped()
+    module = tapesac_core.checkpoint_module(copy.deepcopy(reference), region="transposed")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if level == "ops" else nullcontext()
+    swaps: list[bool | str] = ["transposed", "transposed", "transposed", False, "transposed"]
+    with tapesac_core.trace() as traces:
+        for s, swap in enumerate(swaps):
+            x = torch.randn(8, 8, requires_grad=True)
+            reference.swap = module.swap = swap
+            with autocast:
+                ref = step(reference, lambda: reference(x).float().square().sum(), seed=s)
+                got = step(module, lambda: module(x).float().square().sum(), seed=s)
+            assert_bitwise(ref, got)
+    assert traces[1].steady and traces[2].steady  # calls like the one before
 
 
 def test_a_storage_swapped_with_data_on_some_calls_only_makes_those_calls_diverge() -> None:

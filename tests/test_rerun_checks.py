@@ -240,7 +240,7 @@ def test_the_forward_run_again_must_read_the_forwards_outside_tensors(counted: b
     loss = block(x).sum()
     if not counted:
         block.mask = torch.randn(D)
-    with pytest.raises(TapeSACError, match="read other tensors from outside the block"):
+    with pytest.raises(TapeSACError, match="from outside the block, another than the forward's"):
         loss.backward()
 
 

@@ -59,7 +59,16 @@ from torch.overrides import TorchFunctionMode
 
 from .._compat import any_autocast_enabled, torch_function_modes
 from .grad_free import Before, inert_call, untouched
-from .op_checks import OUTPUT_BITS, Check, Checking, Sources, difference, same_number, shown
+from .op_checks import (
+    OUTPUT_BITS,
+    Check,
+    Checking,
+    Sources,
+    difference,
+    other_source,
+    same_number,
+    shown,
+)
 
 Tensor = torch.Tensor
 
@@ -408,7 +417,8 @@ class CallCheck(TorchFunctionMode, Checking):
         """How tensor ``a`` is not of source ``key``."""
         if type(key) is Leaf and self.sources.named(a, key.name):
             return f"{key.name!r} with another layout, dtype or grad flag than {self.theirs}'s"
-        return f"made by other calls than {self.theirs}'s"
+        got = self.sources.key(a) if isinstance(a, Tensor) else None
+        return other_source(got, key, "calls", self.theirs)
 
     def _same(self, a: Any, e: Any) -> bool:
         """``a`` is the logged argument ``e``: a tensor of its source, or a value of the same

@@ -46,6 +46,7 @@ from ..measure.memory import not_counted
 from ..tensors import Slot, flat_tensors, slot
 from .grad_free import Before, reads_gradients, untouched
 from .ops import op_info
+from .values import refuse_layout
 
 Tensor = torch.Tensor
 
@@ -110,9 +111,11 @@ class Sources:
         self._leaves: dict[int, str] | None = None  # read at the first tensor not seen
         self._ptrs: dict[int, int] | None = None  # the leaves' storages, read at an alias
         self._externals: dict[int, int] = {}  # an external storage -> its order of first use
-        # Each external storage's first tensor as first read, with its version then: the one a
-        # run of the forward again must read (``rerun_checks.py``; a key tells only its layout).
-        self.outside: list[tuple[weakref.ref[Tensor], int]] = []
+        self._next_order = 0
+        # By order, each external storage's first tensor as first read, with its version then:
+        # the one a run of the forward again must read (``rerun_checks.py``; a key tells only
+        # its layout).
+        self.outside: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         # Each parameter and buffer as the forward first read it, by name: one the forward
         # replaces on its module later (``self.scale = self.scale * 0.5``) is this one for
         # backward (``Block.note_leaves``).
@@ -197,6 +200,7 @@ class Sources:
         name = self._leaf_read(t)
         if name is not None:
             return name
+        refuse_layout(t, f"of type {type(self._module).__name__}")
         # Made outside the dispatcher (``.data``): known by the tensor whose storage it shares.
         layout = (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device)
         ptr = t.untyped_storage().data_ptr()
@@ -219,9 +223,21 @@ class Sources:
             return ("external", -1, layout)
         order = storages.get(ptr)
         if order is None:
-            order = storages[ptr] = len(storages)
-            self.outside.append((weakref.ref(t), t._version))
+            order = storages[ptr] = self._next_order
+            self._next_order += 1
+        if order not in self.outside:
+            self.outside[order] = (weakref.ref(t), t._version)
         return ("external", order, layout)
+
+    def seed(self, outside: Sequence[tuple[int, weakref.ref[Tensor], int]]) -> None:
+        """Key each tensor a forward read from outside the block (``outside``: order, tensor,
+        version) by its order there, for a run of that forward again, which may skip the
+        grad-free calls that read some (``grad_free.py``) and so meet the others earlier."""
+        for order, ref, _ in outside:
+            t = ref()
+            if t is not None and (ptr := t.untyped_storage().data_ptr()):
+                self._externals[ptr] = order
+            self._next_order = max(self._next_order, order + 1)
 
     def _names(self) -> dict[int, str]:
         if self._leaves is None:
@@ -741,8 +757,23 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         key = self.sources.key
         got = tuple(key(t) for t in compare.tensors)
         if got != check.sources:
-            return f"a tensor argument made by other ops than {self.theirs}'s"
+            pairs = [(a, e) for a, e in zip(got, check.sources) if a != e] or [(None, None)]
+            return f"a tensor argument {other_source(*pairs[0], 'ops', self.theirs)}"
         return None
+
+
+def other_source(got: Any, expected: Any, unit: str, theirs: str) -> str:
+    """How a tensor argument of source ``got`` is not one of source ``expected``."""
+    if _external(got) and _external(expected):
+        return (
+            f"read from outside the block, another than {theirs}'s (one replaced between "
+            "forward and backward, or made anew each call, as torch.from_numpy makes)"
+        )
+    return f"made by other {unit} than {theirs}'s"
+
+
+def _external(key: Any) -> bool:
+    return type(key) is tuple and len(key) == 3 and key[0] == "external"
 
 
 def difference(where: str, a: Any, e: Any, theirs: str, same: Callable[[Any, Any], bool]) -> str:

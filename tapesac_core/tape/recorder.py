@@ -47,7 +47,7 @@ from .op_checks import OpLog, Sources
 from .ops import OpInfo, arg, is_random_call, op_info
 from .steady import PackLog
 from .tape import BUFFER, INPUT, OP, PARAM, Node, Value
-from .values import ValueIds
+from .values import ValueIds, refuse_layout, where
 
 if TYPE_CHECKING:
     from .block import Block
@@ -92,7 +92,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         # version counter), its version and its data address then: what it reads in backward
         # if no write bumps that version (``settle_writes``) and no ``.data =`` moves it
         # (``settle_swaps``); and the packs on each storage.
-        self.packed: list[tuple[weakref.ref[Tensor], weakref.ref[Tensor] | None, int, int]] = []
+        self.packed: list[tuple[weakref.ref[Tensor], weakref.ref[Tensor] | None, int, tuple]] = []
         self.packs_on: dict[int, list[int]] = {}
         self.moved = False  # a pack's tensor moved to other bytes (``settle_swaps``)
 
@@ -111,10 +111,11 @@ class Recorder(DispatchModeWithoutDynamoGuard):
     def register_inputs(self, tensors: list[Tensor]) -> None:
         """Block inputs are leaves, kept strongly (as torch's checkpoint keeps them)."""
         ids = self.ids
+        for t in tensors:
+            ids.refuse_unsupported(t)
         if self.block.module is not None:
             self.ops = OpLog(tensors, self.block.module)
         for i, t in enumerate(tensors):
-            ids.refuse_subclass(t)
             entry = ids.by_id.get(id(t))
             if entry is None or entry[0]() is not t:
                 self.holding.keep_input(ids.new_value(t, -1, 0, INPUT, i), t)
@@ -136,7 +137,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
             entry is not None
             and entry[0]() is t
             and entry[2] == t._version
-            and entry[3] == t.data_ptr()
+            and entry[3] == where(t)
         ):
             vid = entry[1]
         else:
@@ -146,7 +147,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         handles.append(vid)
         base = t._base
         self.packed.append(
-            (weakref.ref(t), None if base is None else weakref.ref(base), t._version, t.data_ptr())
+            (weakref.ref(t), None if base is None else weakref.ref(base), t._version, where(t))
         )
         self.packs_on.setdefault(self.ids.values[vid].sid, []).append(len(handles) - 1)
         log = self.log
@@ -179,10 +180,10 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         counts: an alias seen by storage (``x.data``) has a counter of its own."""
         refs: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         values = self.ids.values
-        for ref, vid, _, ptr in self.ids.by_id.values():
+        for ref, vid, _, at in self.ids.by_id.values():
             if vid in vids and vid not in refs:
                 t = ref()
-                if t is not None and t._version == values[vid].version and t.data_ptr() == ptr:
+                if t is not None and t._version == values[vid].version and where(t) == at:
                     refs[vid] = (ref, values[vid].version)
         return refs
 
@@ -348,7 +349,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
                     and other is not t
                     and values[entry[1]].sid == sid
                     and other._version == entry[2]
-                    and other.data_ptr() == entry[3]  # not moved off it (``other.data = x``)
+                    and where(other) == entry[3]  # not moved off it (``other.data = x``)
                     and _overlap(written, _extent(other))
                 ):
                     ids.reread(other, entry[1])
@@ -359,9 +360,9 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         (``h.data = other``: no op, no version bump) is read by autograd where it is now, so its
         pack stands for what it holds now (``ValueIds.vid_of``)."""
         handles: list[int] = self.block.handles  # type: ignore[assignment]  # recording: a list
-        for h, (ref, _, version, ptr) in enumerate(self.packed):
+        for h, (ref, _, version, at) in enumerate(self.packed):
             p = ref()
-            if p is not None and p._version == version and p.data_ptr() != ptr:
+            if p is not None and p._version == version and where(p) != at:
                 handles[h] = self.ids.vid_of(p)
                 self.moved = True
 
@@ -476,6 +477,8 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         if writes:
             block.writes_in_place = True
         for t in returned:
+            if t.layout is not torch.strided:
+                refuse_layout(t, repr(block.name))
             # A plain Tensor intercepts nothing: the type check spares the attribute lookups.
             if type(t) is not Tensor and is_subclass_with_dispatch(t):
                 raise TapeSACError(

@@ -16,7 +16,9 @@ data) the same size arguments as the forward's. A difference is a ``TapeSACError
 fix, raised before backward reads a tensor of the run.
 
 Tensors read from outside the block (not its inputs, parameters or buffers), which the checks
-know by layout only, must be the forward's, unwritten since it read them (``Sources.outside``).
+know by layout only, must be the forward's, unwritten since it read them (``Sources.outside``);
+keyed by their order in the forward (``Sources.seed``), those only the grad-free calls the run
+skipped read are not read again.
 
 Not seen: what neither level compares (``op_checks``, ``call_checks``); a call-level trail that
 met an argument it cannot compare by value, or dispatch state it cannot see (autocast turned on
@@ -49,9 +51,9 @@ class RerunCheck:
     nodes: Sequence[Any]
     size_arguments: SizeArguments | None
     sizes: tuple  # the size arguments the forward's op checks gathered (ops only)
-    # The tensors the forward read from outside the block, with their versions then
-    # (``Sources.outside``): the run must read the same, unwritten.
-    outside: tuple[tuple[weakref.ref[Tensor], int], ...]
+    # The tensors the forward read from outside the block, by order, with their versions then
+    # (``Sources.outside``): what the run reads of them must be the same, unwritten.
+    outside: tuple[tuple[int, weakref.ref[Tensor], int], ...]
 
     def mode(self, inputs: Sequence[Tensor], module: torch.nn.Module) -> SteadyCheck | CallCheck:
         """A checking mode for one run of the forward from ``inputs``."""
@@ -70,6 +72,7 @@ class RerunCheck:
         else:
             mode = CallCheck(LoggedCalls(self.expected, {}), self.nodes, inputs, module)
         mode.theirs = "the forward"
+        mode.sources.seed(self.outside)
         return mode
 
     def verdict(self, mode: SteadyCheck | CallCheck) -> str | None:
@@ -85,12 +88,13 @@ class RerunCheck:
             "it read other tensors from outside the block (not its inputs, parameters or "
             "buffers) than the forward"
         )
-        if len(read) != len(self.outside):
-            return other
-        for (then, was), (now, version) in zip(self.outside, read):
+        forward = {order: (then, was) for order, then, was in self.outside}
+        # Those it did not read only calls it skipped read (an argument's source tells).
+        for order, (now, version) in read.items():
             t = now()
-            if then() is not t:
+            if order not in forward or forward[order][0]() is not t:
                 return other
+            was = forward[order][1]
             if version != was:
                 shown = "" if t is None else f" {tuple(t.shape)} {t.dtype}"
                 return (
@@ -111,7 +115,7 @@ def rerun_check(check: SteadyCheck | CallCheck) -> RerunCheck | None:
     else:
         assert check.matched is not None, "a departure notes where"
         matched, trail = check.matched, check.trail
-    outside = tuple(check.sources.outside)
+    outside = tuple((order, t, v) for order, (t, v) in check.sources.outside.items())
     if isinstance(check, CallCheck):
         expected = (*_unmade(check.calls[:matched], check.skipped, "func"), *trail)
         return RerunCheck(False, expected, (), None, check.nodes, None, (), outside)

@@ -4,8 +4,9 @@ A value is a tensor's content at one version. The recorder asks ``ValueIds.vid_o
 tensor an op reads; ``ValueIds`` answers from what it has seen and registers what it has not:
 
 * a tensor object it recorded (an op's output, a block input): its value, while the tensor's
-  version counter and data address are the value's (``t.data = other`` swaps the storage
-  unseen: then it is what the tensor holds now, as below). Identity is weak: ``id(tensor) -> (weakref, vid, version)``,
+  version counter and ``where`` (data address and layout) are the value's (``t.data = other``
+  moves a tensor to other bytes or another layout unseen, ``h.data = h.data.t()`` to another
+  layout at the same address: then it is what the tensor holds now, as below). Identity is weak: ``id(tensor) -> (weakref, vid, version)``,
   never a strong reference to a tensor, so recording keeps no intermediate alive;
 * a parameter or buffer of the block's module (by identity, else by storage and layout, as
   ``p.data`` is): a leaf value recorded by name, fetched again at replay;
@@ -47,6 +48,24 @@ Tensor = torch.Tensor
 _LEAVES = "_tapesac_leaves"
 
 
+def where(t: Tensor) -> tuple:
+    """Where ``t`` reads its bytes from: its data address, strides, shape and dtype. The setter
+    ``t.data = other`` changes them without an op the dispatcher sees or a version bump."""
+    return (t.data_ptr(), t.stride(), t.shape, t.dtype)
+
+
+def refuse_layout(t: Tensor, block: str) -> None:
+    """A sparse (or other non-strided) tensor inside ``block``: a tape holds and replays
+    tensors on storages, which it has none of."""
+    if t.layout is not torch.strided:
+        raise TapeSACError(
+            f"block {block}: a {t.layout} tensor of shape {tuple(t.shape)} inside a TapeSAC "
+            "block is not supported (tapes hold and replay strided tensors only). Fix: make "
+            "the sparse tensor and the ops on it outside the checkpointed module, or checkpoint "
+            "a submodule whose forward sees dense tensors only"
+        )
+
+
 def forget_leaves(module: torch.nn.Module) -> None:
     """Drop the leaf map recording keeps on ``module`` (restoring a block)."""
     vars(module).pop(_LEAVES, None)
@@ -70,10 +89,9 @@ class ValueIds:
         self.holding = holding
         self.calls = calls
         self.values: list[Value] = block.values
-        # id(tensor) -> (weakref, vid, the value's version, the tensor's data address): what each
-        # op checks its inputs by. The address catches ``t.data = other``, which swaps a
-        # tensor's storage without a version bump or an op the dispatcher sees.
-        self.by_id: dict[int, tuple[weakref.ref[Tensor], int, int, int]] = {}
+        # id(tensor) -> (weakref, vid, the value's version, ``where`` the tensor reads): what
+        # each op checks its inputs by.
+        self.by_id: dict[int, tuple[weakref.ref[Tensor], int, int, tuple]] = {}
         self.ptrs: list[int] = []  # storage data_ptr per value
         self.last_write: dict[int, int] = {}  # sid -> value id of the latest write into it
         self.leaf_sids = leaf_sids  # storages of leaves, added by new_value
@@ -126,7 +144,7 @@ class ValueIds:
             entry is not None
             and entry[0]() is t
             and entry[2] == t._version
-            and entry[3] == t.data_ptr()
+            and entry[3] == where(t)
         ):
             return entry[1]
         return None
@@ -138,7 +156,7 @@ class ValueIds:
     def register(self, t: Tensor, vid: int, version: int) -> None:
         """``t`` holds value ``vid`` at ``version`` (and lies on its storage, where a write
         through another tensor may leave its counter as it was: ``Recorder.settle_writes``)."""
-        self.by_id[id(t)] = (weakref.ref(t), vid, version, t.data_ptr())
+        self.by_id[id(t)] = (weakref.ref(t), vid, version, where(t))
         self.on_storage.setdefault(self.values[vid].sid, {})[id(t)] = None
 
     def arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[int]]:
@@ -155,7 +173,7 @@ class ValueIds:
                     entry is not None
                     and entry[0]() is a
                     and entry[2] == a._version
-                    and entry[3] == a.data_ptr()
+                    and entry[3] == where(a)
                 ):
                     inputs.append(entry[1])
                 else:
@@ -180,7 +198,7 @@ class ValueIds:
                 entry is not None
                 and entry[0]() is a
                 and entry[2] == a._version
-                and entry[3] == a.data_ptr()
+                and entry[3] == where(a)
             ):
                 inputs.append(entry[1])
             else:
@@ -195,9 +213,9 @@ class ValueIds:
     def vid_of(self, t: Tensor) -> int:
         """The value id of ``t`` as it is now, registering leaves and re-read aliases."""
         entry = self.by_id.get(id(t))
-        if entry is not None and entry[0]() is t and entry[3] == t.data_ptr():
+        if entry is not None and entry[0]() is t and entry[3] == where(t):
             vid = entry[1]
-        else:  # unseen, or its storage swapped (``t.data = other``): what it holds now
+        else:  # unseen, or moved (``t.data = other``): what it holds now
             vid = self._unseen(t)
         value = self.values[vid]
         # A leaf's content does not change in the forward (the recorder refuses writes into it):
@@ -208,7 +226,7 @@ class ValueIds:
 
     def _unseen(self, t: Tensor) -> int:
         """A tensor object first seen: a parameter or buffer, an alias of a value, or external."""
-        self.refuse_subclass(t)
+        self.refuse_unsupported(t)
         leaf = self._leaf_name(t)
         if leaf is not None:
             self.block.leaves_read.setdefault(leaf[1], t)
@@ -228,26 +246,28 @@ class ValueIds:
         self.holding.no_producer(vid, t)
         return vid
 
-    def refuse_subclass(self, t: Tensor) -> None:
-        """A tensor subclass's ops would reach its own ``__torch_dispatch__``, not the tape."""
+    def refuse_unsupported(self, t: Tensor) -> None:
+        """A tensor subclass's ops would reach its own ``__torch_dispatch__``, not the tape; a
+        sparse tensor has no storage to hold or to replay into (``refuse_layout``)."""
         if is_subclass_with_dispatch(t):
             raise TapeSACError(
                 f"block {self.block.name!r}: tensor subclass {type(t).__name__} inside a TapeSAC "
                 "block is not supported; checkpoint a module whose forward sees plain tensors "
                 "(apply FSDP2/DTensor outside the checkpointed block)"
             )
+        refuse_layout(t, repr(self.block.name))
 
     def _same_view(self, t: Tensor) -> int | None:
         """The newest value with ``t``'s storage, offset, shape, strides and dtype (an alias object)."""
-        ptr = t.untyped_storage().data_ptr()
-        if not ptr:
+        if not t.untyped_storage().data_ptr():
             return None
-        layout = layout_of(t)[:4]
-        # Only a value whose own tensor is alive proves the storage is the same one: a freed
-        # storage's address is reused by new allocations.
-        for ref, vid, _, _ in sorted(self.by_id.values(), key=lambda e: -e[1]):
+        at = where(t)
+        # Only a value whose own tensor is alive, and still where it was recorded, proves the
+        # storage is the same one: a freed storage's address is reused by new allocations, and
+        # ``h.data = h.data.t()`` leaves ``h`` alive on its storage in another layout.
+        for ref, vid, _, then in sorted(self.by_id.values(), key=lambda e: -e[1]):
             live = ref()
-            if live is not None and self.ptrs[vid] == ptr and layout_of(live)[:4] == layout:
+            if live is not None and then == at and where(live) == then:
                 return vid
         return None
 
