@@ -10,7 +10,9 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import tempfile
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -734,6 +736,40 @@ def test_a_divergence_under_autocast_recomputes_under_the_forwards_autocast() ->
         assert blocks[0].diverged
     finally:
         SWITCH["op"] = "relu"
+
+
+class LinearTwice(torch.nn.Module):
+    def __init__(self, twice: bool = True) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.twice = twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).relu()
+        return self.b(self.a(h).relu() if self.twice else h)
+
+
+@pytest.mark.parametrize("twice", [True, False])
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_parameter_cast_twice_under_autocast_is_said_where_not_bitwise(twice, cache) -> None:
+    """Blocks run with autocast's weight cache off: where the user's autocast caches (its
+    default), a parameter used twice is cast twice, its gradient summed in float32: said once
+    (before, silently not bitwise). With the cache off, or each parameter used once, bitwise."""
+    torch.manual_seed(0)
+    reference = LinearTwice(twice)
+    block = tapesac_core.checkpoint_module(copy.deepcopy(reference), region="twice")
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+        ref = step(reference, lambda: reference(x).float().square().sum())
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            got = step(block, lambda: block(x).float().square().sum())
+    warned = [w for w in said if "twice under autocast" in str(w.message)]
+    assert len(warned) == (twice and cache)
+    if warned:
+        assert re.search(r"'a\.(weight|bias)' to torch\.bfloat16", str(warned[0].message))
+    else:
+        assert_bitwise(ref, got)
 
 
 class HookCounting(torch.nn.Linear):

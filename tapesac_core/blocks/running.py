@@ -39,7 +39,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils.checkpoint import noop_context_fn
 
-from .._compat import graph_task_id
+from .._compat import any_autocast_enabled, graph_task_id
 from ..errors import TapeSACError
 from ..plan.plan import BlockKind
 from ..tape.block import Block, BlockPlan
@@ -52,7 +52,7 @@ from ..tape.signature import Signature, block_signature, call_arguments
 from ..tape.steady import Recorded, SteadyForward, SteadyTape, autograd_nodes, steady_tape
 from ..tape.steady_cache import SteadyCache, steady_cache
 from ..tape.structure_switch import Switch, ran_alike
-from ..tape.tape import Tape
+from ..tape.tape import PARAM, Tape
 from ..tape.verify import HiddenWrites
 from ..tensors import tensor_leaves
 from .block_settings import block_config
@@ -78,13 +78,43 @@ def _autocast_weight_cache_disabled() -> Iterator[None]:
     the tape would see it as an external tensor and keep it. Casting again is cheap. Known cost:
     a parameter a block uses twice is cast twice, and its two casts' gradients are summed in
     float32 where without checkpointing one cast's are summed in the autocast dtype (not bitwise
-    then; ``torch.utils.checkpoint`` is)."""
+    then; ``torch.utils.checkpoint`` is): said once (``_warn_if_cast_twice``)."""
     enabled = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
     try:
         yield
     finally:
         torch.set_autocast_cache_enabled(enabled)
+
+
+def _warn_if_cast_twice(block: Block) -> None:
+    """A parameter cast twice to one dtype in a forward under autocast, which without
+    checkpointing (its weight cache on) casts it once: said once per run, in words the same
+    for every layer of a model (``_autocast_weight_cache_disabled``)."""
+    seen: set[tuple[int, Any]] = set()
+    for node in block.nodes:
+        if node.name != "aten._to_copy.default" or not node.inputs:
+            continue
+        value = block.values[node.inputs[0]]
+        leaf = block.leaves_read.get(value.name) if type(value.name) is str else None
+        if value.kind != PARAM or leaf is None or not leaf.requires_grad:
+            continue
+        key = (value.vid, node.kwargs.get("dtype"))
+        if key in seen:
+            owner = type(block.module).__name__ if block.module is not None else "function"
+            warnings.warn(
+                f"TapeSAC: a checkpointed {owner} casts its parameter {value.name!r} to "
+                f"{key[1]} twice under autocast: its blocks run with autocast's weight cache "
+                "off, so where autocast made both casts, that parameter's gradient is summed "
+                "in float32, where without checkpointing it is summed in the autocast dtype "
+                "(close, not bit for bit; torch.utils.checkpoint is). Fix: cast the parameter "
+                "once in the forward and use that cast twice, or turn the cache off "
+                "(torch.autocast(..., cache_enabled=False): both then cast twice)",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        seen.add(key)
 
 
 def run_block(
@@ -224,6 +254,7 @@ class _Recording:
         """The forward, recorded, under the saved-tensor hooks ``pack`` and ``unpack``."""
         block, recorder, calls = self.block, self.recorder, self.calls
         block.on_exit = recorder.module_exit
+        cached_casts = any_autocast_enabled() and torch.is_autocast_cache_enabled()
         token = RECORDING.set(block)
         try:
             with (
@@ -239,6 +270,8 @@ class _Recording:
             block.on_exit = None  # the recorder holds the block: no cycle outlives the forward
         recorder.settle_writes()
         recorder.settle_swaps()
+        if cached_casts:
+            _warn_if_cast_twice(block)
         self.outputs = _tensors_out(out)
         self.output_vids = [recorder.vid_of(t) for t in self.outputs]
         block.finish(frozenset(self.output_vids), recorder.alive)
