@@ -21,3 +21,13 @@ def written_after_forward(
         f"block {block!r}: {what} was written in place after its forward (version {version}, now "
         f"{now}): backward would read the new values and give wrong gradients. Fix: {fix}"
     )
+
+
+def moved_after_forward(block: str, what: str, fix: str) -> TapeSACError:
+    """The error for ``what``, a tensor block ``block``'s backward reads, moved to other bytes
+    or another layout (``.data =``: no version bump) by code after the block."""
+    return TapeSACError(
+        f"block {block!r}: {what} was moved to other bytes or another layout (`.data =`) after "
+        f"its forward, which the tensor the block keeps for backward does not follow (wrong "
+        f"gradients). Fix: {fix}"
+    )

@@ -125,6 +125,35 @@ def test_a_monitoring_hook_reading_a_tensor_from_outside_the_block_trains_bitwis
     assert logged[0] == expected[0]
 
 
+class Masked(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.__dict__["mask"] = torch.rand(D) + 0.5  # a plain tensor read from outside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).relu() * self.mask).float()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_run_in_backward_reading_a_tensor_moved_since_the_forward_is_refused(level) -> None:
+    """The hook's step departs; before its backward the loop moves ``mask`` (``.data =``, no
+    version bump): its run of the forward would read it moved (found by review: accepted)."""
+    block = Masked()
+    target = torch.randn(4, D)
+    block.a.register_forward_hook(every(3, 3, lambda out: (out.detach() - target).sum(), []))
+    tapesac_core.checkpoint_module(block, region="block")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if level == "ops" else nullcontext()
+    for i in range(3):
+        with autocast, tapesac_core.trace() as traces:
+            loss = block(torch.randn(4, D, requires_grad=True)).square().sum()
+        if i < 2:
+            loss.backward()
+    assert traces[0].diverged
+    block.mask.data = block.mask.data * 2
+    with pytest.raises(TapeSACError, match="outside the block was moved"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_tape_recorded_while_the_hook_ran_serves_the_steps_it_does_not(level: str) -> None:
     def detached(out: torch.Tensor) -> torch.Tensor:  # kept as a tensor: no host read

@@ -326,6 +326,91 @@ def test_a_tensor_moved_to_another_layout_at_its_address_is_what_backward_reads(
     assert traces[1].steady and traces[2].steady  # calls like the one before
 
 
+class BitMoved(torch.nn.Module):
+    """Moves a tensor to its conjugate or negative view with ``.data =``: the same address,
+    strides, shape and dtype, another bit."""
+
+    def __init__(self, bit: str) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.bit = bit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).float()
+        if self.bit == "neg":
+            g = h * 1.0
+            g.data = torch._neg_view(g.data)
+            return (g.sin() * h).sum(-1)
+        z = torch.complex(h, h * 0.5)
+        z.data = z.data.conj()
+        return (z * (torch.linspace(-1, 1, 8, dtype=torch.complex64) * 1j + 0.3)).abs()
+
+
+@pytest.mark.parametrize("bit, level", [("neg", "calls"), ("neg", "ops"), ("conj", "calls")])
+def test_a_tensor_moved_to_its_conjugate_or_negative_view_is_what_backward_reads(bit, level):
+    """Found by review: the recorder knew a tensor by layout but not by these bits (wrong
+    gradients on every call). Complex numbers have no bfloat16 autocast: conj is calls only."""
+    torch.manual_seed(0)
+    reference = BitMoved(bit)
+    module = tapesac_core.checkpoint_module(copy.deepcopy(reference), region="bit")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if level == "ops" else nullcontext()
+    for s in range(3):
+        x = torch.randn(4, 8, requires_grad=True)
+        with autocast:
+            ref = step(reference, lambda: reference(x).float().square().sum(), seed=s)
+            got = step(module, lambda: module(x).float().square().sum(), seed=s)
+        assert_bitwise(ref, got)
+
+
+class ParameterMoved(torch.nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.how == "layout":
+            self.a.weight.data = self.a.weight.data.t()
+        else:
+            self.a.weight.data = self.a.weight.data * 1.5
+        return self.b(h.sin())
+
+
+@pytest.mark.parametrize("how", ["layout", "bytes"])
+@pytest.mark.parametrize("level", ["calls", "ops"])
+def test_a_parameter_moved_inside_the_forward_after_an_op_read_it_is_refused(how, level):
+    """Backward fetches parameters by name: it recomputed ``h`` from the moved weight (wrong
+    gradients at the first call, found by review)."""
+    module = tapesac_core.checkpoint_module(ParameterMoved(how), region="moved")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if level == "ops" else nullcontext()
+    with autocast, pytest.raises(TapeSACError, match=r"'a\.weight' was moved .* after an op"):
+        module(torch.randn(8, 8, requires_grad=True))
+
+
+class ReadsMask(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.__dict__["mask"] = torch.rand(8) + 0.5  # a plain tensor read from outside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a(x) * self.mask).sin()
+
+
+@pytest.mark.parametrize("level", ["calls", "ops"])
+def test_a_tensor_read_from_outside_moved_before_backward_is_refused(level) -> None:
+    """Plain autograd reads the moved tensor (it saves the tensor itself); the block keeps
+    another: wrong gradients on every call before (found by review)."""
+    module = tapesac_core.checkpoint_module(ReadsMask(), region="mask")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if level == "ops" else nullcontext()
+    with autocast:
+        loss = module(torch.randn(4, 8, requires_grad=True)).float().sum()
+    module.mask.data = module.mask.data * 2  # no version bump
+    with pytest.raises(TapeSACError, match="read from outside the block was moved"):
+        loss.backward()
+
+
 def test_a_storage_swapped_with_data_on_some_calls_only_makes_those_calls_diverge() -> None:
     """Under autocast a steady-state call is checked op by op, and ``h.data = self.low``
     dispatches no op: only the swapped tensor's data address tells the call from its tape."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .._compat import graph_task_id
-from ..errors import LEAF_FIX, TapeSACError, written_after_forward
+from ..errors import COPY_FIX, LEAF_FIX, TapeSACError, moved_after_forward, written_after_forward
 from ..measure.timeline import BlockProbe
 from ..measure.timing import NodeTimer
 from ..plan.coords import Anchor, Coord
@@ -32,6 +32,7 @@ from .tape import (
     Tape,
     Value,
 )
+from .values import where
 from .verify import HiddenWrites
 
 if TYPE_CHECKING:
@@ -185,6 +186,9 @@ class Block:
         # outside, one of those tensors and its version at the end of forward
         # (``watch_writes``), checked as backward reads the value.
         self._watched: dict[int, tuple[torch.Tensor, int]] = {}
+        # Per watched tensor read from outside, ``where`` it was at the end of forward: one
+        # moved since (``.data =``) is read by plain autograd where it is now.
+        self._outside_at: dict[int, tuple] = {}
         self._droppable: dict[int, tuple[torch.Tensor, int]] = {}  # those replay can make
         self.trace = BlockTrace(
             Tape(
@@ -470,7 +474,7 @@ class Block:
         holds was detached inside the recorder's dispatch mode and has a counter of its own).
         Empty values are not watched: every empty storage's address is 0."""
         by_storage = {t.untyped_storage().data_ptr(): t for t in tensors}
-        self._watched = {}
+        self._watched, self._outside_at = {}, {}
         for vid, t in self.held.items():
             ptr = t.untyped_storage().data_ptr() if t.numel() else 0
             seen = by_storage.get(ptr) if ptr else None
@@ -479,6 +483,7 @@ class Block:
             source = outside.get(vid)
             if source is not None and ptr and source.untyped_storage().data_ptr() == ptr:
                 self._watched[vid] = (source, source._version)
+                self._outside_at[vid] = where(source)
         # Looked through at every unpack: only outputs replay can make (most blocks: none).
         self._droppable = {v: w for v, w in self._watched.items() if self._replayable(v)}
 
@@ -525,6 +530,12 @@ class Block:
                     "parameter or a buffer), which it keeps for backward,"
                 )
             raise written_after_forward(self.name, what, version, seen._version)
+        at = self._outside_at.get(vid)
+        if at is not None and watched is not None and where(watched[0]) != at:
+            shown = f"{tuple(watched[0].shape)} {watched[0].dtype}"
+            raise moved_after_forward(
+                self.name, f"a tensor {shown} it read from outside the block", COPY_FIX
+            )
         return t
 
     def _unpack(self, handle: int) -> torch.Tensor:

@@ -46,7 +46,7 @@ from ..measure.memory import not_counted
 from ..tensors import Slot, flat_tensors, slot
 from .grad_free import Before, reads_gradients, untouched
 from .ops import op_info
-from .values import refuse_layout
+from .values import refuse_layout, where
 
 Tensor = torch.Tensor
 
@@ -112,10 +112,10 @@ class Sources:
         self._ptrs: dict[int, int] | None = None  # the leaves' storages, read at an alias
         self._externals: dict[int, int] = {}  # an external storage -> its order of first use
         self._next_order = 0
-        # By order, each external storage's first tensor as first read, with its version then:
-        # the one a run of the forward again must read (``rerun_checks.py``; a key tells only
-        # its layout).
-        self.outside: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+        # By order, each external storage's first tensor as first read, with its version and
+        # ``where`` then: the one a run of the forward again must read (``rerun_checks.py``; a
+        # key tells only its layout).
+        self.outside: dict[int, tuple[weakref.ref[Tensor], int, tuple]] = {}
         # Each parameter and buffer as the forward first read it, by name: one the forward
         # replaces on its module later (``self.scale = self.scale * 0.5``) is this one for
         # backward (``Block.note_leaves``).
@@ -226,14 +226,14 @@ class Sources:
             order = storages[ptr] = self._next_order
             self._next_order += 1
         if order not in self.outside:
-            self.outside[order] = (weakref.ref(t), t._version)
+            self.outside[order] = (weakref.ref(t), t._version, where(t))
         return ("external", order, layout)
 
-    def seed(self, outside: Sequence[tuple[int, weakref.ref[Tensor], int]]) -> None:
+    def seed(self, outside: Sequence[tuple[int, weakref.ref[Tensor], int, tuple]]) -> None:
         """Key each tensor a forward read from outside the block (``outside``: order, tensor,
-        version) by its order there, for a run of that forward again, which may skip the
+        version, ``where``) by its order there, for a run of that forward again, which may skip the
         grad-free calls that read some (``grad_free.py``) and so meet the others earlier."""
-        for order, ref, _ in outside:
+        for order, ref, _, _ in outside:
             t = ref()
             if t is not None and (ptr := t.untyped_storage().data_ptr()):
                 self._externals[ptr] = order

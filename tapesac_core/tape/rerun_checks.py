@@ -53,7 +53,7 @@ class RerunCheck:
     sizes: tuple  # the size arguments the forward's op checks gathered (ops only)
     # The tensors the forward read from outside the block, by order, with their versions then
     # (``Sources.outside``): what the run reads of them must be the same, unwritten.
-    outside: tuple[tuple[int, weakref.ref[Tensor], int], ...]
+    outside: tuple[tuple[int, weakref.ref[Tensor], int, tuple], ...]
 
     def mode(self, inputs: Sequence[Tensor], module: torch.nn.Module) -> SteadyCheck | CallCheck:
         """A checking mode for one run of the forward from ``inputs``."""
@@ -88,13 +88,18 @@ class RerunCheck:
             "it read other tensors from outside the block (not its inputs, parameters or "
             "buffers) than the forward"
         )
-        forward = {order: (then, was) for order, then, was in self.outside}
+        forward = {order: (then, was, at) for order, then, was, at in self.outside}
         # Those it did not read only calls it skipped read (an argument's source tells).
-        for order, (now, version) in read.items():
+        for order, (now, version, now_at) in read.items():
             t = now()
             if order not in forward or forward[order][0]() is not t:
                 return other
-            was = forward[order][1]
+            _, was, at = forward[order]
+            if now_at != at:
+                return (
+                    "a tensor it reads from outside the block was moved to other bytes or "
+                    "another layout (`.data =`) since the forward read it"
+                )
             if version != was:
                 shown = "" if t is None else f" {tuple(t.shape)} {t.dtype}"
                 return (
@@ -115,7 +120,7 @@ def rerun_check(check: SteadyCheck | CallCheck) -> RerunCheck | None:
     else:
         assert check.matched is not None, "a departure notes where"
         matched, trail = check.matched, check.trail
-    outside = tuple((order, t, v) for order, (t, v) in check.sources.outside.items())
+    outside = tuple((order, *read) for order, read in check.sources.outside.items())
     if isinstance(check, CallCheck):
         expected = (*_unmade(check.calls[:matched], check.skipped, "func"), *trail)
         return RerunCheck(False, expected, (), None, check.nodes, None, (), outside)
