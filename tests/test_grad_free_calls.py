@@ -125,6 +125,23 @@ def test_a_monitoring_hook_reading_a_tensor_from_outside_the_block_trains_bitwis
     assert logged[0] == expected[0]
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_hook_reading_another_view_of_an_outside_storage_than_the_forward_trains(level):
+    """The hook reads row 1 of an outside tensor, the block row 0: its run in backward meets row
+    0 first, which the forward met second (found by review: refused, where it is right)."""
+    row0, row1 = torch.rand(2, D) + 0.5  # two views of one storage, made once
+
+    class Scaled(Block):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x) * row0).float()
+
+    def error(out: torch.Tensor) -> float:
+        return (out.detach() - row1).abs().mean().item()
+
+    paths, expected, logged = _run(Scaled, lambda log: every(3, 3, error, log), level, 7)
+    assert [i for i, p in enumerate(paths) if p == "diverged"] == [2, 4, 6]
+
+
 class Masked(Block):
     def __init__(self) -> None:
         super().__init__()

@@ -112,10 +112,10 @@ class Sources:
         self._ptrs: dict[int, int] | None = None  # the leaves' storages, read at an alias
         self._externals: dict[int, int] = {}  # an external storage -> its order of first use
         self._next_order = 0
-        # By order, each external storage's first tensor as first read, with its version and
-        # ``where`` then: the one a run of the forward again must read (``rerun_checks.py``; a
-        # key tells only its layout).
-        self.outside: dict[int, tuple[weakref.ref[Tensor], int, tuple]] = {}
+        # By external storage's order and layout, the first tensor read there, with its version
+        # and ``where`` then: the one a run of the forward again must read (``rerun_checks.py``;
+        # a key tells only its layout).
+        self.outside: dict[tuple[int, tuple], tuple[weakref.ref[Tensor], int, tuple]] = {}
         # Each parameter and buffer as the forward first read it, by name: one the forward
         # replaces on its module later (``self.scale = self.scale * 0.5``) is this one for
         # backward (``Block.note_leaves``).
@@ -225,15 +225,17 @@ class Sources:
         if order is None:
             order = storages[ptr] = self._next_order
             self._next_order += 1
-        if order not in self.outside:
-            self.outside[order] = (weakref.ref(t), t._version, where(t))
+        if (order, layout) not in self.outside:
+            self.outside[order, layout] = (weakref.ref(t), t._version, where(t))
         return ("external", order, layout)
 
-    def seed(self, outside: Sequence[tuple[int, weakref.ref[Tensor], int, tuple]]) -> None:
-        """Key each tensor a forward read from outside the block (``outside``: order, tensor,
-        version, ``where``) by its order there, for a run of that forward again, which may skip the
+    def seed(
+        self, outside: Sequence[tuple[tuple[int, tuple], weakref.ref[Tensor], int, tuple]]
+    ) -> None:
+        """Key each tensor a forward read from outside the block (``outside``: order and layout,
+        tensor, version, ``where``) by its order there, for a run of that forward again, which may skip the
         grad-free calls that read some (``grad_free.py``) and so meet the others earlier."""
-        for order, ref, _, _ in outside:
+        for (order, _), ref, _, _ in outside:
             t = ref()
             if t is not None and (ptr := t.untyped_storage().data_ptr()):
                 self._externals[ptr] = order

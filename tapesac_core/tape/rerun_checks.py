@@ -17,8 +17,8 @@ fix, raised before backward reads a tensor of the run.
 
 Tensors read from outside the block (not its inputs, parameters or buffers), which the checks
 know by layout only, must be the forward's, unwritten since it read them (``Sources.outside``);
-keyed by their order in the forward (``Sources.seed``), those only the grad-free calls the run
-skipped read are not read again.
+keyed by their storage's order in the forward (``Sources.seed``) and their layout, those only
+the grad-free calls the run skipped read are not read again.
 
 Not seen: what neither level compares (``op_checks``, ``call_checks``); a call-level trail that
 met an argument it cannot compare by value, or dispatch state it cannot see (autocast turned on
@@ -51,9 +51,10 @@ class RerunCheck:
     nodes: Sequence[Any]
     size_arguments: SizeArguments | None
     sizes: tuple  # the size arguments the forward's op checks gathered (ops only)
-    # The tensors the forward read from outside the block, by order, with their versions then
-    # (``Sources.outside``): what the run reads of them must be the same, unwritten.
-    outside: tuple[tuple[int, weakref.ref[Tensor], int, tuple], ...]
+    # The tensors the forward read from outside the block, by order and layout, with their
+    # versions then (``Sources.outside``): what the run reads of them must be the same,
+    # unwritten.
+    outside: tuple[tuple[tuple[int, tuple], weakref.ref[Tensor], int, tuple], ...]
 
     def mode(self, inputs: Sequence[Tensor], module: torch.nn.Module) -> SteadyCheck | CallCheck:
         """A checking mode for one run of the forward from ``inputs``."""
@@ -88,13 +89,13 @@ class RerunCheck:
             "it read other tensors from outside the block (not its inputs, parameters or "
             "buffers) than the forward"
         )
-        forward = {order: (then, was, at) for order, then, was, at in self.outside}
+        forward = {key: (then, was, at) for key, then, was, at in self.outside}
         # Those it did not read only calls it skipped read (an argument's source tells).
-        for order, (now, version, now_at) in read.items():
+        for key, (now, version, now_at) in read.items():
             t = now()
-            if order not in forward or forward[order][0]() is not t:
+            if key not in forward or forward[key][0]() is not t:
                 return other
-            _, was, at = forward[order]
+            _, was, at = forward[key]
             if now_at != at:
                 return (
                     "a tensor it reads from outside the block was moved to other bytes or "
@@ -120,7 +121,7 @@ def rerun_check(check: SteadyCheck | CallCheck) -> RerunCheck | None:
     else:
         assert check.matched is not None, "a departure notes where"
         matched, trail = check.matched, check.trail
-    outside = tuple((order, *read) for order, read in check.sources.outside.items())
+    outside = tuple((key, *read) for key, read in check.sources.outside.items())
     if isinstance(check, CallCheck):
         expected = (*_unmade(check.calls[:matched], check.skipped, "func"), *trail)
         return RerunCheck(False, expected, (), None, check.nodes, None, (), outside)
