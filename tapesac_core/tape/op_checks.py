@@ -233,8 +233,9 @@ class Sources:
         self, outside: Sequence[tuple[tuple[int, tuple], weakref.ref[Tensor], int, tuple]]
     ) -> None:
         """Key each tensor a forward read from outside the block (``outside``: order and layout,
-        tensor, version, ``where``) by its order there, for a run of that forward again, which may skip the
-        grad-free calls that read some (``grad_free.py``) and so meet the others earlier."""
+        tensor, version, ``where``) by its storage's order there, for a run of that forward
+        again, which may skip the grad-free calls that read some (``grad_free.py``) and so meet
+        the others earlier."""
         for (order, _), ref, _, _ in outside:
             t = ref()
             if t is not None and (ptr := t.untyped_storage().data_ptr()):

@@ -89,7 +89,7 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         # the packs so far), until ``settle_writes`` sees whether autograd bumped the version.
         self.pending_writes: list[tuple[Tensor, int, int, int, int]] = []
         # Per pack, the tensor autograd saved, the base it is a view of (which shares its
-        # version counter), its version and its data address then: what it reads in backward
+        # version counter), its version and ``where`` it was then: what it reads in backward
         # if no write bumps that version (``settle_writes``) and no ``.data =`` moves it
         # (``settle_swaps``); and the packs on each storage.
         self.packed: list[tuple[weakref.ref[Tensor], weakref.ref[Tensor] | None, int, tuple]] = []
