@@ -270,7 +270,6 @@ class _Recording:
             block.on_exit = None  # the recorder holds the block: no cycle outlives the forward
         recorder.settle_writes()
         recorder.settle_swaps()
-        recorder.ids.refuse_moved_leaves()
         if cached_casts:
             _warn_if_cast_twice(block)
         self.outputs = _tensors_out(out)

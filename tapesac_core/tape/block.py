@@ -186,8 +186,9 @@ class Block:
         # outside, one of those tensors and its version at the end of forward
         # (``watch_writes``), checked as backward reads the value.
         self._watched: dict[int, tuple[torch.Tensor, int]] = {}
-        # Per watched tensor read from outside, ``where`` it was at the end of forward: one
-        # moved since (``.data =``) is read by plain autograd where it is now.
+        # Per watched tensor read from outside that autograd saved, ``where`` it was at the end
+        # of forward: one moved since (``.data =``) is read by plain autograd where it is now;
+        # one held only for replay keeps the bytes the forward read.
         self._outside_at: dict[int, tuple] = {}
         self._droppable: dict[int, tuple[torch.Tensor, int]] = {}  # those replay can make
         self.trace = BlockTrace(
@@ -483,7 +484,8 @@ class Block:
             source = outside.get(vid)
             if source is not None and ptr and source.untyped_storage().data_ptr() == ptr:
                 self._watched[vid] = (source, source._version)
-                self._outside_at[vid] = where(source)
+                if vid in self.demand:  # autograd saved it: plain autograd reads it moved
+                    self._outside_at[vid] = where(source)
         # Looked through at every unpack: only outputs replay can make (most blocks: none).
         self._droppable = {v: w for v, w in self._watched.items() if self._replayable(v)}
 

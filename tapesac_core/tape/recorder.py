@@ -101,7 +101,6 @@ class Recorder(DispatchModeWithoutDynamoGuard):
         and with it this recorder, until the block's graph is freed."""
         self.ids.by_id.clear()
         self.ids.ptrs.clear()
-        self.ids.leaves_at.clear()
         self.infos.clear()
         self.hot.clear()
 

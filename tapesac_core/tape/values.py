@@ -36,7 +36,6 @@ import torch
 
 from ..errors import TapeSACError
 from ..tensors import Meta, is_subclass_with_dispatch, layout_of, slot, slot_args
-from .ops import op_info
 from .tape import ALIAS_OP, BUFFER, EXTERNAL, OP, PARAM, Node, Value, ValueKind
 
 if TYPE_CHECKING:
@@ -66,17 +65,6 @@ def refuse_layout(t: Tensor, block: str) -> None:
             "the sparse tensor and the ops on it outside the checkpointed module, or checkpoint "
             "a submodule whose forward sees dense tensors only"
         )
-
-
-def leaf_moved(block: str, name: str) -> TapeSACError:
-    """Parameter or buffer ``name`` moved (``.data =``) inside ``block``'s forward after it
-    read it: backward fetches it by name and would recompute from where it is now."""
-    return TapeSACError(
-        f"block {block!r}: {name!r} was moved to other bytes or another layout (`.data =`) "
-        "inside the forward after an op read it; backward fetches it by name and would "
-        "recompute from where it is now (wrong gradients). Fix: move it before the forward "
-        "reads it, or make the new tensor with an op (`w = w.t()`) instead of assigning `.data`"
-    )
 
 
 def forget_leaves(module: torch.nn.Module) -> None:
@@ -112,8 +100,6 @@ class ValueIds:
         # sid -> the ids (``by_id`` keys) of the tensor objects recorded on it: a write through
         # one may leave the others' counters as they were (``Recorder.settle_writes``).
         self.on_storage: dict[int, dict[int, None]] = {}  # (a dict: ordered, no duplicates)
-        # Each parameter and buffer as first read, with ``where`` then (``_leaf_at``).
-        self.leaves_at: dict[str, tuple[Tensor, tuple, int]] = {}
         # The module's map of its leaves, if this block rebuilt it (``_leaf_name``).
         self._leaves: dict[int, tuple[weakref.ref[Tensor], ValueKind, str]] | None = None
 
@@ -245,7 +231,6 @@ class ValueIds:
         leaf = self._leaf_name(t)
         if leaf is not None:
             self.block.leaves_read.setdefault(leaf[1], t)
-            self._leaf_at(leaf[1], t)
             return self.new_value(t, -1, 0, leaf[0], leaf[1])
         alias = self._same_view(t)
         if alias is not None:
@@ -261,34 +246,6 @@ class ValueIds:
         vid = self.new_value(t, -1, 0, EXTERNAL)
         self.holding.no_producer(vid, t)
         return vid
-
-    def _leaf_at(self, name: str, t: Tensor) -> None:
-        """Parameter or buffer ``name`` seen as ``t``: a move since it was first seen is refused
-        if an op read it there (``_moved``); else it counts from here."""
-        first = self.leaves_at.get(name)
-        if first is not None and self._moved(name, *first):
-            raise leaf_moved(self.block.name, name)
-        self.leaves_at[name] = (t, where(t), len(self.values))  # the value it is about to be
-
-    def refuse_moved_leaves(self) -> None:
-        """End of forward: a parameter or buffer the forward moved after an op read it."""
-        for name, (t, at, vid) in self.leaves_at.items():
-            if where(t) != at and self._moved(name, t, at, vid):
-                raise leaf_moved(self.block.name, name)
-
-    def _moved(self, name: str, t: Tensor, at: tuple, vid: int) -> bool:
-        """Whether ``name``, first seen as ``t`` at ``at`` (value ``vid``), is elsewhere now and
-        an op read its bytes there, directly or through views (a ``.data`` read or a view that
-        only the move used reads nothing replay would make again)."""
-        if where(t) == at:
-            return False
-        seen = {vid}
-        for node in self.block.nodes:
-            if any(v in seen for v in node.inputs):
-                if not op_info(node.op).view:
-                    return True
-                seen.update(node.outs)
-        return False
 
     def refuse_unsupported(self, t: Tensor) -> None:
         """A tensor subclass's ops would reach its own ``__torch_dispatch__``, not the tape; a
