@@ -327,6 +327,21 @@ def test_a_tensor_moved_to_another_layout_at_its_address_is_what_backward_reads(
     assert traces[1].steady and traces[2].steady  # calls like the one before
 
 
+def _trains_bitwise(make: Callable[[], torch.nn.Module], level: str, steps: int = 3) -> None:
+    """``steps`` steps of a checkpointed ``make()`` bitwise against one without checkpointing,
+    call by call (``level`` "calls") or op by op under autocast ("ops")."""
+    torch.manual_seed(0)
+    reference = make()
+    module = tapesac_core.checkpoint_module(copy.deepcopy(reference), region="moved")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if level == "ops" else nullcontext()
+    for s in range(steps):
+        x = torch.randn(4, 8, requires_grad=True)
+        with autocast:
+            ref = step(reference, lambda: reference(x).float().square().sum(), seed=s)
+            got = step(module, lambda: module(x).float().square().sum(), seed=s)
+        assert_bitwise(ref, got)
+
+
 class BitMoved(torch.nn.Module):
     """Moves a tensor to its conjugate or negative view with ``.data =``: the same address,
     strides, shape and dtype, another bit."""
@@ -351,16 +366,7 @@ class BitMoved(torch.nn.Module):
 def test_a_tensor_moved_to_its_conjugate_or_negative_view_is_what_backward_reads(bit, level):
     """Found by review: the recorder knew a tensor by layout but not by these bits (wrong
     gradients on every call). Complex numbers have no bfloat16 autocast: conj is calls only."""
-    torch.manual_seed(0)
-    reference = BitMoved(bit)
-    module = tapesac_core.checkpoint_module(copy.deepcopy(reference), region="bit")
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if level == "ops" else nullcontext()
-    for s in range(3):
-        x = torch.randn(4, 8, requires_grad=True)
-        with autocast:
-            ref = step(reference, lambda: reference(x).float().square().sum(), seed=s)
-            got = step(module, lambda: module(x).float().square().sum(), seed=s)
-        assert_bitwise(ref, got)
+    _trains_bitwise(lambda: BitMoved(bit), level)
 
 
 class ParametersMoved(torch.nn.Module):
@@ -393,16 +399,7 @@ class ParametersMoved(torch.nn.Module):
 def test_parameters_moved_inside_the_forward_as_real_code_does_train_bitwise(how, level):
     """Backward fetches parameters by name, as FSDP2 and ZeRO-3 need (a refusal of moves after
     a read, tried this session, refused these; found by review)."""
-    torch.manual_seed(0)
-    reference = ParametersMoved(how)
-    module = tapesac_core.checkpoint_module(copy.deepcopy(reference), region="moved")
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if level == "ops" else nullcontext()
-    for s in range(3):
-        x = torch.randn(4, 8, requires_grad=True)
-        with autocast:
-            ref = step(reference, lambda: reference(x).float().square().sum(), seed=s)
-            got = step(module, lambda: module(x).float().square().sum(), seed=s)
-        assert_bitwise(ref, got)
+    _trains_bitwise(lambda: ParametersMoved(how), level)
 
 
 class ReadsMask(torch.nn.Module):
