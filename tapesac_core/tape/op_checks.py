@@ -760,8 +760,8 @@ class SteadyCheck(DispatchModeWithoutDynamoGuard, Checking):
         key = self.sources.key
         got = tuple(key(t) for t in compare.tensors)
         if got != check.sources:
-            pairs = [(a, e) for a, e in zip(got, check.sources) if a != e] or [(None, None)]
-            return f"a tensor argument {other_source(*pairs[0], 'ops', self.theirs)}"
+            a, e = next(((a, e) for a, e in zip(got, check.sources) if a != e), (None, None))
+            return f"a tensor argument {other_source(a, e, 'ops', self.theirs)}"
         return None
 
 

@@ -6,8 +6,9 @@ tensor an op reads; ``ValueIds`` answers from what it has seen and registers wha
 * a tensor object it recorded (an op's output, a block input): its value, while the tensor's
   version counter and ``where`` (data address and layout) are the value's (``t.data = other``
   moves a tensor to other bytes or another layout unseen, ``h.data = h.data.t()`` to another
-  layout at the same address: then it is what the tensor holds now, as below). Identity is weak: ``id(tensor) -> (weakref, vid, version)``,
-  never a strong reference to a tensor, so recording keeps no intermediate alive;
+  layout at the same address: then it is what the tensor holds now, as below). Identity is
+  weak: ``id(tensor) -> (weakref, vid, version, where)``, never a strong reference to a tensor,
+  so recording keeps no intermediate alive;
 * a parameter or buffer of the block's module (by identity, else by storage and layout, as
   ``p.data`` is): a leaf value recorded by name, fetched again at replay;
 * another tensor object on a recorded value's storage with its layout (``x.data``): that value;
@@ -259,7 +260,7 @@ class ValueIds:
         refuse_layout(t, repr(self.block.name))
 
     def _same_view(self, t: Tensor) -> int | None:
-        """The newest value with ``t``'s storage, offset, shape, strides and dtype (an alias object)."""
+        """The newest value recorded where ``t`` is (``where``: an alias object)."""
         if not t.untyped_storage().data_ptr():
             return None
         at = where(t)
