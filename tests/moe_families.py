@@ -121,10 +121,11 @@ def moe_model(family: str, experts: str) -> tuple[torch.nn.Module, type]:
     config.vocab_size = VOCAB
     config._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"  # sinks: no SDPA
     config._experts_implementation = experts
-    # Checkpointed training calls run without the key-value cache (``blocks/hf_cache.py``), as
-    # under Hugging Face's own checkpointing; the reference too: Qwen3.5's linear attention
-    # computes its first batch otherwise with one (transformers 5.25, gradients 1e-9 apart).
-    config.use_cache = False
+    if family == "qwen3_5_moe":
+        # Checkpointed training calls run without the key-value cache (``blocks/hf_cache.py``),
+        # as under Hugging Face's own checkpointing; the reference too: Qwen3.5's linear
+        # attention computes its first batch otherwise with one (transformers 5.25, 1e-9 apart).
+        config.use_cache = False
     torch.manual_seed(0)
     model = cls(config)
     model.train()

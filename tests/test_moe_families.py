@@ -134,6 +134,7 @@ def test_planned_eager_experts_run_in_steady_state_whichever_experts_they_hit() 
     (switching between the sets of experts hit, ``structure_switch.py``), bitwise at every
     step. Blocks whose op sequence differed from the plan's recorded every call before."""
     base, layer = moe_model("qwen3_moe", "eager")
+    base.config.use_cache = False  # as in training: a forward run again sees the same cache
     reference, model = copy.deepcopy(base), copy.deepcopy(base)
     tapesac_core.checkpoint_modules(model, {layer})
     controller = Controller(model, 0.0, **SHORT_SCHEDULE)  # the lowest-peak plan
