@@ -52,6 +52,21 @@ def test_replay_memory_follows_replay_order_and_frees_at_last_read() -> None:
     assert taken.replay == (0, 30, 10) and taken.compute == (0, 30, 10)
 
 
+def test_replay_memory_holds_every_value_a_node_call_unpacked_until_it_has_computed() -> None:
+    # One autograd node reads a and c = f(a), c not kept: replaying c for the second unpack
+    # reads a for the last time, and replay lets go of it; the node still holds a (it
+    # unpacked it) while it computes. (DeepSeek-V3's attention node unpacks q, k and v, then
+    # its output, whose replay reads q, k and v last: metered 29 KiB above the prediction.)
+    g = Graph({"a": (1.0, 10, ["x"]), "c": (4.0, 40, ["a"])}, demand=["a", "c"])
+    a, c = g.ids["a"], g.ids["c"]
+    one_call = replay_memory(g, (), [a, c], groups=[0, 0])
+    assert one_call.replay == (10, 50) and one_call.compute == (10, 50)
+    # Two node calls: the first one's hold on a ends before the second one's unpack.
+    two_calls = replay_memory(g, (), [a, c], groups=[0, 1])
+    assert two_calls.replay == (10, 50) and two_calls.compute == (10, 40)
+    assert replay_memory(g, (), [a, c]).compute == (10, 40)
+
+
 def test_forward_memory_keeps_saved_values_to_the_forward_end() -> None:
     g = _chain()
     a, b, c = (g.ids[n] for n in "abc")

@@ -34,10 +34,11 @@ def replay_memory(
     Available without replay: the graph's available values, ``saved`` and ``taken`` (values
     alive elsewhere); storages they use cost nothing. Each unpack of a missing value runs its
     producer closure in tape order; every output exists while its node runs, and is kept while
-    a later read remains; autograd's reads are the unpacks themselves. An unpacked value that
-    replay no longer holds is still held by autograd until its node has computed: until the
-    unpacks of the same ``groups`` entry (one autograd node call) are done, or, without
-    groups, until the next unpack.
+    a later read remains; autograd's reads are the unpacks themselves. Every value unpacked is
+    held by autograd until its node has computed, whether replay still holds it or not: until
+    the unpacks of the same ``groups`` entry (one autograd node call) are done, or, without
+    groups, until the next unpack. (Replay for a later unpack of the same call may read a value
+    for the last time: autograd still holds it.)
     """
     available = graph.available | frozenset(saved) | frozenset(taken)
     deps_of, outs_of, producer = graph.node_deps, graph.node_outs, graph.producer
@@ -67,7 +68,7 @@ def replay_memory(
             if not (avail[d] or seen[d]):
                 seen[d] = 1
                 stack.append(d)
-    refs = [0] * len(sizes)  # storage -> values of env on it
+    refs = [0] * len(sizes)  # storage -> values of env on it, and autograd's hold
     live = 0
     node_mark, value_mark = [0] * len(deps_of), [0] * len(storage)
     walks = 0
@@ -78,11 +79,16 @@ def replay_memory(
         else [k == 0 or groups[k] != groups[k - 1] for k in range(len(unpacks))]
     )
     replay, compute = [], []
-    grabbed: dict[int, int] = {}  # storage -> bytes autograd holds for the current node
+    # Storages autograd holds for the current node call: one reference each in ``refs``.
+    grabbed: set[int] = set()
     # The loop below runs once per frontier point and unpack: names stay local (no closures),
     # so freeing a value is written out where it happens.
     for v, start in zip(unpacks, starts):
         if start:
+            for s in grabbed:
+                refs[s] -= 1
+                if not refs[s]:
+                    live -= cost[s]
             grabbed.clear()
         top = live
         if not (avail[v] or env[v]):
@@ -126,17 +132,19 @@ def replay_memory(
                         refs[s] -= 1
                         if not refs[s]:
                             live -= cost[s]
-        replay.append(top + (sum(b for s, b in grabbed.items() if not refs[s]) if grabbed else 0))
+        replay.append(top)
         if not avail[v]:
+            s = storage[v]
+            if s not in grabbed:  # autograd holds it while its node computes
+                grabbed.add(s)
+                refs[s] += 1
+                if refs[s] == 1:
+                    live += cost[s]
             reads[v] -= 1
             if reads[v] <= 0 and env[v]:
                 env[v] = False
-                s = storage[v]
                 refs[s] -= 1
-                if not refs[s]:
-                    live -= cost[s]
-                    grabbed[s] = cost[s]  # autograd holds it while its node computes
-        compute.append(live + (sum(b for s, b in grabbed.items() if not refs[s]) if grabbed else 0))
+        compute.append(live)
     return ReplayMemory(replay=tuple(replay), compute=tuple(compute))
 
 
