@@ -37,21 +37,33 @@ def solve_peak(
     option; it counts the whole group up to there (a narrower range only has fewer bytes), and a
     segment replaying a block other than its last alive one takes that block's worst delta.
     Segments are handled as arrays: a timeline has one per unpack and phase of every block.
+
+    Offloading options (``Option.offload``) add what they hold off the device to the state
+    (negative, rounded towards zero), and their bytes back where they are near (``peak.near``):
+    at the block's own segments, known with its option, and at the next block's, known with the
+    option of the block before (the state carries it: one layer per offloading option of the
+    block before, and one for all its other options). A block offloads only where every
+    segment after it in its group counts it alive (so counting the group from its start holds).
     """
     n = len(timeline.blocks)
-    if len(menus) != n or any(not m or m[0].bytes != 0 for m in menus):
+    if len(menus) != n or any(not m or m[0].bytes != 0 or m[0].offload for m in menus):
         raise ValueError("one menu per timeline block, each starting with a 0-byte option")
     if resolution < 1:
         raise ValueError(f"resolution must be >= 1, got {resolution}")
     seg = _columns(timeline)
     deltas = _Deltas(menus)
     lingering = _own_lingering(timeline)
+    back = [max([o.back for o in m if o.offload], default=0) for m in menus]
     # A segment replaying a block other than its last alive one is charged that block's worst
-    # option (the DP only knows the last block's option when it checks the segment).
+    # option (the DP only knows the last block's option when it checks the segment), and the
+    # bytes it and the block before it take back if they offload.
     checked = seg.peak.copy()
     other = (seg.own >= 0) & (seg.own != seg.last)
     for k in np.flatnonzero(other):
-        checked[k] += deltas.worst(int(seg.own[k]), int(seg.phase[k]), int(seg.unpack[k]))
+        j = int(seg.own[k])
+        checked[k] += deltas.worst(j, int(seg.phase[k]), int(seg.unpack[k])) + back[j]
+        if j - 1 >= seg.first[k]:
+            checked[k] += back[j - 1]
     alive = seg.first <= seg.last
     if (checked[~alive] > capacity).any():
         return None
@@ -61,63 +73,122 @@ def solve_peak(
         - np.bincount(seg.last[spans] + 1, minlength=n + 1)
     )
     joined = opens[:n] > 0  # block i shares a segment with block i - 1
+    offloads = _may_offload(seg, alive, joined, n)
     lowest = int(seg.peak[alive].min()) if alive.any() else capacity
     unit = _unit(menus, resolution)
-    # No state above what every block's largest option keeps is reachable: a generous capacity
-    # costs no more states than that.
-    most = sum(-(-max(o.bytes for o in m) // unit) for m in menus)
-    units = min(max(0, capacity - lowest) // unit, most) + 1
+    weights = [[-(o.held // unit) if o.offload else -(-o.bytes // unit) for o in m] for m in menus]
+    # State index ``low + u`` for a group's u units (u < 0: offloaded blocks hold less than
+    # must-only). No state above what every block's largest option keeps is reachable: a
+    # generous capacity costs no more states than that.
+    low = sum(-min(0, *w) for w, ok in zip(weights, offloads) if ok)
+    most = sum(max(0, *w) for w in weights)
+    units = low + min(max(0, capacity - lowest) // unit, most) + 1
     order = np.flatnonzero(alive)
     order = order[np.argsort(seg.last[order], kind="stable")]
     bounds = np.searchsorted(seg.last[order], np.arange(n + 1))
-    layer = _start(units)
-    history = []  # per block: (layer before it, its options as (weight, gain, limit), reset state)
+    # Layers by the option of the block before: 0 for any that keeps its values on the device,
+    # ``c + 1`` for its offloading option ``c``, which takes its bytes back at this block's own
+    # segments.
+    layers = {0: _start(units, low)}
+    history = []  # per block: layers before it, its options, their limits, reset
     for i in range(n):
         reset = None
         if i > 0 and not joined[i]:
             # A new group: the earlier blocks' bytes are freed; continue from the best state.
-            reset = int(np.argmax(layer))
-            layer = _start(units, layer[reset])
+            reset = _best(layers)
+            layers = {0: _start(units, low, layers[reset[0]][reset[1]])}
         mine = order[bounds[i] : bounds[i + 1]]
-        tops = _tops(seg, checked, mine, i, deltas, lingering.get(i))
-        choices = []
-        for option, top in zip(menus[i], tops):
-            if top is None:  # no segment ends at this block
-                limit = units - 1
-            else:
-                head = capacity - top
-                limit = min(units - 1, head // unit if head >= 0 else -1)
-            choices.append((-(-option.bytes // unit), option.gain, limit))
-        cur = _start(units, -math.inf)
+        fixed, own = _tops(seg, checked, mine, i, deltas, lingering.get(i))
+        backs = np.array([o.back for o in menus[i]], dtype=np.int64)
+        limits = {}  # per layer before: each option's highest state whose segments fit
+        for p in layers:
+            top = np.maximum(fixed, own + (menus[i - 1][p - 1].back if p else 0))
+            none = top == -math.inf  # no segment ends at this block
+            head = capacity - np.where(none, 0, top).astype(np.int64) - backs
+            limits[p] = np.where(none, units - 1, np.minimum(units - 1, low + head // unit))
         # States above the highest reachable one stay unreachable: skip them.
-        high = _high(layer) if reset is None else 0
-        for w, g, limit in choices:
-            stop = min(limit, high + w)
-            if stop >= w:
-                np.maximum(cur[w : stop + 1], layer[: stop + 1 - w] + g, out=cur[w : stop + 1])
-        history.append((layer, choices, reset))
-        layer = cur
-        if _high(layer) < 0:
+        high = {p: _high(layer) for p, layer in layers.items()}
+        cur: dict[int, np.ndarray] = {}
+        choices = []
+        for c, (option, w) in enumerate(zip(menus[i], weights[i])):
+            if option.offload and not offloads[i]:
+                continue
+            kind = c + 1 if option.offload else 0
+            for p, layer in layers.items():
+                lo, hi = max(0, w), min(int(limits[p][c]), high[p] + w, units - 1 + w)
+                if hi >= lo:
+                    into = cur.get(kind)
+                    if into is None:
+                        into = cur[kind] = _start(units, low, -math.inf)
+                    np.maximum(
+                        into[lo : hi + 1],
+                        layer[lo - w : hi + 1 - w] + option.gain,
+                        out=into[lo : hi + 1],
+                    )
+            choices.append((c, kind, w, option.gain))
+        history.append((layers, choices, limits, reset))
+        layers = cur
+        if not layers or all(_high(layer) < 0 for layer in layers.values()):
             return None
-    state = int(np.argmax(layer))
-    value = layer[state]
+    kind, state = _best(layers)
+    value = layers[kind][state]
     picks = [0] * n
     for i in range(n - 1, -1, -1):
-        prev, choices, reset = history[i]
-        for c, (w, g, limit) in enumerate(choices):
-            if w <= state <= limit and prev[state - w] + g == value:
-                picks[i], state, value = c, state - w, prev[state - w]
+        before_layers, choices, limits, reset = history[i]
+        found = None
+        for c, its_kind, w, g in choices:
+            if its_kind != kind:
+                continue
+            for p, layer in before_layers.items():
+                if max(0, w) <= state <= min(int(limits[p][c]), units - 1 + w) and (
+                    layer[state - w] + g == value
+                ):
+                    found = c, p, state - w
+                    break
+            if found is not None:
                 break
-        else:  # pragma: no cover - the layer was built from these choices
+        if found is None:  # pragma: no cover - the layer was built from these choices
             raise AssertionError("backtracking found no option")
+        picks[i], kind, state = found
+        value = before_layers[kind][state]
         if reset is not None:
-            state = reset
+            kind, state = reset
     return tuple(picks)
 
 
+def _may_offload(seg: _Columns, alive: np.ndarray, joined: np.ndarray, n: int) -> list[bool]:
+    """Per block, whether the DP may let it offload: a block after it in its group hides its
+    copies, and every segment its group's later blocks are alive in counts it alive too (the
+    DP counts a segment's group from the group's start, which only adds bytes where blocks keep
+    theirs, and would take off those of an offloaded block that segment does not count)."""
+    start = np.arange(n)
+    for i in range(1, n):
+        if joined[i]:
+            start[i] = start[i - 1]
+    ok = [i + 1 < n and bool(joined[i + 1]) for i in range(n)]
+    late = alive & (seg.first > start[np.maximum(seg.last, 0)])
+    for first, last in zip(seg.first[late].tolist(), seg.last[late].tolist()):
+        for b in range(int(start[last]), first):
+            ok[b] = False
+    return ok
+
+
+def _best(layers: Mapping[int, np.ndarray]) -> tuple[int, int]:
+    """The layer and state of the best gain, the fewest units among equal gains."""
+    best: tuple[float, int, int] | None = None
+    for kind in sorted(layers):
+        state = int(np.argmax(layers[kind]))
+        value = float(layers[kind][state])
+        if best is None or value > best[0] or (value == best[0] and state < best[2]):
+            best = (value, kind, state)
+    assert best is not None, "a DP has a layer"
+    return best[1], best[2]
+
+
 def _unit(menus: Sequence[Sequence[Option]], resolution: int) -> int:
-    """Bytes per DP state: ``resolution`` units span the most bytes the menus can keep."""
-    span = sum(max(o.bytes for o in m) for m in menus)
+    """Bytes per DP state: ``resolution`` units span the most bytes the menus can keep, or take
+    off the device by offloading (so the states below none kept are as many at most)."""
+    span = sum(max(max(o.bytes, o.held) for o in m) for m in menus)
     return max(1, -(-span // resolution))
 
 
@@ -153,10 +224,11 @@ def _own_lingering(timeline: Timeline) -> dict[int, dict[int, list[int]]]:
     return out
 
 
-def _start(units: int, first: float = 0.0) -> np.ndarray:
-    """A DP layer: the best gain per state, -inf where unreachable; ``first`` at state 0."""
+def _start(units: int, zero: int, first: float = 0.0) -> np.ndarray:
+    """A DP layer: the best gain per state, -inf where unreachable; ``first`` at state ``zero``
+    (no bytes kept)."""
     values = np.full(units, -math.inf)
-    values[0] = first
+    values[zero] = first
     return values
 
 
@@ -237,19 +309,20 @@ def _tops(
     block: int,
     deltas: _Deltas,
     lingering: Mapping[int, list[int]] | None = None,
-) -> list[int | None]:
-    """Per option of ``block``'s menu, the highest segment checked at it (None: none is): its own
-    replay segments moved by the option's deltas, every other one as it is (``checked``). A
-    segment of ``lingering`` (segment -> positions in the block's ``lingering``) is lowered by
-    the bytes of those values each option keeps (measured there already)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per option of ``block``'s menu, the highest segment checked at it among the others'
+    (``checked``, as they are) and among its own (its forward, replay and release, moved by the
+    option's deltas); -inf where there is none. A segment of ``lingering`` (segment ->
+    positions in the block's ``lingering``) is lowered by the bytes of those values each option
+    keeps (measured there already)."""
     menu = deltas.menus[block]
     special = [int(k) for k in mine if lingering and int(k) in lingering]
     if special:
         mine = mine[~np.isin(mine, special)]
     own = seg.own[mine] == block
     rest = checked[mine[~own]]
-    fixed = int(rest.max()) if len(rest) else None
-    tops = np.full(len(deltas.menus[block]), -math.inf if fixed is None else fixed, dtype=float)
+    fixed = np.full(len(menu), float(rest.max()) if len(rest) else -math.inf)
+    tops = np.full(len(menu), -math.inf)
     for phase in (0, 1, 2, 3):
         at = mine[own & (seg.phase[mine] == phase)]
         if len(at):
@@ -260,11 +333,11 @@ def _tops(
             tops = np.maximum(tops, (m + seg.peak[at]).max(axis=1))
     for k in special:
         phase, unpack = int(seg.phase[k]), int(seg.unpack[k])
+        assert lingering is not None  # special is empty without it
+        kept = np.array([sum(o.lingered(j) for j in lingering[k]) for o in menu])
         if seg.own[k] == block and phase >= 0:
             values = deltas.matrix(block, phase, unpack + 1)[:, unpack] + seg.peak[k]
+            tops = np.maximum(tops, values - kept)
         else:
-            values = np.full(len(menu), checked[k])
-        assert lingering is not None  # special is empty without it
-        values = values - np.array([sum(o.lingered(j) for j in lingering[k]) for o in menu])
-        tops = np.maximum(tops, values)
-    return [None if t == -math.inf else int(t) for t in tops.tolist()]
+            fixed = np.maximum(fixed, checked[k] - kept)
+    return fixed, tops

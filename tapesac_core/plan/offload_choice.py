@@ -1,0 +1,109 @@
+"""Offload as a block's third choice (issue 42): beside keeping or recomputing, a block may copy
+what it holds to host memory after its forward and back ahead of its backward.
+
+What it costs. The copy out runs while the next block in forward order computes its forward, the
+copy back while the next block computes its backward window (the mechanism starts it at that
+block's first unpack, ``tape/offload.py``); the part of each copy those windows cannot hide is
+time added to the step. The copy out must be done by the end of the next block's forward, where
+the peak model takes the block's memory as gone (``peak.near``), so what it cannot hide is waited
+for there too. Each direction has its own bandwidth, measured (``Link``).
+
+What it saves is the peak model's (``peak.Option.away``): away from its segments, the block holds
+nothing on the device, not even what it holds must-only.
+
+Python, no torch: menus, windows and a link in, menus out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .peak import Option
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """Bandwidth between device and host memory, in bytes per second each way, as measured."""
+
+    to_host: float
+    to_device: float
+
+    def __post_init__(self) -> None:
+        for name in ("to_host", "to_device"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(
+                    f"Link.{name} must be a positive bandwidth in bytes/s, got {value}"
+                )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopyWindow:
+    """What surrounds one block's copies: the bytes it holds must-only (S0, beyond its inputs and
+    parameters) and the seconds of the next block's forward and backward window, which hide
+    its copy out and its copy back."""
+
+    held: int
+    next_forward: float
+    next_backward: float
+
+    def __post_init__(self) -> None:
+        if self.held < 0 or self.next_forward < 0 or self.next_backward < 0:
+            raise ValueError(f"a copy window needs bytes and seconds >= 0, got {self}")
+
+
+def exposed_copy_time(nbytes: int, link: Link, window: CopyWindow) -> float:
+    """Seconds copying ``nbytes`` out and back adds to the step: what the next block's forward
+    does not hide of the copy out, and what its backward window does not hide of the copy back."""
+    out = nbytes / link.to_host
+    back = nbytes / link.to_device
+    return max(0.0, out - window.next_forward) + max(0.0, back - window.next_backward)
+
+
+# Options offered offloaded per block: the DP keeps one layer per offloading option of the block
+# before (``peak_dp.solve_peak``), so their number multiplies its work.
+OFFLOADED_POINTS = 4
+
+
+def with_offload(
+    menus: Sequence[Sequence[Option]],
+    windows: Sequence[CopyWindow | None],
+    link: Link | None,
+) -> list[list[Option]]:
+    """Each block's menu with, after its options, some of them offloaded (must-only and up to
+    ``OFFLOADED_POINTS - 1`` more, spread over the menu up to its largest): the same bytes and
+    replay, the gain less the exposed copy time. A block without a window (none after it in its
+    micro-batch to hide its copies) and every block without a link (no separate host memory,
+    as on CPU) keeps its menu as it is."""
+    if len(windows) != len(menus):
+        raise ValueError(f"one window per menu: {len(menus)} menus, {len(windows)} windows")
+    if link is None:
+        return [list(m) for m in menus]
+    out = []
+    for menu, window in zip(menus, windows):
+        kept = [o for o in menu if not o.offload]
+        if window is None:
+            out.append(kept)
+            continue
+        moved = [
+            dataclasses.replace(
+                o,
+                offload=True,
+                held=window.held,
+                gain=o.gain - exposed_copy_time(o.bytes + window.held, link, window),
+            )
+            for o in _spread(kept, OFFLOADED_POINTS)
+        ]
+        out.append(kept + moved)
+    return out
+
+
+def _spread(options: Sequence[Option], count: int) -> list[Option]:
+    """The first option, the last, and others evenly between: ``count`` at most."""
+    if len(options) <= count:
+        return list(options)
+    last = len(options) - 1
+    return [options[round(k * last / (count - 1))] for k in range(count)]
