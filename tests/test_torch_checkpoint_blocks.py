@@ -3,6 +3,7 @@ beat must-only, priced by the peak model (nothing kept from forward, the whole f
 the block's first unpack), metered under the limit and bitwise."""
 
 import copy
+import dataclasses
 import statistics
 
 import pytest
@@ -93,7 +94,11 @@ def test_torch_checkpoint_blocks_run_where_measured_faster_under_the_limit(moe, 
     assert key not in off.plans and "torch_checkpoint_blocks" in caplog.text
 
     # With room for every block plain, plain beats it, however much faster torch's checkpoint
-    # measured: a plain block does all a torch-checkpoint block does but its forward again.
+    # measured: a plain block does all a torch-checkpoint block does but its forward again. A
+    # new limit is solved afresh, however noisy the profiles (a busy host): the plan at the old
+    # limit is not favoured (its torch-checkpoint blocks stayed at a spread of 0.8).
+    for region_name, profile in list(controller.profiles.items()):
+        controller.profiling.profiles[region_name] = dataclasses.replace(profile, replay_spread=2.0)
     controller.replan(memory_limit="1GiB")
     report, got = _step(controller, model, ids, 12)
     assert report.plan.regions[region].kinds == (BlockKind.PLAIN,) * 4, report.plan.explain()

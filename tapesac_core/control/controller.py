@@ -165,11 +165,12 @@ class Controller:
 
     def replan(self, memory_limit: float | int | str | None = None) -> None:
         """Forget every plan, under a new ``memory_limit`` if given: each bucket is solved again
-        at its next planned step (or ``plan_for``), from the profiles already taken."""
+        at its next planned step (or ``plan_for``), from the profiles already taken; under the
+        same limit its blocks keep their choices unless a change clearly gains."""
         if memory_limit is not None:
             self.config = dataclasses.replace(self.config, memory_limit=memory_limit)
             self.budget = MemoryBudget(self.config, self.budget.total)
-        self.plan_cache.forget()
+        self.plan_cache.forget(keep_previous=memory_limit is None)
 
     def plan_for(self, tokens: int | Mapping[str, int]) -> Plan:
         """The plan of the bucket of ``tokens`` (as ``step`` takes them), solved now if not

@@ -75,9 +75,14 @@ class PlanCache:
         self.schedule.forget_plan(key)
         self.times.forget_planned(key)
 
-    def forget(self) -> None:
-        """Every bucket is solved again (and its first planned step metered again on CPU)."""
-        self.previous.update(self.plans)
+    def forget(self, *, keep_previous: bool = True) -> None:
+        """Every bucket is solved again (and its first planned step metered again on CPU), each
+        favouring the plan it replaces where ``keep_previous`` (the same limit, solved again
+        for noise or memory corrections); a new limit's plans owe nothing to the old ones."""
+        if keep_previous:
+            self.previous.update(self.plans)
+        else:
+            self.previous.clear()
         self.plans.clear()
         self.schedule.forget_plans()
 
