@@ -772,6 +772,38 @@ def test_a_parameter_cast_twice_under_autocast_is_said_where_not_bitwise(twice, 
         assert_bitwise(ref, got)
 
 
+@pytest.mark.parametrize("between", [False, True], ids=["one_graph", "backward_between"])
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_module_called_again_under_autocast_before_its_backward_is_said(cache, between) -> None:
+    """A module called twice in one autocast region (a shared layer, a siamese encoder): without
+    checkpointing, autocast's weight cache casts its parameters once for both calls, and their
+    gradients sum in bfloat16; blocks cast per call. Said once (before, silently not bitwise);
+    bitwise with the cache off, and with each call's backward before the next call."""
+    torch.manual_seed(0)
+    reference = LinearTwice(twice=False)
+    block = tapesac_core.checkpoint_module(copy.deepcopy(reference), region="shared")
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def losses(model: torch.nn.Module) -> list:
+        if between:  # two steps: each call's graph is freed before the next call
+            return [step(model, lambda: model(x).float().square().sum()) for _ in range(2)]
+        return [step(model, lambda: model(model(x)).float().square().sum())]
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+        ref = losses(reference)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            got = losses(block)
+    warned = [w for w in said if "ran again under autocast" in str(w.message)]
+    assert len(warned) == (cache and not between)
+    if warned:
+        assert "a checkpointed LinearTwice" in str(warned[0].message)
+        assert not all(torch.equal(ref[0][1][n], got[0][1][n]) for n in ref[0][1])
+    else:
+        for r, g in zip(ref, got):
+            assert_bitwise(r, g)
+
+
 class HookCounting(torch.nn.Linear):
     """A linear layer that notes how many forward hooks it carries at each call."""
 

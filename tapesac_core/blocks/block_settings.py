@@ -26,6 +26,11 @@ class BlockConfig:
     emptied_caches: weakref.WeakSet[Any] = field(
         default_factory=weakref.WeakSet, compare=False, repr=False
     )
+    # Its blocks that ran under autocast with the weight cache on, while autograd holds them
+    # (until their backward): a later call among them shared the casts without checkpointing.
+    autocast_calls: weakref.WeakSet[Any] = field(
+        default_factory=weakref.WeakSet, compare=False, repr=False
+    )
 
 
 def block_config(module: torch.nn.Module) -> BlockConfig | None:

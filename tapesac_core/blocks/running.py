@@ -55,7 +55,7 @@ from ..tape.structure_switch import Switch, ran_alike
 from ..tape.tape import PARAM, Tape
 from ..tape.verify import HiddenWrites
 from ..tensors import tensor_leaves
-from .block_settings import block_config
+from .block_settings import BlockConfig, block_config
 from .hf_cache import without_hf_cache
 from .plan_scope import PLAN
 from .refusals import (
@@ -115,6 +115,30 @@ def _warn_if_cast_twice(block: Block) -> None:
             )
             return
         seen.add(key)
+
+
+def _warn_if_called_again_under_autocast(config: BlockConfig, block: Block) -> None:
+    """A module called again under autocast before its earlier call's backward (a shared layer,
+    a siamese encoder): without checkpointing, autocast's weight cache casts its parameters once
+    for both calls if one region holds them, and their gradients sum in the autocast dtype;
+    blocks run with the cache off (``_autocast_weight_cache_disabled``) and cast per call. Said
+    once per run, in words the same for every layer of a model."""
+    if not (any_autocast_enabled() and torch.is_autocast_cache_enabled()):
+        return
+    if any(True for _ in config.autocast_calls):
+        owner = type(block.module).__name__
+        warnings.warn(
+            f"TapeSAC: a checkpointed {owner} ran again under autocast before the backward of "
+            "its earlier call: where one autocast region holds both calls, without "
+            "checkpointing autocast casts its parameters once for both (its weight cache) and "
+            "their gradients sum in the autocast dtype; its blocks cast per call, so they sum "
+            "in float32 (close, not bit for bit; torch.utils.checkpoint neither). Fix: "
+            "torch.autocast(..., cache_enabled=False) for bitwise gradients (both then cast "
+            "per call), or checkpoint the module that calls it",
+            UserWarning,
+            stacklevel=3,
+        )
+    config.autocast_calls.add(block)
 
 
 def run_block(
@@ -178,6 +202,8 @@ def run_block(
     )
     if scope is not None:
         scope.blocks.append(block.trace)
+    if config is not None:
+        _warn_if_called_again_under_autocast(config, block)
     call = call_arguments(args, kwargs)
     inputs = call.tensors
     cache = steady_cache(module) if module is not None else None
