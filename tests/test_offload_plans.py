@@ -236,3 +236,52 @@ def test_plans_fit_where_a_segment_replays_an_earlier_block_or_starts_later_in_i
         got = [menus[i][c] for i, c in enumerate(picks)]
         assert predict(t, got).peak <= capacity, trial
         assert best is not None and sum(o.gain for o in got) <= best + 1e-9, trial
+
+
+def test_what_the_caller_keeps_of_an_offloaded_block_stays_on_the_device_while_it_is_away() -> None:
+    """A value of block 0 that outlived its forward (the caller keeps it: measured in the loss
+    segment already) is not copied out: away, block 0 takes off only what it held (review)."""
+    loss = Segment(peak=100, first=0, last=1, lingering=((0, 0),))
+    t = Timeline(
+        tokens=1,
+        static=0,
+        segments=(loss,),
+        blocks=(TimelineBlock(region="r", index=0, sequence="s", lingering=(7,)),)
+        + (TimelineBlock(region="r", index=1, sequence="s"),),
+    )
+    none = Option(bytes=0, gain=0.0, point=0)
+    kept = Option(bytes=30, gain=1.0, point=1, linger=(30,))
+    away = Option(bytes=30, gain=1.0, point=1, linger=(30,), offload=True, held=20)
+    assert predict(t, [kept, none]).peak == 100  # its 30 bytes are the lingering value's
+    assert predict(t, [away, none]).peak == 100 - 20
+
+
+def test_segments_the_dp_does_not_take_for_a_block_s_own_are_not_its_own_in_predict() -> None:
+    """An own-phase segment without an unpack position, and an outside segment naming a block,
+    move by no option's deltas and take no offloaded block back, in ``predict`` as in the DP
+    (review: the DP picked plans ``predict`` put over the capacity)."""
+    none = Option(bytes=0, gain=0.0, point=0)
+    blocks = tuple(TimelineBlock(region="r", index=i, sequence="s") for i in range(2))
+    no_position = Timeline(
+        tokens=1,
+        static=0,
+        segments=(
+            Segment(peak=60, first=0, last=0, phase="forward", own=0, unpack=0),
+            Segment(peak=100, first=0, last=1, phase="forward", own=1, unpack=None),
+            Segment(peak=60, first=0, last=1, phase="replay", own=1, unpack=0),
+            Segment(peak=60, first=0, last=0, phase="replay", own=0, unpack=0),
+        ),
+        blocks=blocks,
+    )
+    menus = [[none, Option(bytes=0, gain=1.0, point=0, offload=True, held=50)], [none]]
+    picks = solve_peak(no_position, menus, 60, resolution=50)
+    assert picks == (1, 0)
+    assert predict(no_position, [m[c] for m, c in zip(menus, picks)]).peak <= 60
+    outside = Timeline(
+        tokens=1,
+        static=0,
+        segments=(Segment(peak=50, first=0, last=0, phase="outside", own=0, unpack=0),),
+        blocks=blocks[:1],
+    )
+    grows = Option(bytes=5, gain=1.0, point=1, compute=(40,))
+    assert predict(outside, [grows]).peak == 55

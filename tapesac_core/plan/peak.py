@@ -74,6 +74,8 @@ class Option:
         return self.linger[position] if position < len(self.linger) else 0
 
     def delta(self, segment: Segment) -> int:
+        if segment.unpack is None or segment.phase not in OWN_PHASES:
+            return 0  # not one of the block's own segments (the DP's ``_columns`` alike)
         if segment.phase == FORWARD:
             return self.forward
         if segment.phase == RELEASING:
@@ -107,11 +109,15 @@ def predict(timeline: Timeline, options: Sequence[Option]) -> Prediction:
     best, where = -1, 0
     for k, s in enumerate(timeline.segments):
         value = s.peak + (prefix[s.last + 1] - prefix[s.first] if s.first <= s.last else 0)
-        value += sum(options[b].back for b in near(s) if s.first <= b)
+        close = near(s)
+        value += sum(options[b].back for b in close if s.first <= b)
         if s.own is not None:
             value += options[s.own].delta(s)
         for i, j in s.lingering:
-            value -= options[i].lingered(j)
+            # Away, an offloading block leaves on the device what the caller keeps alive too
+            # (``tape/offload.py``): its ``away`` took off only what it held.
+            if not options[i].offload or i in close:
+                value -= options[i].lingered(j)
         if value > best:
             best, where = value, k
     return Prediction(peak=best, segment=where, label=timeline.segments[where].label)
@@ -124,6 +130,7 @@ def near(segment: Segment) -> tuple[int, ...]:
     starts at that block's first unpack, one block ahead."""
     if segment.first > segment.last:
         return ()
-    if segment.own is None or segment.phase not in OWN_PHASES:
+    own = segment.own
+    if own is None or segment.unpack is None or segment.phase not in OWN_PHASES:
         return (segment.last,)
-    return tuple(sorted({segment.last, segment.own, segment.own - 1} - {-1}))
+    return tuple(b for b in sorted({segment.last, own, own - 1}) if 0 <= b <= segment.last)

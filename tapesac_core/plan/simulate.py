@@ -40,6 +40,8 @@ def replay_memory(
     groups, until the next unpack. (Replay for a later unpack of the same call may read a value
     for the last time: autograd still holds it.)
     """
+    if groups and len(groups) != len(unpacks):
+        raise ValueError(f"one group per unpack: {len(unpacks)} unpacks, {len(groups)} groups")
     available = graph.available | frozenset(saved) | frozenset(taken)
     deps_of, outs_of, producer = graph.node_deps, graph.node_outs, graph.producer
     sizes, storage = graph.storage_bytes, graph.value_storage
