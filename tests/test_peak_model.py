@@ -492,3 +492,26 @@ def test_a_torch_checkpoint_option_keeps_nothing_and_holds_the_plain_bytes_from_
         .bytes
         == 70
     )
+
+
+def test_a_state_above_the_room_over_the_lowest_segment_fits_where_deltas_lower_every_segment() -> (
+    None
+):
+    """An option whose deltas and kept lingering bytes lower every segment it is checked at fits
+    with more bytes than the room above the lowest segment's peak: the DP's states reach it
+    (review: they stopped at that room, and the DP kept must-only where brute force fit)."""
+    block = TimelineBlock(region="r", index=0, sequence="s", lingering=(5,))
+    t = Timeline(
+        tokens=1,
+        static=0,
+        segments=(
+            Segment(peak=70, first=0, last=0, phase="forward", own=0, unpack=0),
+            Segment(peak=80, first=0, last=0, lingering=((0, 0),)),
+            Segment(peak=70, first=0, last=0, phase="replay", own=0, unpack=0),
+        ),
+        blocks=(block,),
+    )
+    keeps = Option(bytes=38, gain=1.0, point=1, forward=-38, replay=(-38,), linger=(35,))
+    menu = [Option(bytes=0, gain=0.0, point=0), keeps]
+    assert predict(t, [keeps]).peak == 83
+    assert solve_peak(t, [menu], 84, resolution=38) == (1,)

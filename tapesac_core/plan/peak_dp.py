@@ -74,15 +74,15 @@ def solve_peak(
     )
     joined = opens[:n] > 0  # block i shares a segment with block i - 1
     offloads = _may_offload(seg, alive, joined, n)
-    lowest = int(seg.peak[alive].min()) if alive.any() else capacity
     unit = _unit(menus, resolution)
     weights = [[-(o.held // unit) if o.offload else -(-o.bytes // unit) for o in m] for m in menus]
     # State index ``low + u`` for a group's u units (u < 0: offloaded blocks hold less than
-    # must-only). No state above what every block's largest option keeps is reachable: a
-    # generous capacity costs no more states than that.
+    # must-only). No state above what every block's largest option keeps is reachable. (Not
+    # capped by the room above the lowest segment: an option's deltas and the lingering bytes
+    # it keeps can lower every segment it is checked at, and a state above that room fits.)
     low = sum(-min(0, *w) for w, ok in zip(weights, offloads) if ok)
     most = sum(max(0, *w) for w in weights)
-    units = low + min(max(0, capacity - lowest) // unit, most) + 1
+    units = low + most + 1
     order = np.flatnonzero(alive)
     order = order[np.argsort(seg.last[order], kind="stable")]
     bounds = np.searchsorted(seg.last[order], np.arange(n + 1))
