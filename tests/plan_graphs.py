@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import assume
 from hypothesis import strategies as st
 
 from tapesac_core.plan import Graph, PlanGraph, Point, candidates
+from tapesac_core.plan.peak import Option
 
 WORKED_OPS = {
     "x1": (8, 10, []),
@@ -74,3 +77,23 @@ def plan_graphs(draw: st.DrawFn, max_candidates: int = 16) -> PlanGraph:
     )
     assume(sum(len(c) == 1 for c in candidates(graph)) <= max_candidates)
     return graph
+
+
+def random_options(rng: random.Random, unpacks: int, points: int) -> list[Option]:
+    """A block's menu for the peak model's tests: must-only, then ``points - 1`` options, each
+    keeping more bytes for more gain, with random replay, compute and forward deltas (fewer
+    deltas than unpacks: no change past them)."""
+    opts = [Option(bytes=0, gain=0.0, point=0)]
+    for p in range(1, points):
+        width = rng.randint(0, unpacks)
+        opts.append(
+            Option(
+                bytes=opts[-1].bytes + rng.randint(1, 30),
+                gain=opts[-1].gain + rng.randint(1, 9),
+                point=p,
+                replay=tuple(rng.randint(-40, 5) for _ in range(width)),
+                compute=tuple(rng.randint(-40, 5) for _ in range(width)),
+                forward=-rng.randint(0, opts[-1].bytes),
+            )
+        )
+    return opts

@@ -9,6 +9,7 @@ import itertools
 import random
 
 import pytest
+from plan_graphs import random_options
 
 from tapesac_core.plan.offload_choice import CopyWindow, Link, exposed_copy_time, with_offload
 from tapesac_core.plan.peak import Option, predict
@@ -52,22 +53,7 @@ def _micro_batches(rng: random.Random, groups: int, blocks: int, unpacks: int) -
 def _menus(rng: random.Random, timeline: Timeline, unpacks: int, blocks: int) -> list[list[Option]]:
     """Random kept options per block, each offered offloaded as well where a block follows it in
     its micro-batch, over a link fast enough to hide some copies and not others."""
-    menus = []
-    for _ in timeline.blocks:
-        opts = [Option(bytes=0, gain=0.0, point=0)]
-        for p in range(1, rng.randint(1, 3)):
-            width = rng.randint(0, unpacks)
-            opts.append(
-                Option(
-                    bytes=opts[-1].bytes + rng.randint(1, 30),
-                    gain=opts[-1].gain + rng.randint(1, 9),
-                    point=p,
-                    replay=tuple(rng.randint(-40, 5) for _ in range(width)),
-                    compute=tuple(rng.randint(-40, 5) for _ in range(width)),
-                    forward=-rng.randint(0, opts[-1].bytes),
-                )
-            )
-        menus.append(opts)
+    menus = [random_options(rng, unpacks, rng.randint(1, 3)) for _ in timeline.blocks]
     windows = [
         None
         if i % blocks == blocks - 1

@@ -6,6 +6,7 @@ import itertools
 import random
 
 import pytest
+from plan_graphs import random_options
 
 from tapesac_core.plan import Graph
 from tapesac_core.plan.menus import RegionMenu
@@ -204,22 +205,7 @@ def test_solve_peak_is_exact_with_replay_deltas_and_micro_batches() -> None:
     for trial in range(60):
         groups, blocks, unpacks = rng.randint(1, 2), rng.randint(1, 2), rng.randint(1, 3)
         t = _windows_timeline(rng, groups, blocks, unpacks)
-        menus = []
-        for _ in t.blocks:
-            opts = [Option(bytes=0, gain=0.0, point=0)]
-            for p in range(1, rng.randint(2, 4)):
-                width = rng.randint(0, unpacks)  # fewer deltas than unpacks: no change past them
-                opts.append(
-                    Option(
-                        bytes=opts[-1].bytes + rng.randint(1, 30),
-                        gain=opts[-1].gain + rng.randint(1, 9),
-                        point=p,
-                        replay=tuple(rng.randint(-40, 5) for _ in range(width)),
-                        compute=tuple(rng.randint(-40, 5) for _ in range(width)),
-                        forward=-rng.randint(0, opts[-1].bytes),
-                    )
-                )
-            menus.append(opts)
+        menus = [random_options(rng, unpacks, rng.randint(2, 4)) for _ in t.blocks]
         capacity = max(s.peak for s in t.segments) + rng.randint(-30, 60)
         picks = solve_peak(t, menus, capacity, resolution=_span(menus))  # 1-byte units: exact
         fits = [
