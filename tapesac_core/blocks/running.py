@@ -87,6 +87,12 @@ def _autocast_weight_cache_disabled() -> Iterator[None]:
         torch.set_autocast_cache_enabled(enabled)
 
 
+def _casts_cached() -> bool:
+    """Whether autocast is on with its weight cache: without checkpointing, a parameter is cast
+    once for all its uses in the region (the two warnings below say where blocks differ)."""
+    return any_autocast_enabled() and torch.is_autocast_cache_enabled()
+
+
 def _warn_if_cast_twice(block: Block) -> None:
     """A parameter cast twice to one dtype in a forward under autocast, which without
     checkpointing (its weight cache on) casts it once: said once per run, in words the same
@@ -123,9 +129,9 @@ def _warn_if_called_again_under_autocast(config: BlockConfig, block: Block) -> N
     for both calls if one region holds them, and their gradients sum in the autocast dtype;
     blocks run with the cache off (``_autocast_weight_cache_disabled``) and cast per call. Said
     once per run, in words the same for every layer of a model."""
-    if not (any_autocast_enabled() and torch.is_autocast_cache_enabled()):
+    if not _casts_cached():
         return
-    if any(True for _ in config.autocast_calls):
+    if len(config.autocast_calls):  # an earlier call autograd still holds
         owner = type(block.module).__name__
         warnings.warn(
             f"TapeSAC: a checkpointed {owner} ran again under autocast before the backward of "
@@ -280,7 +286,7 @@ class _Recording:
         """The forward, recorded, under the saved-tensor hooks ``pack`` and ``unpack``."""
         block, recorder, calls = self.block, self.recorder, self.calls
         block.on_exit = recorder.module_exit
-        cached_casts = any_autocast_enabled() and torch.is_autocast_cache_enabled()
+        cached_casts = _casts_cached()
         token = RECORDING.set(block)
         try:
             with (
