@@ -18,6 +18,8 @@ PREDICTED_PEAK_BYTES = "tapesac/predicted_peak_bytes"
 PLAIN_BLOCKS = "tapesac/plain_blocks"
 TORCH_CHECKPOINT_BLOCKS = "tapesac/torch_checkpoint_blocks"
 STEADY_BLOCKS = "tapesac/steady_blocks"
+OFFLOADED_BYTES = "tapesac/offloaded_bytes"
+COPY_TIME = "tapesac/copy_time"  # ms the plan's copies add after overlap, as modelled
 
 SCALARS = (
     STEP_TIME_MS,
@@ -32,6 +34,8 @@ SCALARS = (
     PLAIN_BLOCKS,
     TORCH_CHECKPOINT_BLOCKS,
     STEADY_BLOCKS,
+    OFFLOADED_BYTES,
+    COPY_TIME,
 )
 
 # Logged when a plan is solved, where the tracker takes text and images (TensorBoard).

@@ -29,6 +29,8 @@ def step_metrics(report: StepReport) -> dict[str, float]:
         names.PLAIN_BLOCKS: report.plain_blocks,
         names.TORCH_CHECKPOINT_BLOCKS: report.torch_checkpointed,
         names.STEADY_BLOCKS: report.steady_blocks,
+        names.OFFLOADED_BYTES: report.offloaded_bytes,
+        names.COPY_TIME: report.copy_time * 1e3,
     }
     return {name: float(v) for name, v in values.items() if v is not None}
 

@@ -36,15 +36,26 @@ def test_the_previous_option_stays_unless_another_gains_more_than_the_spread() -
     ]
     assert solve_peak(t, [menu], 200) == (2,)
     # Estimates that disagreed by 10%: 4% is noise, the previous choice stays.
-    assert solve_peak(t, favour_previous([menu], [1], [0.10]), 200) == (1,)
+    assert solve_peak(t, favour_previous([menu], [(1, False)], [0.10]), 200) == (1,)
     # By 1%: 4% is a gain, the plan changes.
-    assert solve_peak(t, favour_previous([menu], [1], [0.01]), 200) == (2,)
+    assert solve_peak(t, favour_previous([menu], [(1, False)], [0.01]), 200) == (2,)
     # No previous choice on the menu (the frontier moved): nothing is favoured.
     assert favour_previous([menu], [None], [0.10]) == [menu]
     # Only the choice is biased: the options' own gains and peaks are unchanged.
     assert (
-        predict(t, [menu[1]]).peak == predict(t, favour_previous([menu], [1], [0.1])[0][1:2]).peak
+        predict(t, [menu[1]]).peak
+        == predict(t, favour_previous([menu], [(1, False)], [0.1])[0][1:2]).peak
     )
+
+
+def test_the_previous_option_is_favoured_kept_or_offloaded_as_it_was() -> None:
+    kept = Option(bytes=10, gain=1.0, point=1)
+    offloaded = dataclasses.replace(kept, offload=True, held=4, gain=0.99)
+    menu = [Option(bytes=0, gain=0.0, point=0), kept, offloaded]
+    favoured = favour_previous([menu], [(1, True)], [0.1])[0]
+    assert [o.gain for o in favoured] == [0.0, 1.0, pytest.approx(1.09)]
+    favoured = favour_previous([menu], [(1, False)], [0.1])[0]
+    assert [o.gain for o in favoured] == [0.0, pytest.approx(1.1), 0.99]
 
 
 def test_the_spread_is_how_far_the_blocks_disagree_on_replay_time() -> None:

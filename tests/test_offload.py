@@ -1,6 +1,6 @@
 """Offload's mechanism (issue 42): what a block holds for backward, copied to host memory at the
-end of its forward and back at its backward, forced by ``trace(offload=...)`` (the planner does not
-choose offload yet). On CPU the copies are synchronous: bitwise, nothing outliving its step, the
+end of its forward and back at its backward, forced by ``trace(offload=...)`` (plans choose it
+in ``test_offload_controller.py``). On CPU the copies are synchronous: bitwise, nothing outliving its step, the
 host pool reused."""
 
 import pytest
@@ -229,8 +229,9 @@ def test_restored_values_go_with_the_block_and_a_freed_block_gives_its_buffers_b
         with tapesac_core.use_plan(PLAN), tapesac_core.trace(offload=offload):
             model.loss(ids).backward()
             model.zero_grad(set_to_none=True)
-            # Nothing restored outlives its block: what stays is the pool's (host) buffers.
-            assert meter.reading().current == start + pool.bytes
+            # Nothing restored outlives its block; the pool's buffers stand for host memory on
+            # CPU, which a meter of the device does not count.
+            assert pool.bytes > 0 and meter.reading().current == start
             # A forward whose backward never runs: its buffers come back when it is freed.
             model.loss(ids)
             assert pool.outstanding == 0

@@ -11,7 +11,13 @@ import random
 import pytest
 from plan_graphs import random_options
 
-from tapesac_core.plan.offload_choice import CopyWindow, Link, exposed_copy_time, with_offload
+from tapesac_core.plan.offload_choice import (
+    TIE_BREAK,
+    CopyWindow,
+    Link,
+    exposed_copy_time,
+    with_offload,
+)
 from tapesac_core.plan.peak import Option, predict
 from tapesac_core.plan.peak_dp import solve_peak
 from tapesac_core.plan.peak_timeline import Segment, Timeline, TimelineBlock
@@ -123,7 +129,7 @@ def test_without_a_link_menus_stay_as_they_are() -> None:
     offered = with_offload(menus, windows, Link(to_host=4.0, to_device=4.0))
     assert [len(m) for m in offered] == [4, 2]
     # 8 bytes (held) take 2 s each way at 4 B/s, 1 s of each hidden; 12 bytes 3 s each way.
-    assert [o.gain for o in offered[0][2:]] == [0.0 - 2.0, 1.0 - 4.0]
+    assert [o.gain + TIE_BREAK for o in offered[0][2:]] == [0.0 - 2.0, 1.0 - 4.0]
     assert all(o.offload and o.held == 8 for o in offered[0][2:])
 
 

@@ -12,14 +12,14 @@ from support import sample_plan
 import tapesac_core
 from tapesac_core.config import MemoryLimit, TapeSACConfig, parse_memory_limit
 from tapesac_core.plan.coords import Anchor, Coord
-from tapesac_core.plan.plan import PLAN_VERSION, Plan, RegionPlan, Saved
+from tapesac_core.plan.plan import PLAN_VERSION, BlockKind, Plan, RegionPlan, Saved
 from tapesac_core.units import GiB, MiB
 
 
 def test_plan_json_round_trip() -> None:
     plan = sample_plan()
     text = plan.to_json()
-    assert json.loads(text)["version"] == PLAN_VERSION == 5
+    assert json.loads(text)["version"] == PLAN_VERSION == 6
     assert json.loads(text)["model"] == ["DecoderLayer"]  # a list, never text split back
     assert Plan.from_json(text, model=("DecoderLayer",), regions={"DecoderLayer": "abc-90"}) == plan
     assert plan.coordinates() == {
@@ -228,7 +228,7 @@ def test_a_plan_file_written_before_coord_was_a_type_loads_equal_and_writes_the_
     )
     plan = Plan.from_json(PLAN_27189EC)
     # Version 2 plans are used as they are (they have no plain blocks).
-    assert plan == dataclasses.replace(expected, version=2) and PLAN_VERSION == 5
+    assert plan == dataclasses.replace(expected, version=2) and PLAN_VERSION == 6
     loaded = plan.regions["DecoderLayer"]
     assert all(type(c) is Coord for b in loaded.blocks for c in b)
     assert all(type(a) is Anchor for b in loaded.anchors for a in b)
@@ -271,3 +271,37 @@ def test_the_margin_warning_names_the_users_line_whoever_built_the_config() -> N
     with pytest.warns(UserWarning, match="lets plans fill") as caught:
         exec(code, {"TapeSACConfig": TapeSACConfig})
     assert [w.filename for w in caught] == [script]
+
+
+def test_a_plan_that_offloads_round_trips_and_explains_what_it_copies() -> None:
+    plan = sample_plan()
+    region = dataclasses.replace(plan.regions["DecoderLayer"], offloaded=(True, False))
+    offloading = dataclasses.replace(
+        plan, regions={"DecoderLayer": region}, offloaded_bytes=5 * MiB, copy_time=0.0015
+    )
+    text = offloading.to_json()
+    assert Plan.from_json(text) == offloading and offloading.offloading() == {
+        "DecoderLayer": [True, False]
+    }
+    assert not offloading.empty
+    explained = offloading.explain()
+    assert "offloads 5.00 MiB a step to host memory; its copies add 1.500 ms" in explained
+    assert "blocks offloaded: [0]" in explained
+    # A plan that offloads nothing writes no offload fields: files written before stay the same.
+    assert "offload" not in plan.to_json() and not plan.offloading()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(offloaded=(True,)), "one offload flag per block"),
+        (
+            dict(offloaded=(False, True), kinds=(BlockKind.TAPE, BlockKind.PLAIN)),
+            "only recorded blocks offload",
+        ),
+    ],
+)
+def test_offload_flags_must_name_recorded_blocks_one_each(change, match) -> None:
+    region = sample_plan().regions["DecoderLayer"]
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(region, **change)

@@ -79,10 +79,12 @@ class PlanScope:
         self.sequences: dict[str, str] = {}
         self.budgets: dict[str, list[int]] = {}
         self.anchors: dict[str, tuple[list[frozenset[Anchor]], Mapping[str, str]]] = {}
+        self.offloading: dict[str, list[bool]] = {}
         if isinstance(plan, Plan):
             self.sequences = plan.sequences()
             self.budgets = plan.budgets()
             self.anchors = plan.anchors()
+            self.offloading = plan.offloading()
             kinds = plan.block_kinds()
             plan = {
                 r: [
@@ -107,12 +109,14 @@ class PlanScope:
             return BlockPlan(kind=item)
         budgets = self.budgets.get(region)
         anchors, modules = self.anchors.get(region, ([], {}))
+        offloading = self.offloading.get(region)
         return BlockPlan(
             item,
             self.sequences.get(region),
             budgets[i % len(budgets)] if budgets else None,
             anchors[i % len(anchors)] if anchors else frozenset(),
             modules,
+            offload=offloading[i % len(offloading)] if offloading else False,
         )
 
 
@@ -130,7 +134,8 @@ def use_plan(plan: Plan | PlanSpec) -> Iterator[None]:
     solved on (its coordinates would name other tensors) saves the planned values of submodules
     whose own ops match the reference block's (anchored coordinates), and a block whose planned
     values take more bytes than the plan gave it (sizes that depend on data) keeps, in forward
-    order, only those that fit.
+    order, only those that fit; a solved plan's offloading blocks copy what they hold to host
+    memory where the step's trace has an ``Offload`` (a controller's steps do).
     """
     token = PLAN.set(PlanScope(plan))
     try:

@@ -225,7 +225,9 @@ def run_block(
     )
     steady = scope is None or scope.steady
     if isinstance(entry, SteadyTape) and cache is not None and signature is not None and steady:
-        return _run_steady(block, entry, fn, args, kwargs, inputs, cache, signature)
+        return _run_steady(
+            block, entry, fn, args, kwargs, inputs, cache, signature, block_plan.offload
+        )
     block.trace.recorded_because = str(
         Recorded.MEASURED if isinstance(entry, SteadyTape) else entry
     )
@@ -255,7 +257,7 @@ def run_block(
     recording.recorder.forget()
     block.watch_writes([*recording.outputs, *inputs], recording.recorder.holding.outside)
     if scope is not None and scope.offload is not None:  # after the cache read what it holds
-        scope.offload.store(block)
+        scope.offload.store(block, planned=block_plan.offload)
     return out
 
 
@@ -388,9 +390,11 @@ def _run_steady(
     inputs: list[torch.Tensor],
     cache: SteadyCache,
     signature: Signature,
+    offload: bool,
 ) -> Any:
     """A call with a cached tape: the forward under the saved-tensor hooks and the checking mode
-    (``steady.py``), binding its sizes as it runs where they follow its data (``data_sizes.py``)."""
+    (``steady.py``), binding its sizes as it runs where they follow its data (``data_sizes.py``);
+    ``offload``: its plan offloads what it holds."""
     template = entry.template
     binding, switch = None, None
     if isinstance(template, DataTemplate):
@@ -423,7 +427,7 @@ def _run_steady(
         block.watch_writes([*outputs, *inputs], forward.outside)
         scope = TRACE.get()
         if scope is not None and scope.offload is not None:
-            scope.offload.store(block)
+            scope.offload.store(block, planned=offload)
     else:
         cache.diverged(signature, entry, block.name, diverged)
         block.held.clear()

@@ -47,6 +47,8 @@ from ..errors import TapeSACError
 from ..measure.memory import MemoryMeter, MemoryReading, device_memory, memory_meter
 from ..plan.plan import Plan
 from ..tape.block import BlockTrace
+from ..tape.host_pool import HostPool
+from ..tape.offload import Offload
 from .budget import Correction, MemoryBudget
 from .measured_times import SpeedupWatch, StepTimes
 from .memory_model import MemoryModel, MemorySample
@@ -123,11 +125,13 @@ class Controller:
             self.ranks,
             self.pricing,
             self.model_key,
-            self.device.type,
+            self.device,
         )
         self._reprofile = False  # measured speedups disagree with the model: profile again
         self._pending = Correction()  # asked by this rank's last metered step; agreed at the next
         self._open: OpenStep | None = None  # the step between begin_step and end_step
+        # Host buffers of offloading plans, reused from step to step (made at the first).
+        self._host_pool: HostPool | None = None
 
     # ------------------------------------------------------------------ public state
 
@@ -253,8 +257,18 @@ class Controller:
             verify=self.schedule.verifies(mode, self.steps, self.profiling.done),
             one_micro_batch=self.config.memory_model == "sum",
             device=self.device,
+            offload=self._offload(plan),
         )
         return report
+
+    def _offload(self, plan: Plan | None) -> Offload | None:
+        """Where the step's offloading blocks copy to, if ``plan`` offloads any (no region
+        forced: its blocks offload as the plan says)."""
+        if plan is None or not plan.offloading():
+            return None
+        if self._host_pool is None:
+            self._host_pool = HostPool(self.device)
+        return Offload(self._host_pool, regions=frozenset())
 
     def end_step(self, error: BaseException | None = None) -> StepReport | None:
         """Close the step ``begin_step`` opened; its report. With ``error`` (the micro-batch

@@ -18,6 +18,7 @@ from ..measure.memory import MemoryMeter, MemoryReading, marker
 from ..measure.timeline import StepProbe
 from ..plan.peak_timeline import Timeline
 from ..tape.block import BlockTrace
+from ..tape.offload import Offload
 from .step_report import FULL, PROFILE, SAMPLE, StepReport
 
 
@@ -37,6 +38,7 @@ class OpenStep:
     planned_checkpoint: list[str]  # blocks the plan ran under torch's checkpoint
     start: float
     device: torch.device
+    offload: Offload | None  # the step's offloaded values, where its plan offloads
 
     @classmethod
     def open(
@@ -48,10 +50,12 @@ class OpenStep:
         verify: bool,
         one_micro_batch: bool,
         device: torch.device,
+        offload: Offload | None = None,
     ) -> OpenStep:
         """Enter the scopes of the step ``report`` starts: under its plan, metered by a meter of
         ``meter`` (None: not metered), its blocks recording (``records``) and looking for hidden
-        writes (``verify``) as the schedule says."""
+        writes (``verify``) as the schedule says, its plan's offloading blocks copying to
+        ``offload``'s host buffers."""
         mode = report.mode
         with ExitStack() as stack:
             if report.plan is not None:
@@ -74,6 +78,7 @@ class OpenStep:
                     plain=plain,
                     torch_checkpointed=planned_checkpoint,
                     record=records,
+                    offload=offload,
                 )
             )
             static = opened.reading().current if opened is not None else 0
@@ -93,6 +98,7 @@ class OpenStep:
                 planned_checkpoint,
                 time.perf_counter(),
                 device,
+                offload,
             )
 
     def close(self, tokens: int) -> tuple[MemoryReading | None, Timeline | None]:
@@ -108,6 +114,8 @@ class OpenStep:
         report.count_blocks(self.blocks)
         report.torch_checkpointed = len(self.torch_checkpointed) + len(self.planned_checkpoint)
         report.plain_blocks = len(self.plain)
+        if self.offload is not None and report.plan is not None:
+            report.offloaded_bytes, report.copy_time = self.offload.bytes, report.plan.copy_time
         if probe is None or reading is None or not self.blocks:
             return reading, None
         return reading, probe.timeline(self.blocks, end_peak, tokens=tokens, static=self.static)

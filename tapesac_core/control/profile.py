@@ -18,7 +18,7 @@ from ..plan.coords import ValueName
 from ..plan.tape_graph import TapeGraph, graph_of
 from ..tape.block import BlockTrace
 from ..tape.steady import savable_values
-from ..tape.tape import DYNAMIC_SHAPE, Tape
+from ..tape.tape import DYNAMIC_SHAPE, OP, Tape
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,26 @@ class RegionProfile:
             return Point(bytes=self.bytes_at(raw, factor), time=raw.time * factor, saved=saved)
 
         return point
+
+    def offloaded_bytes(self, tokens: int) -> int:
+        """What offloading takes off the device of a must-only block at ``tokens``: S0's
+        storages that ops made, less those of the block's outputs and of values a must-only
+        backward found alive (``alive``), which stay on the device (``tape/offload.py`` copies
+        only storages nothing outside the block holds); scaled as ``bytes_at`` scales, rounded
+        down. A lower bound, as the peak model needs: it takes these bytes off."""
+        tape = self.tape
+        outside = {tape.values[v].sid for v in tape.outputs | self.alive}
+        held = {
+            v
+            for v in tape.mandatory
+            if tape.values[v].kind is OP and tape.values[v].sid not in outside
+        }
+        fixed = tape.bytes_of(held & tape.token_independent)
+        return fixed + math.floor((tape.bytes_of(held) - fixed) * tokens / self.tokens)
+
+    def forward_seconds(self, tokens: int) -> float:
+        """A block's forward as profiled (its ops' times), at ``tokens``."""
+        return math.fsum(self.forward_time.values()) * tokens / self.tokens
 
     @functools.cached_property
     def _frontiers(self) -> dict[tuple[int, int], tuple[Point, ...]]:

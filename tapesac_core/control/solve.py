@@ -12,7 +12,8 @@ from ..measure.step_time import StepTime
 from ..plan import Point, RegionFrontier, replay_time, saved_bytes, solve_knapsack
 from ..plan.hysteresis import favour_previous, previous_points, with_previous_sets
 from ..plan.menus import RegionMenu, menus_of
-from ..plan.peak import predict
+from ..plan.offload_choice import CopyWindow, Link, exposed_copy_time, with_offload
+from ..plan.peak import Option, predict
 from ..plan.peak_dp import lowest_peak, solve_peak
 from ..plan.peak_timeline import Timeline
 from ..plan.plan import BlockKind, Plan, RegionPlan, Saved
@@ -88,6 +89,7 @@ def solve_plan(
     timeline: Timeline | None = None,
     torch_checkpoint_gains: Mapping[str, float] | None = None,
     previous: Plan | None = None,
+    link: Link | None = None,
 ) -> Plan:
     """The plan maximising replay time removed with its predicted step peak ≤ capacity.
 
@@ -125,14 +127,28 @@ def solve_plan(
     extras = {r: _extra_kinds(config, gains.get(r, 0.0)) for r in profiles}
     peak = (
         _peak_choice(
-            profiles, frontiers, tokens, timed, capacity, base, config, extras, gains, previous
+            profiles,
+            frontiers,
+            tokens,
+            timed,
+            capacity,
+            base,
+            config,
+            extras,
+            gains,
+            previous,
+            link,
         )
         if timed is not None
         else None
     )
     choices: Mapping[str, tuple[int, ...]]
+    offloaded: Mapping[str, tuple[bool, ...]] = {}
+    offloaded_bytes, copy_time = 0, 0.0
     if peak is not None:
-        choices, saved_bytes, gain, predicted, peak_at = peak
+        choices, saved_bytes, gain = peak.choices, peak.saved_bytes, peak.gain
+        predicted, peak_at = peak.predicted, peak.peak_at
+        offloaded, offloaded_bytes, copy_time = peak.offloaded, peak.offloaded_bytes, peak.copy_time
     else:
         choice = solve_knapsack(
             {r: RegionFrontier(points=f, blocks=profiles[r].blocks) for r, f in frontiers.items()},
@@ -149,6 +165,7 @@ def solve_plan(
             tokens[r],
             extras[r],
             torch_checkpoint_blocks=config.torch_checkpoint_blocks,
+            offloaded=offloaded.get(r, ()),
         )
         for r in sorted(profiles)
     }
@@ -171,6 +188,8 @@ def solve_plan(
         predicted_peak=predicted,
         peak_at=peak_at,
         static=timeline.static if timeline is not None else 0,
+        offloaded_bytes=offloaded_bytes,
+        copy_time=copy_time,
     )
 
 
@@ -328,13 +347,18 @@ def _matches(timeline: Timeline, profiles: Mapping[str, RegionProfile]) -> bool:
 
 class PeakChoice(NamedTuple):
     """A plan under the timeline model: per region the menu option of each block, the bytes
-    saved, the replay seconds removed, the predicted step peak and where in the step it falls."""
+    saved, the replay seconds removed (less the copies' exposed time), the predicted step peak
+    and where in the step it falls; per region whether each block offloads, the bytes the
+    offloading blocks copy out and the seconds their copies add after overlap."""
 
     choices: dict[str, tuple[int, ...]]
     saved_bytes: int
     gain: float
     predicted: int
     peak_at: str
+    offloaded: dict[str, tuple[bool, ...]]
+    offloaded_bytes: int
+    copy_time: float
 
 
 def _peak_choice(
@@ -348,11 +372,15 @@ def _peak_choice(
     extras: Mapping[str, tuple[BlockKind, ...]],
     torch_checkpoint_gains: Mapping[str, float],
     previous: Plan | None,
+    link: Link | None,
 ) -> PeakChoice:
     """The plan under the timeline model, whose blocks match the profiles (``_matches``)."""
     scaled_timeline = timeline.scaled(base)
     regions = region_menus(profiles, frontiers, tokens, extras, torch_checkpoint_gains)
-    menus = menus_of(scaled_timeline, regions)
+    windows = copy_windows(scaled_timeline, profiles, tokens)
+    menus = _with_offload(
+        menus_of(scaled_timeline, regions), scaled_timeline, regions, windows, link
+    )
     biased = menus
     if previous is not None:  # solved again: a change must beat the profiles' noise
         spreads = [
@@ -371,16 +399,72 @@ def _peak_choice(
     options = [m[c] for m, c in zip(menus, picks)]
     prediction = predict(scaled_timeline, options)
     choices: dict[str, list[int]] = {r: [0] * p.blocks for r, p in profiles.items()}
-    for b, o in zip(timeline.blocks, options):
+    offloaded: dict[str, list[bool]] = {r: [False] * p.blocks for r, p in profiles.items()}
+    copied, copy_time = 0, 0.0
+    for b, o, window in zip(timeline.blocks, options, windows):
         if b.region in choices:
             choices[b.region][b.index] = o.point
+            offloaded[b.region][b.index] = o.offload
+        if o.offload and link is not None and window is not None:
+            copied += o.bytes + o.held
+            copy_time += exposed_copy_time(o.bytes + o.held, link, window)
     return PeakChoice(
         choices={r: tuple(c) for r, c in choices.items()},
         saved_bytes=sum(o.bytes for o in options),
         gain=math.fsum(o.gain for o in options),
         predicted=prediction.peak,
         peak_at=prediction.label,
+        offloaded={r: tuple(f) for r, f in offloaded.items() if any(f)},
+        offloaded_bytes=copied,
+        copy_time=copy_time,
     )
+
+
+def copy_windows(
+    timeline: Timeline, profiles: Mapping[str, RegionProfile], tokens: Mapping[str, int]
+) -> list[CopyWindow | None]:
+    """Per timeline block, what hides its copies: the next block's forward as profiled, for its
+    copy out and, a lower bound on that block's backward window, for its copy back; and the
+    bytes the block holds must-only that offloading takes off (``offloaded_bytes``). None for
+    the last block and blocks of no profiled region."""
+    blocks = timeline.blocks
+    out: list[CopyWindow | None] = []
+    for i, b in enumerate(blocks):
+        after = blocks[i + 1].region if i + 1 < len(blocks) else ""
+        if b.region not in profiles or after not in profiles:
+            out.append(None)
+            continue
+        seconds = profiles[after].forward_seconds(tokens[after])
+        out.append(
+            CopyWindow(
+                held=profiles[b.region].offloaded_bytes(tokens[b.region]),
+                next_forward=seconds,
+                next_backward=seconds,
+            )
+        )
+    return out
+
+
+def _with_offload(
+    menus: list[list[Option]],
+    timeline: Timeline,
+    regions: Mapping[str, RegionMenu],
+    windows: list[CopyWindow | None],
+    link: Link | None,
+) -> list[list[Option]]:
+    """``menus`` with offloading options after each block's own (``with_offload``), of its
+    recorded points only: a plain block or one under torch's checkpoint has no tape to offload
+    from."""
+    recorded = [
+        [
+            o
+            for o in menu
+            if b.region in regions and regions[b.region].kind(o.point) is BlockKind.TAPE
+        ]
+        for menu, b in zip(menus, timeline.blocks)
+    ]
+    moved = with_offload(recorded, windows, link)
+    return [menu + m[len(r) :] for menu, r, m in zip(menus, recorded, moved)]
 
 
 def _region_plan(
@@ -391,6 +475,7 @@ def _region_plan(
     extras: tuple[BlockKind, ...],
     *,
     torch_checkpoint_blocks: bool,
+    offloaded: tuple[bool, ...] = (),
 ) -> RegionPlan:
     graph = profile.graph
     menu = (BlockKind.TAPE,) * len(points) + extras  # the options after the frontier
@@ -455,6 +540,7 @@ def _region_plan(
         anchors=anchors,
         modules=modules,
         kinds=kinds if not all(recorded) else (),
+        offloaded=offloaded,
     )
 
 

@@ -1,12 +1,17 @@
 """Solving a token bucket's plan for the controller: every rank gives the budget the smallest of
 them can, rank 0 solves (``solve_plan``) from the region profiles (calibrated on CPU), the modelled
-must-only step and torch's checkpoint as measured steps price it, and every rank takes its plan."""
+must-only step and torch's checkpoint as measured steps price it, and the link to host memory
+(measured at its first solve on an accelerator) prices offloading; every rank takes its plan."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
 
+import torch
+
+from ..measure.link import measure_link
+from ..plan.offload_choice import Link
 from ..plan.plan import Plan
 from ..units import format_bytes
 from .budget import MemoryBudget
@@ -19,6 +24,8 @@ from .repricing import TorchCheckpointPricing
 from .solve import solve_plan
 from .step_report import Bucket
 from .token_buckets import TokenBuckets
+
+NO_HOST_MEMORY = "plans never offload here: training on the CPU, there is no separate host memory"
 
 
 class BucketSolver:
@@ -34,7 +41,7 @@ class BucketSolver:
         ranks: RankAgreement,
         pricing: TorchCheckpointPricing,
         model_key: ModelKey,
-        device_type: str,
+        device: torch.device,
     ) -> None:
         self.profiling = profiling
         self.times = times
@@ -42,7 +49,11 @@ class BucketSolver:
         self.ranks = ranks
         self.pricing = pricing
         self.model_key = model_key
-        self.on_cpu = device_type == "cpu"
+        self.device = device
+        self.on_cpu = device.type == "cpu"
+        # Measured at the first solve (``measure_link``); None on CPU, where nothing offloads.
+        self.link: Link | None = None
+        self._link_measured = self.on_cpu
 
     def plan(
         self,
@@ -80,6 +91,8 @@ class BucketSolver:
             self.profiling.calibrate(edges)
         profiles = self.profiling.of(edges)
         must_only_seconds = self.must_only_seconds(key, edges)
+        if not self._link_measured:
+            self.link, self._link_measured = measure_link(self.device), True
         plan = solve_plan(
             profiles,
             edges,
@@ -91,12 +104,17 @@ class BucketSolver:
             timeline=memory.timeline(self.buckets.primary(edges)),
             torch_checkpoint_gains=self.pricing.gains(key, profiles, edges, must_only_seconds),
             previous=previous,
+            link=self.link,
         )
         # Under the peak-aware model a must-only peak above the capacity is not the end: saving
         # removes replay temporaries, so only a plan predicted above it means nothing fits.
         if plan.predicted_peak > capacity:
             budget.say_unfit(plan, capacity, edges, memory)
-        notes = (self.pricing.note(key), budget.near_limit_note(memory))
+        notes = (
+            self.pricing.note(key),
+            budget.near_limit_note(memory),
+            NO_HOST_MEMORY if self.link is None and self.on_cpu else None,
+        )
         return replace(plan, notes=(*plan.notes, *(n for n in notes if n is not None)))
 
     def must_only_seconds(self, key: Bucket, edges: dict[str, int]) -> float:

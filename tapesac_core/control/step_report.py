@@ -81,6 +81,8 @@ class StepReport:
     measured_reason: str | None = None  # why measured_speedup is None
     torch_checkpointed: int = 0  # blocks run under torch.utils.checkpoint (full steps, or the plan)
     plain_blocks: int = 0  # blocks the plan ran as without checkpointing (not in ``blocks``)
+    offloaded_bytes: int = 0  # bytes the plan's offloading blocks copied to host memory
+    copy_time: float = 0.0  # seconds their copies add after overlap, as the plan models them
     predicted_peak: int | None = None  # bytes the plan's memory model predicts for the step
     local_tokens: dict[str, int] = field(default_factory=dict)  # this rank's own batch
     block_traces: list[BlockTrace] = field(default_factory=list, repr=False)

@@ -50,41 +50,46 @@ def with_previous_sets(
 
 def previous_points(
     timeline: Timeline, regions: Mapping[str, RegionMenu], previous: Plan
-) -> list[int | None]:
-    """Per timeline block, the point of its region's menu that ``previous`` chose for it; None
-    where the plan has no such block or its choice is not on the menu (the frontier moved)."""
-    out: list[int | None] = []
+) -> list[tuple[int, bool] | None]:
+    """Per timeline block, the point of its region's menu that ``previous`` chose for it and
+    whether the block offloaded; None where the plan has no such block or its choice is not on
+    the menu (the frontier moved)."""
+    out: list[tuple[int, bool] | None] = []
     for b in timeline.blocks:
         menu, region = regions.get(b.region), previous.regions.get(b.region)
         if menu is None or region is None or b.index >= len(region.blocks):
             out.append(None)
             continue
         kind, saved = region.kind(b.index), region.blocks[b.index]
-        out.append(
-            next(
-                (
-                    i
-                    for i in range(len(menu.bytes))
-                    if menu.kind(i) is kind
-                    and (kind is not BlockKind.TAPE or menu.saved_names[i] == saved)
-                ),
-                None,
-            )
+        point = next(
+            (
+                i
+                for i in range(len(menu.bytes))
+                if menu.kind(i) is kind
+                and (kind is not BlockKind.TAPE or menu.saved_names[i] == saved)
+            ),
+            None,
         )
+        offloaded = bool(region.offloaded) and region.offloaded[b.index]
+        out.append(None if point is None else (point, offloaded))
     return out
 
 
 def favour_previous(
     menus: Sequence[Sequence[Option]],
-    points: Sequence[int | None],
+    points: Sequence[tuple[int, bool] | None],
     spreads: Sequence[float],
 ) -> list[list[Option]]:
-    """``menus`` (one per timeline block) with each block's previous option (``points``) gaining
-    ``spreads`` (per block) times the block's largest gain more."""
+    """``menus`` (one per timeline block) with each block's previous option (``points``: its
+    point and whether it offloaded) gaining ``spreads`` (per block) times the block's largest
+    gain more."""
     out = []
     for menu, point, spread in zip(menus, points, spreads):
         bonus = spread * max(o.gain for o in menu)
         out.append(
-            [dataclasses.replace(o, gain=o.gain + bonus) if o.point == point else o for o in menu]
+            [
+                dataclasses.replace(o, gain=o.gain + bonus) if (o.point, o.offload) == point else o
+                for o in menu
+            ]
         )
     return out

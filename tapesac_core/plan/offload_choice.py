@@ -67,6 +67,11 @@ def exposed_copy_time(nbytes: int, link: Link, window: CopyWindow) -> float:
 # before (``peak_dp.solve_peak``), so their number multiplies its work.
 OFFLOADED_POINTS = 4
 
+# Seconds an offloading option gains less than the same option kept, beyond its exposed copy
+# time: a tie-break, so that a block offloads only where that gains (the DP prefers fewer bytes
+# among equal gains, and an offloaded option's copies hidden whole would tie with keeping).
+TIE_BREAK = 1e-9
+
 
 def with_offload(
     menus: Sequence[Sequence[Option]],
@@ -75,7 +80,7 @@ def with_offload(
 ) -> list[list[Option]]:
     """Each block's menu with, after its options, some of them offloaded (must-only and up to
     ``OFFLOADED_POINTS - 1`` more, spread over the menu up to its largest): the same bytes and
-    replay, the gain less the exposed copy time. A block without a window (none after it in its
+    replay, the gain less the exposed copy time (and ``TIE_BREAK``). A block without a window (none after it in its
     micro-batch to hide its copies) and every block without a link (no separate host memory,
     as on CPU) keeps its menu as it is."""
     if len(windows) != len(menus):
@@ -93,7 +98,7 @@ def with_offload(
                 o,
                 offload=True,
                 held=window.held,
-                gain=o.gain - exposed_copy_time(o.bytes + window.held, link, window),
+                gain=o.gain - exposed_copy_time(o.bytes + window.held, link, window) - TIE_BREAK,
             )
             for o in _spread(kept, OFFLOADED_POINTS)
         ]

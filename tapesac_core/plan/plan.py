@@ -10,12 +10,12 @@ from enum import Enum
 from ..units import format_bytes
 from .coords import Anchor, Coord
 
-PLAN_VERSION = 5  # 2: the predicted peak and the memory model that predicted it; 3: plain blocks;
+PLAN_VERSION = 6  # 2: the predicted peak and the memory model that predicted it; 3: plain blocks;
 # 4: a kind per block (recorded, plain or under torch.utils.checkpoint); 5: the model as a list of
-# its region types (was their comma-joined text).
-# Version 1 plans (Eq. 8, no predicted peak) are read for reports; versions 2 to 4 are used as they
-# are (2 has no plain blocks, 3 names them with a flag per block).
-_READABLE = (1, 2, 3, 4, 5)
+# its region types (was their comma-joined text); 6: blocks that offload to host memory.
+# Version 1 plans (Eq. 8, no predicted peak) are read for reports; versions 2 to 5 are used as they
+# are (2 has no plain blocks, 3 names them with a flag per block, none before 6 offloads).
+_READABLE = (1, 2, 3, 4, 5, 6)
 
 
 class BlockKind(Enum):
@@ -49,6 +49,18 @@ class RegionPlan:
     anchors: tuple[frozenset[Anchor], ...] = ()  # each block's set anchored on submodules
     modules: Mapping[str, str] = field(default_factory=dict)  # their op digests in the reference
     kinds: tuple[BlockKind, ...] = ()  # per block, how it runs (empty: every block recorded)
+    # Per block, whether it copies what it holds to host memory after its forward and back
+    # ahead of its backward (``tape/offload.py``; empty: none does).
+    offloaded: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.offloaded and len(self.offloaded) != len(self.blocks):
+            raise ValueError(
+                f"one offload flag per block: {len(self.blocks)} blocks, {len(self.offloaded)} flags"
+            )
+        bad = [i for i, o in enumerate(self.offloaded) if o and self.kind(i) is not BlockKind.TAPE]
+        if bad:
+            raise ValueError(f"only recorded blocks offload: block {bad[0]} is {self.kind(bad[0])}")
 
     def kind(self, block: int) -> BlockKind:
         return self.kinds[block % len(self.kinds)] if self.kinds else BlockKind.TAPE
@@ -84,6 +96,8 @@ class Plan:
     predicted_peak: int = 0  # the step peak the memory model predicts (0: unknown)
     peak_at: str = ""  # where in the step it falls
     static: int = 0  # of the peak, what does not scale with tokens
+    offloaded_bytes: int = 0  # bytes the offloading blocks copy to host memory, all blocks
+    copy_time: float = 0.0  # modelled seconds their copies add to the step after overlap
 
     def peak_at_tokens(self, base: int, factor: float) -> int:
         """The predicted peak for a step of the bucket whose must-only peak is ``base`` and whose
@@ -114,6 +128,10 @@ class Plan:
         what a block whose op sequence differs from the reference's can still match."""
         return {r: (list(p.anchors), p.modules) for r, p in self.regions.items() if p.anchors}
 
+    def offloading(self) -> dict[str, list[bool]]:
+        """Per region with a block that offloads, whether each block does."""
+        return {r: list(p.offloaded) for r, p in self.regions.items() if any(p.offloaded)}
+
     def block_kinds(self) -> dict[str, list[BlockKind]]:
         """Per region with a block not recorded, how each block runs."""
         return {r: list(p.kinds) for r, p in self.regions.items() if _unrecorded(p.kinds)}
@@ -126,7 +144,7 @@ class Plan:
     def empty(self) -> bool:
         """True when every block is recorded and saves nothing beyond the mandatory set."""
         return not any(b for p in self.regions.values() for b in p.blocks) and not any(
-            _unrecorded(p.kinds) for p in self.regions.values()
+            _unrecorded(p.kinds) or any(p.offloaded) for p in self.regions.values()
         )
 
     def to_json(self) -> str:
@@ -147,6 +165,11 @@ class Plan:
                 "predicted_peak": self.predicted_peak,
                 "peak_at": self.peak_at,
                 "static": self.static,
+                **(
+                    {"offloaded_bytes": self.offloaded_bytes, "copy_time": self.copy_time}
+                    if self.offloaded_bytes
+                    else {}
+                ),
                 "regions": {
                     r: {
                         "sequence": p.sequence,
@@ -157,6 +180,7 @@ class Plan:
                         "anchors": [sorted(map(list, b)) for b in p.anchors],
                         "modules": dict(p.modules),
                         **({"kinds": [k.value for k in p.kinds]} if p.kinds else {}),
+                        **({"offloaded": list(p.offloaded)} if p.offloaded else {}),
                         "saved": [
                             {
                                 "coord": list(s.coord),
@@ -210,6 +234,8 @@ class Plan:
             predicted_peak=int(data.get("predicted_peak", 0)),
             peak_at=str(data.get("peak_at", "")),
             static=int(data.get("static", 0)),
+            offloaded_bytes=int(data.get("offloaded_bytes", 0)),
+            copy_time=float(data.get("copy_time", 0.0)),
             regions={
                 r: RegionPlan(
                     sequence=p["sequence"],
@@ -220,6 +246,7 @@ class Plan:
                     anchors=tuple(frozenset(_anchor(a) for a in b) for b in p.get("anchors", ())),
                     modules=dict(p.get("modules", {})),
                     kinds=_kinds(p),
+                    offloaded=tuple(bool(o) for o in p.get("offloaded", ())),
                     saved=tuple(
                         Saved(
                             coord=_coord(s["coord"]),
@@ -272,10 +299,18 @@ class Plan:
                 f"predicted step peak {format_bytes(self.predicted_peak)} ({how}), "
                 f"at {self.peak_at or 'the start of backward'}"
             )
+        if self.offloaded_bytes:
+            lines.append(
+                f"offloads {format_bytes(self.offloaded_bytes)} a step to host memory; its copies "
+                f"add {self.copy_time * 1e3:.3f} ms after overlap with compute (modelled)"
+            )
         for region, p in sorted(self.regions.items()):
+            offloaded = [str(i) for i, o in enumerate(p.offloaded) if o]
             lines.append(
                 f"region {region} ({len(p.blocks)} blocks at {p.tokens} tokens; values "
-                f"saved per block: [{', '.join(map(str, p.block_entries()))}])"
+                f"saved per block: [{', '.join(map(str, p.block_entries()))}]"
+                + (f"; blocks offloaded: [{', '.join(offloaded)}]" if offloaded else "")
+                + ")"
                 + (f" - {p.note}" if p.note else "")
             )
             lines.extend(_table(p.saved))

@@ -96,8 +96,9 @@ TORCH_CHECKPOINT = BlockKind.TORCH_CHECKPOINT
 class BlockPlan(NamedTuple):
     """What one block call saves: coordinates, the op sequence they are valid for (None: any),
     the bytes they may keep beyond S0 (None: no bound), and the same set anchored on submodules
-    with those submodules' op digests (for a block that runs another op sequence); and how the
-    block runs (``kind``: when not recorded, the rest is empty)."""
+    with those submodules' op digests (for a block that runs another op sequence); how the
+    block runs (``kind``: when not recorded, the rest is empty); and whether it offloads what it
+    holds to host memory after its forward (``offload.py``)."""
 
     coords: frozenset[Coord] = frozenset()
     sequence: str | None = None
@@ -105,6 +106,7 @@ class BlockPlan(NamedTuple):
     anchors: frozenset[Anchor] = frozenset()
     modules: Mapping[str, str] = {}
     kind: BlockKind = BlockKind.TAPE
+    offload: bool = False
 
 
 class Block:
@@ -128,7 +130,8 @@ class Block:
             self.plan_anchors,
             self.plan_modules,
             _,
-        ) = plan  # a Block exists because its entry is recorded
+            _,
+        ) = plan  # a Block exists because its entry is recorded; offloading is the step's
         self.anchored: set[int] = set()  # held for an anchored coordinate of the plan
         self.module_calls: dict[tuple[str, str], int] = {}  # (module, op) -> calls so far
         self.nodes: list[Node] = []

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from .._compat import dispatch_disabled
+from ..measure.memory import not_counted
+
 Tensor = torch.Tensor
 
 
@@ -37,7 +40,15 @@ class HostPool:
             return buffer
         self.allocations += 1
         self.bytes += size
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+        if self.pinned:
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        # On CPU the pool stands for host memory beside the device's (only tests offload there):
+        # a step's meter counts the device's alone, as on an accelerator, so no meter may see
+        # the buffer made.
+        with dispatch_disabled():
+            buffer = torch.empty(size, dtype=torch.uint8)
+        not_counted(buffer)
+        return buffer
 
     def give(self, buffer: Tensor, event: torch.Event | None = None) -> None:
         """Take ``buffer`` back; ``event``: the copy that last used it (None: none pending)."""

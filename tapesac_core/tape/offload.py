@@ -1,6 +1,7 @@
 """Offloading what blocks hold for backward: copied to host memory at the end of a block's
-forward, copied back ahead of its backward (issue 42's mechanism; the planner does not choose
-offload yet, an ``Offload`` given to ``trace`` forces it).
+forward, copied back ahead of its backward (issue 42's mechanism). A plan chooses the blocks that
+offload (``RegionPlan.offloaded``, ``plan/offload_choice.py``); an ``Offload`` given to ``trace``
+with regions forces it for every block of those regions (tests reach the mechanism on CPU so).
 
 Contract. At the end of a block's forward (recorded or steady state, not a diverged call, whose
 backward runs the forward again and holds nothing), every value the block holds that an op made
@@ -51,8 +52,9 @@ Tensor = torch.Tensor
 
 
 class Offload:
-    """One step's offloaded values, for the blocks of ``regions`` (None: every region), in
-    buffers of ``pool``. ``bytes`` counts what the step copied out."""
+    """One step's offloaded values, in buffers of ``pool``: of the blocks whose plan offloads,
+    and of every block of ``regions`` (None: every region; forced). ``bytes`` counts what the
+    step copied out."""
 
     def __init__(self, pool: HostPool, regions: frozenset[str] | None = None) -> None:
         self.pool = pool
@@ -61,9 +63,10 @@ class Offload:
         self._blocks: list[OffloadedBlock] = []  # in forward order
         self._copies: dict[torch.device, _Copies] = {}
 
-    def store(self, block: Block) -> None:
-        """End of ``block``'s forward: offload the values it holds that ops made."""
-        if self.regions is not None and block.region not in self.regions:
+    def store(self, block: Block, *, planned: bool = False) -> None:
+        """End of ``block``'s forward: offload the values it holds that ops made, where its plan
+        offloads (``planned``) or its region is forced."""
+        if not planned and self.regions is not None and block.region not in self.regions:
             return
         groups = _storages(block)
         if not groups:

@@ -1,0 +1,142 @@
+"""Offload chosen by the controller's plans (issue 42): with a link to host memory, the planner
+offloads blocks where that gains, and their steps copy exactly those blocks' values out and back,
+bitwise, within the predicted peak and the limit, from one host pool. On CPU no link is measured:
+plans never offload, and explain() says so. (CPU tests set a link by hand: the pool's buffers
+stand for host memory there, outside the meter.)"""
+
+import copy
+import warnings
+
+import torch
+from support import SHORT_SCHEDULE, SMALL, tiny_lm, token_ids
+
+import tapesac_core
+from examples.models import DecoderLayer
+from tapesac_core import Controller
+from tapesac_core.control.solving import NO_HOST_MEMORY
+from tapesac_core.control.step_report import PLANNED, PROFILE
+from tapesac_core.plan.offload_choice import Link
+from tapesac_lightning.tracking import step_metrics
+
+FAST = Link(to_host=1e12, to_device=1e12)  # every copy hidden
+# Every metered step, a limit the plans may fill: what is checked is the prediction itself.
+METERED = dict(meter_every=1, near_limit=1.0, peak_correction=False, margin=0.0)
+
+
+def _models():
+    reference = tiny_lm(**dict(SMALL, num_layers=4))
+    model = copy.deepcopy(reference)
+    tapesac_core.checkpoint_modules(model, {DecoderLayer})
+    return reference, model
+
+
+def _bitwise_step(reference, model, controller, ids, seed):
+    """One controller step of ``model`` beside ``reference`` without checkpointing, compared
+    bitwise (nothing of either kept past the step)."""
+    losses = []
+    for m, context in ((reference, None), (model, controller)):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        if context is None:
+            loss = m.loss(ids)
+            loss.backward()
+        else:
+            with context.step(tokens=ids.numel()) as report:
+                loss = m.loss(ids)
+                loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    reference.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    return report
+
+
+def _must_only_peak(reference, model, controller, ids) -> int:
+    peak = None
+    for seed in range(4):
+        report = _bitwise_step(reference, model, controller, ids, seed)
+        if report.mode == PROFILE:
+            peak = report.peak
+    assert peak is not None
+    return peak
+
+
+def test_a_plan_offloads_where_that_gains_and_its_steps_are_bitwise_within_the_limit() -> None:
+    reference, model = _models()
+    ids = token_ids(0, batch=2, seq=128)
+    controller = Controller(model, "1GiB", **(SHORT_SCHEDULE | METERED))
+    controller.solver.link = FAST
+    must_only = _must_only_peak(reference, model, controller, ids)
+    # A little above must-only: keeping values alone leaves little room, and offloading blocks
+    # whose copies hide behind the next block makes room for others to keep more.
+    limit = must_only * 105 // 100
+    controller.solver.link = None
+    controller.replan(memory_limit=limit)
+    kept_only = controller.plan_for(ids.numel())
+    assert not kept_only.offloading()
+    controller.solver.link = FAST
+    controller.replan(memory_limit=limit)
+    plan = controller.plan_for(ids.numel())
+    offloading = plan.offloading()["DecoderLayer"]
+    assert any(offloading) and plan.offloaded_bytes > 0
+    assert plan.predicted_speedup > kept_only.predicted_speedup
+    assert "blocks offloaded: [" in plan.explain() and "to host memory" in plan.explain()
+    allocations = []
+    for seed in range(4):
+        report = _bitwise_step(reference, model, controller, ids, seed)
+        assert report.mode == PLANNED and report.plan is plan
+        assert report.peak is not None and report.predicted_peak is not None
+        assert report.peak <= report.predicted_peak <= limit, (report.peak, report.predicted_peak)
+        assert report.offloaded_bytes > 0
+        assert step_metrics(report)["tapesac/offloaded_bytes"] == report.offloaded_bytes
+        pool = controller._host_pool
+        assert pool is not None and pool.outstanding == 0  # every buffer back after the step
+        allocations.append(pool.allocations)
+    assert allocations == [allocations[0]] * 4  # the pool reused from the first step on
+
+
+def test_only_the_blocks_the_plan_names_offload() -> None:
+    reference, model = _models()
+    ids = token_ids(0, batch=2, seq=128)
+    controller = Controller(model, "1GiB", **(SHORT_SCHEDULE | METERED))
+    controller.solver.link = FAST
+    must_only = _must_only_peak(reference, model, controller, ids)
+    controller.replan(memory_limit=must_only * 105 // 100)
+    offloading = controller.plan_for(ids.numel()).offloading()["DecoderLayer"]
+    assert any(offloading) and not all(offloading)
+    with controller.step(tokens=ids.numel()) as report:
+        loss = model.loss(ids)
+        assert controller._open is not None
+        blocks = [t.block() for t in controller._open.blocks]
+        assert [b.offloaded is not None for b in blocks] == offloading
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    assert report.mode == PLANNED
+
+
+def test_on_cpu_plans_never_offload_and_explain_says_so_once() -> None:
+    reference, model = _models()
+    ids = token_ids(0, batch=2, seq=128)
+    controller = Controller(model, "1GiB", **SHORT_SCHEDULE)
+    assert controller.solver.link is None
+    must_only = _must_only_peak(reference, model, controller, ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # below must-only's peak: no plan fits, said once
+        controller.replan(memory_limit=must_only * 9 // 10)
+    plan = controller.plan_for(ids.numel())
+    assert not plan.offloading() and plan.offloaded_bytes == 0
+    assert plan.explain().count(NO_HOST_MEMORY) == 1
+    report = _bitwise_step(reference, model, controller, ids, 9)
+    assert step_metrics(report)["tapesac/copy_time"] == 0.0
+    assert report.offloaded_bytes == 0 and controller._host_pool is None
+
+
+def test_a_plan_with_room_for_everything_offloads_nothing() -> None:
+    reference, model = _models()
+    ids = token_ids(0, batch=2, seq=128)
+    controller = Controller(model, "1GiB", **SHORT_SCHEDULE)
+    controller.solver.link = FAST
+    _must_only_peak(reference, model, controller, ids)
+    assert not controller.plan_for(ids.numel()).offloading()
