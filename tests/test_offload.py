@@ -11,8 +11,8 @@ import tapesac_core
 from tapesac_core.errors import TapeSACError
 from tapesac_core.measure.memory import memory_meter
 from tapesac_core.tape.host_pool import HostPool
-from tapesac_core.tape.offload import Offload
-from tapesac_core.tape.tape import OP
+from tapesac_core.tape.offload import Offload, alone_bytes
+from tapesac_core.tape.tape import INPUT, OP
 
 # Matrix products' outputs saved (every one of a dense layer, the attention's of a MoE layer,
 # whose experts' follow the routing): values for the blocks to hold, and so to offload.
@@ -59,6 +59,10 @@ def test_a_block_holds_no_value_an_op_made_between_its_forward_and_its_backward(
         blocks = [t.block() for t in traces]
         assert all(b.offloaded is not None for b in blocks)
         assert not any(b.values[v].kind == OP for b in blocks for v in b.held)
+        # Its inputs too, once the next block started (the caller had let go of them); the
+        # last block's stay, and so do inputs every block shares (the rotary tables).
+        assert [alone_bytes(b, (INPUT,)) > 0 for b in blocks] == [False] * 3 + [True]
+        assert all(any(b.values[v].kind == INPUT for v in b.held) for b in blocks)
         loss.backward()
         assert all(b.offloaded is None for b in blocks)
     assert offload.bytes == pool.bytes and pool.outstanding == 0

@@ -23,8 +23,8 @@ FAST = Link(to_host=1e12, to_device=1e12)  # every copy hidden
 METERED = dict(meter_every=1, near_limit=1.0, peak_correction=False, margin=0.0)
 
 
-def _models():
-    reference = tiny_lm(**dict(SMALL, num_layers=4))
+def _models(layers: int = 4):
+    reference = tiny_lm(**dict(SMALL, num_layers=layers))
     model = copy.deepcopy(reference)
     tapesac_core.checkpoint_modules(model, {DecoderLayer})
     return reference, model
@@ -95,6 +95,32 @@ def test_a_plan_offloads_where_that_gains_and_its_steps_are_bitwise_within_the_l
         assert pool is not None and pool.outstanding == 0  # every buffer back after the step
         allocations.append(pool.allocations)
     assert allocations == [allocations[0]] * 4  # the pool reused from the first step on
+
+
+def test_below_must_only_s_peak_a_plan_fits_by_offloading_block_inputs_and_holds() -> None:
+    """The examples' dense layers hold no value of their own must-only (S0 is empty): below
+    must-only's peak, only their inputs (the hidden states kept between blocks) can go. Each
+    block's input goes to host memory once the next block has started."""
+    reference, model = _models(layers=6)
+    ids = token_ids(0, batch=2, seq=512)
+    controller = Controller(model, "1GiB", **(SHORT_SCHEDULE | METERED))
+    controller.solver.link = FAST
+    must_only = _must_only_peak(reference, model, controller, ids)
+    assert controller.profiles["DecoderLayer"].inputs_alone == 2 * 512 * 32 * 4  # measured
+    limit = must_only * 96 // 100
+    controller.solver.link = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no plan fits: said once
+        controller.replan(memory_limit=limit)
+    assert controller.plan_for(ids.numel()).predicted_peak > limit
+    controller.solver.link = FAST
+    controller.replan(memory_limit=limit)
+    plan = controller.plan_for(ids.numel())
+    assert plan.predicted_peak <= limit and any(plan.offloading()["DecoderLayer"])
+    for seed in range(3):
+        report = _bitwise_step(reference, model, controller, ids, seed)
+        assert report.mode == PLANNED and report.peak is not None
+        assert report.peak <= report.predicted_peak <= limit, (report.peak, report.predicted_peak)
 
 
 def test_only_the_blocks_the_plan_names_offload() -> None:

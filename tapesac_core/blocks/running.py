@@ -45,6 +45,7 @@ from ..plan.plan import BlockKind
 from ..tape.block import Block, BlockPlan
 from ..tape.call_checks import CallLog
 from ..tape.data_sizes import DataBinding, DataTemplate
+from ..tape.offload import alone_bytes
 from ..tape.recompute import Recompute, leaves_of, never_unpacked
 from ..tape.recorder import Recorder
 from ..tape.rerun_checks import rerun_check
@@ -52,7 +53,7 @@ from ..tape.signature import Signature, block_signature, call_arguments
 from ..tape.steady import Recorded, SteadyForward, SteadyTape, autograd_nodes, steady_tape
 from ..tape.steady_cache import SteadyCache, steady_cache
 from ..tape.structure_switch import Switch, ran_alike
-from ..tape.tape import PARAM, Tape
+from ..tape.tape import INPUT, PARAM, Tape
 from ..tape.verify import HiddenWrites
 from ..tensors import tensor_leaves
 from .block_settings import BlockConfig, block_config
@@ -67,7 +68,7 @@ from .refusals import (
 )
 from .submodule_hooks import submodules_tracked
 from .torch_keywords import TorchKeywords
-from .trace_scope import TORCH_CHECKPOINTING, TRACE, trace
+from .trace_scope import TORCH_CHECKPOINTING, TRACE, TraceScope, trace
 
 RECORDING: ContextVar[Block | None] = ContextVar("tapesac_recording", default=None)
 
@@ -183,6 +184,8 @@ def run_block(
     plan = PLAN.get()
     block_plan = plan.block_plan(region) if plan else BlockPlan()
     scope = TRACE.get()
+    if scope is not None:
+        _next_started(scope)
     # Not recorded, nothing to check: as without checkpointing, or as full checkpointing does.
     if block_plan.kind is BlockKind.PLAIN:
         if scope is not None:
@@ -374,6 +377,19 @@ def _learned_again(
             learner.held.clear()
 
     return run
+
+
+def _next_started(scope: TraceScope) -> None:
+    """A block's forward starts: the block before it (its caller has let go of its inputs)
+    offloads what only it holds now, where the step offloads it; on profiling steps, the bytes
+    it could offload of its inputs are measured for the planner (``RegionProfile``)."""
+    if scope.offload is not None:
+        scope.offload.next_started()
+    if scope.time_nodes and scope.blocks:
+        previous = scope.blocks[-1]
+        block = previous.block() if previous.block is not None else None
+        if block is not None and previous.inputs_alone is None:
+            previous.inputs_alone = alone_bytes(block, (INPUT,))
 
 
 def _plan_key(plan: BlockPlan) -> tuple:

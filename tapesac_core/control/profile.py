@@ -53,6 +53,9 @@ class RegionProfile:
     # Values of the reference tape whose storage bytes differed between blocks that ran its op
     # sequence in one profiling step (same tokens): sized by the data (``_varied``).
     varied: frozenset[int] = frozenset()
+    # Bytes of a block's inputs that it alone held once the next block started, the least over
+    # the region's blocks measured (``BlockTrace.inputs_alone``; 0: none measured).
+    inputs_alone: int = 0
 
     @property
     def forward_overhead(self) -> float:
@@ -159,8 +162,9 @@ class RegionProfile:
         """What offloading takes off the device of a must-only block at ``tokens``: S0's
         storages that ops made, less those of the block's outputs and of values a must-only
         backward found alive (``alive``), which stay on the device (``tape/offload.py`` copies
-        only storages nothing outside the block holds); scaled as ``bytes_at`` scales, rounded
-        down. A lower bound, as the peak model needs: it takes these bytes off."""
+        only storages nothing outside the block holds), scaled as ``bytes_at`` scales; and its
+        inputs it alone held when the next block started, as measured (``inputs_alone``), scaled
+        with tokens. Rounded down: a lower bound, as the peak model needs (it takes them off)."""
         tape = self.tape
         outside = {tape.values[v].sid for v in tape.outputs | self.alive}
         held = {
@@ -169,7 +173,8 @@ class RegionProfile:
             if tape.values[v].kind is OP and tape.values[v].sid not in outside
         }
         fixed = tape.bytes_of(held & tape.token_independent)
-        return fixed + math.floor((tape.bytes_of(held) - fixed) * tokens / self.tokens)
+        grows = tape.bytes_of(held) - fixed + self.inputs_alone
+        return fixed + math.floor(grows * tokens / self.tokens)
 
     def forward_seconds(self, tokens: int) -> float:
         """A block's forward as profiled (its ops' times), at ``tokens``."""
@@ -265,6 +270,9 @@ def region_profiles(
             alive=frozenset(reference.alive_taken),
             replay_spread=_spread(replayed),
             varied=_varied([b.tape for b in same]),
+            inputs_alone=min(
+                (b.inputs_alone for b in traces if b.inputs_alone is not None), default=0
+            ),
         )
     return profiles
 
@@ -322,6 +330,7 @@ def merged(old: RegionProfile | None, new: RegionProfile) -> RegionProfile:
         replay_spread=max(old.replay_spread, new.replay_spread),
         # Seen to differ in any profiling step.
         varied=old.varied | new.varied,
+        inputs_alone=new.inputs_alone,
     )
 
 

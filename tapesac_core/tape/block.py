@@ -66,6 +66,9 @@ class BlockTrace:
     recorded_because: str | None = None  # why a module block was recorded (``steady.Recorded``)
     diverged: str | None = None  # a steady-state call that ran other ops than its tape: what
     draws_bytes: int = 0  # generator states a steady-state call keeps for its random ops
+    # Bytes of its held inputs that nothing else held when the next block's forward started
+    # (profiling steps; None: not measured): what offloading can take off beyond its own values.
+    inputs_alone: int | None = None
     # Its block, weakly: autograd's saved tensors hold the block until it frees the graph.
     block: weakref.ReferenceType[Block] | None = field(default=None, repr=False)
 
@@ -491,6 +494,19 @@ class Block:
                     self._outside_at[vid] = where(source)
         # Looked through at every unpack: only outputs replay can make (most blocks: none).
         self._droppable = {v: w for v, w in self._watched.items() if self._replayable(v)}
+
+    def own_tensors(self, vids: Sequence[int]) -> int:
+        """How many tensors of the block's own are on the storage of held values ``vids``: those
+        it holds and those it watches for writes (``watch_writes``)."""
+        watched = (self._watched[v][0] for v in vids if v in self._watched)
+        return len({id(self.held[v]) for v in vids} | {id(t) for t in watched})
+
+    def let_go(self, vid: int) -> None:
+        """Stop holding value ``vid`` (offloaded, ``offload.py``): where the block was its only
+        holder, no code can write into it any more, so it is not watched either."""
+        del self.held[vid]
+        self._watched.pop(vid, None)
+        self._droppable.pop(vid, None)
 
     def _drop_written(self) -> None:
         """Held values that code after the block wrote into in place, through one of the

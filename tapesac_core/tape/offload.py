@@ -7,10 +7,17 @@ Contract. At the end of a block's forward (recorded or steady state, not a diver
 backward runs the forward again and holds nothing), every value the block holds that an op made
 (the plan's saved values and S0; not its inputs, parameters or buffers) is offloaded, storage by
 storage: the whole storage is copied once into a host buffer of the step's ``HostPool``, and the
-block keeps each value's layout on it instead of the tensor, so the device storage is freed. A
-storage that is also alive outside what the block holds (the block's output, a tensor the
-caller keeps) stays: copying it would free nothing, and a later in-place write into it would
-race the copy. So do values with the conjugate or negative bit, which a layout does not carry. At the block's first unpack in backward its storages are back on the device, each
+block keeps each value's layout on it instead of the tensor, so the device storage is freed. When
+the next block's forward starts, the block offloads what only it holds by then: its inputs (its
+caller has handed the next block its output and let go of them), and values it made that were
+alive outside at its end; the copies run while that block computes. A storage also alive outside
+what the block holds (the block's output, a tensor the caller keeps, an input every block shares)
+stays: copying it would free nothing, and a later in-place write into it would race the copy.
+The block's own tensors on a storage are those it holds and those it watches for writes after
+its forward (``Block.own_tensors``); nothing else can write into a storage only they hold, so an
+offloaded value is not watched any more (``Block.let_go``). Values with the conjugate or negative
+bit, which a layout does not carry, stay too. At the block's first unpack in backward its storages
+are back on the device, each
 value a view of its layout, bitwise what was copied; the block before it in forward order (the
 next in backward) starts its copy back then, so one block's copies run ahead of its backward. A
 block whose copy back did not start early (models whose backward does not run in reverse forward
@@ -43,7 +50,7 @@ from .._compat import storage_use_count
 from ..errors import TapeSACError
 from ..tensors import Meta, layout_of, view_on
 from .host_pool import HostPool
-from .tape import OP
+from .tape import INPUT, OP, ValueKind
 
 if TYPE_CHECKING:
     from .block import Block
@@ -68,18 +75,21 @@ class Offload:
         offloads (``planned``) or its region is forced."""
         if not planned and self.regions is not None and block.region not in self.regions:
             return
-        groups = _storages(block)
-        if not groups:
-            return
         record = OffloadedBlock(self, block, len(self._blocks))
         # Known before any copy: a failed one leaves what was copied restorable and releasable.
         self._blocks.append(record)
         block.offloaded = record
         weakref.finalize(block, record.release)  # a block freed without its backward
-        for values in groups:
-            record.copy_out(block.held[values[0]], [(v, layout_of(block.held[v])) for v in values])
-            for vid in values:
-                del block.held[vid]
+        record.copy_held(block, (OP,))
+
+    def next_started(self) -> None:
+        """A block's forward starts: the block stored last offloads what only it holds now, its
+        inputs among them (its caller has let go of them: the next block has its output)."""
+        latest = self._blocks[-1] if self._blocks else None
+        if latest is not None and latest.state is State.ON_HOST:
+            block = latest.block()
+            if block is not None:
+                latest.copy_held(block, (OP, INPUT))
 
     def copies(self, device: torch.device) -> _Copies | None:
         """The side stream of ``device``'s copies; None on CPU (copies are synchronous)."""
@@ -131,10 +141,19 @@ class OffloadedBlock:
 
     def __init__(self, offload: Offload, block: Block, index: int) -> None:
         self.offload, self.index, self.name = offload, index, block.name
+        self.block = weakref.ref(block)  # the block holds its record: no cycle
         self.state = State.ON_HOST
         self._stored: list[_Stored] = []
         self._back: list[torch.UntypedStorage] = []
         self._event: torch.Event | None = None
+
+    def copy_held(self, block: Block, kinds: tuple[ValueKind, ...]) -> None:
+        """Copy out every storage of ``block``'s held values of ``kinds`` that nothing else
+        holds, and let go of those values."""
+        for values in _storages(block, kinds):
+            self.copy_out(block.held[values[0]], [(v, layout_of(block.held[v])) for v in values])
+            for vid in values:
+                block.let_go(vid)
 
     def copy_out(self, tensor: Tensor, values: list[tuple[int, Meta]]) -> None:
         """Copy ``tensor``'s whole storage to a host buffer; ``values``: the held values on it."""
@@ -226,15 +245,22 @@ class _Copies:
         return self.stream.record_event()
 
 
-def _storages(block: Block) -> list[list[int]]:
-    """The held values to offload, grouped by storage: storages whose every held value an op
-    made, without the conjugate or negative bit, that nothing but those values holds."""
+def alone_bytes(block: Block, kinds: tuple[ValueKind, ...]) -> int:
+    """Bytes of the storages ``block`` would offload now of its held values of ``kinds``."""
+    held = block.held
+    return sum(held[values[0]].untyped_storage().nbytes() for values in _storages(block, kinds))
+
+
+def _storages(block: Block, kinds: tuple[ValueKind, ...]) -> list[list[int]]:
+    """The held values to offload, grouped by storage: storages whose every held value is of
+    ``kinds`` (an op's output, a block input), without the conjugate or negative bit, that
+    nothing but those values holds."""
     groups: dict[int, list[int]] = {}
     stays: set[int] = set()
     values = block.values
     for vid, t in block.held.items():
         key = t.untyped_storage().data_ptr()
-        if values[vid].kind == OP and not (t.is_conj() or t.is_neg()):
+        if values[vid].kind in kinds and not (t.is_conj() or t.is_neg()):
             groups.setdefault(key, []).append(vid)
         else:
             stays.add(key)
@@ -242,15 +268,14 @@ def _storages(block: Block) -> list[list[int]]:
     return [
         vids
         for key, vids in groups.items()
-        if key not in stays
-        and _held_only(held[vids[0]].untyped_storage(), len({id(held[v]) for v in vids}))
+        if key not in stays and _held_only(held[vids[0]].untyped_storage(), block.own_tensors(vids))
     ]
 
 
-def _held_only(storage: torch.UntypedStorage, held: int) -> bool:
-    """Whether ``storage`` (not empty) is referenced by the ``held`` tensors on it alone: its use
-    count counts them and the Python storage objects alive, here ``storage`` itself."""
-    return storage.nbytes() > 0 and storage_use_count(storage) == held + 1
+def _held_only(storage: torch.UntypedStorage, own: int) -> bool:
+    """Whether ``storage`` (not empty) is referenced by the block's ``own`` tensors on it alone:
+    its use count counts them and the Python storage objects alive, here ``storage`` itself."""
+    return storage.nbytes() > 0 and storage_use_count(storage) == own + 1
 
 
 def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> Tensor:
