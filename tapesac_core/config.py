@@ -55,16 +55,19 @@ class MemoryLimit:
         return format_bytes(self.bytes)
 
 
-def parse_memory_limit(value: float | int | str | MemoryLimit) -> MemoryLimit:
-    """``0.9`` (fraction, 0 forces must-only), ``"20GiB"``/``"800MB"``, or an int of bytes (>= 1 MiB)."""
+def parse_memory_limit(
+    value: float | int | str | MemoryLimit, name: str = "memory_limit"
+) -> MemoryLimit:
+    """``0.9`` (fraction, 0 forces must-only), ``"20GiB"``/``"800MB"``, or an int of bytes
+    (>= 1 MiB); ``name``: the setting, as errors name it."""
     if isinstance(value, MemoryLimit):
         return value
     if isinstance(value, bool):
-        raise TypeError(f"memory_limit must be a fraction, a size or bytes, got {value!r}")
+        raise TypeError(f"{name} must be a fraction, a size or bytes, got {value!r}")
     if isinstance(value, float):
         if not (math.isfinite(value) and 0.0 <= value <= 1.0):
             raise ValueError(
-                f"memory_limit {value!r} as a float is a fraction of device memory "
+                f"{name} {value!r} as a float is a fraction of device memory "
                 "and must lie in [0, 1]; for an absolute limit pass a size such as "
                 "'20GiB' or an int of bytes"
             )
@@ -72,7 +75,7 @@ def parse_memory_limit(value: float | int | str | MemoryLimit) -> MemoryLimit:
     if isinstance(value, int):
         if value < MiB:
             raise ValueError(
-                f"memory_limit {value} as an int is a number of bytes and must be at "
+                f"{name} {value} as an int is a number of bytes and must be at "
                 "least 1 MiB (1048576); for a fraction of device memory pass a float "
                 "such as 0.9, for a size a string such as '20GiB'"
             )
@@ -82,12 +85,12 @@ def parse_memory_limit(value: float | int | str | MemoryLimit) -> MemoryLimit:
         unit = match.group(2).lower() if match else ""
         if not match or unit not in _UNITS:
             raise ValueError(
-                f"cannot read memory_limit {value!r}: write a number and a unit, "
+                f"cannot read {name} {value!r}: write a number and a unit, "
                 "e.g. '20GiB', '800MB' or '1.5TiB'"
             )
-        return parse_memory_limit(int(float(match.group(1)) * _UNITS[unit]))
+        return parse_memory_limit(int(float(match.group(1)) * _UNITS[unit]), name)
     raise TypeError(
-        f"memory_limit must be a float fraction, a size string or an int of bytes, "
+        f"{name} must be a float fraction, a size string or an int of bytes, "
         f"got {type(value).__name__}"
     )
 
@@ -261,6 +264,15 @@ class TapeSACConfig:
             "within the limit)"
         },
     )
+    offload_host_limit: MemoryLimit | float | int | str = field(
+        default=0.5,
+        metadata={
+            "help": "Host memory the values plans offload may take (the host pool's buffers, "
+            "rounded up to powers of two): a fraction of the host's free memory at the first "
+            "solve, or a size such as '64GiB'; 0.0 never offloads. Plans offload only where an "
+            "accelerator has a link to host memory (never on CPU)"
+        },
+    )
     peak_correction: bool = field(
         default=True,
         metadata={
@@ -276,8 +288,20 @@ class TapeSACConfig:
         assert isinstance(limit, MemoryLimit)  # __post_init__ parsed it
         return limit
 
+    @property
+    def parsed_offload_host_limit(self) -> MemoryLimit:
+        """``offload_host_limit`` in the one form ``__post_init__`` leaves it in."""
+        limit = self.offload_host_limit
+        assert isinstance(limit, MemoryLimit)  # __post_init__ parsed it
+        return limit
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_limit", parse_memory_limit(self.memory_limit))
+        object.__setattr__(
+            self,
+            "offload_host_limit",
+            parse_memory_limit(self.offload_host_limit, "offload_host_limit"),
+        )
         object.__setattr__(self, "secondary_regions", frozenset(self.secondary_regions))
         for name in (
             "warmup_steps",

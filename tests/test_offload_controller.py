@@ -123,6 +123,36 @@ def test_below_must_only_s_peak_a_plan_fits_by_offloading_block_inputs_and_holds
         assert report.peak <= report.predicted_peak <= limit, (report.peak, report.predicted_peak)
 
 
+def test_below_must_only_s_peak_a_link_too_slow_is_refused_with_a_clear_message(caplog) -> None:
+    reference, model = _models(layers=6)
+    ids = token_ids(0, batch=2, seq=512)
+    controller = Controller(model, "1GiB", **(SHORT_SCHEDULE | METERED))
+    must_only = _must_only_peak(reference, model, controller, ids)
+    controller.solver.link = Link(to_host=1e3, to_device=1e3)  # 1 KB/s: nothing hides
+    with caplog.at_level("WARNING", logger="tapesac_core"):
+        controller.replan(memory_limit=must_only * 96 // 100)
+    plan = controller.plan_for(ids.numel())
+    assert not plan.offloading() and plan.predicted_peak > must_only * 96 // 100
+    assert plan.offload_refused == 5  # every block but the last, which nothing follows
+    assert "offloading refused for 5 blocks: the link to host memory is too slow" in (
+        plan.explain()
+    )
+    said = [r.getMessage() for r in caplog.records if "no plan fits" in r.getMessage()]
+    assert (
+        len(said) == 1
+        and (
+            "Offloading to host memory was refused for 5 blocks: the link, measured at 1000 B/s "
+            "to the host and 1000 B/s back, is too slow"
+        )
+        in said[0]
+    )
+    # A host pool with no room offloads nothing either, and says nothing of the link.
+    controller.solver.link, controller.solver.host_room = FAST, 0
+    controller.replan(memory_limit=must_only * 96 // 100)
+    plan = controller.plan_for(ids.numel())
+    assert not plan.offloading() and not plan.offload_refused
+
+
 def test_only_the_blocks_the_plan_names_offload() -> None:
     reference, model = _models()
     ids = token_ids(0, batch=2, seq=128)

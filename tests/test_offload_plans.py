@@ -12,10 +12,13 @@ import pytest
 from plan_graphs import random_options
 
 from tapesac_core.plan.offload_choice import (
+    POOL_ROUNDING,
     TIE_BREAK,
     CopyWindow,
     Link,
     exposed_copy_time,
+    refused_as_slow,
+    too_slow,
     with_offload,
 )
 from tapesac_core.plan.peak import Option, predict
@@ -124,13 +127,46 @@ def test_the_exposed_copy_time_is_what_the_next_block_does_not_hide() -> None:
 def test_without_a_link_menus_stay_as_they_are() -> None:
     """No separate host memory (CPU): no block is offered offload."""
     menus = [[Option(bytes=0, gain=0.0, point=0), Option(bytes=4, gain=1.0, point=1)]] * 2
-    windows = [CopyWindow(held=8, next_forward=1.0, next_backward=1.0), None]
+    windows = [CopyWindow(held=8, next_forward=1.0, next_backward=3.0), None]
     assert with_offload(menus, windows, None) == menus
     offered = with_offload(menus, windows, Link(to_host=4.0, to_device=4.0))
     assert [len(m) for m in offered] == [4, 2]
-    # 8 bytes (held) take 2 s each way at 4 B/s, 1 s of each hidden; 12 bytes 3 s each way.
-    assert [o.gain + TIE_BREAK for o in offered[0][2:]] == [0.0 - 2.0, 1.0 - 4.0]
+    # 8 bytes (held) take 2 s each way at 4 B/s, 1 s out and all back hidden; 12 bytes 3 s.
+    assert [o.gain + TIE_BREAK for o in offered[0][2:]] == [0.0 - 1.0, 1.0 - 2.0]
     assert all(o.offload and o.held == 8 for o in offered[0][2:])
+
+
+def test_a_link_too_slow_for_a_block_s_copies_offers_no_offload_there() -> None:
+    """Copies that would leave the step waiting longer than the windows that hide them compute
+    are refused: here 8 held bytes take 2 s each way against windows of 1 s each (exposed 2 s,
+    not above the 2 s of windows); 12 bytes take 3 s (exposed 4 s)."""
+    menus = [[Option(bytes=0, gain=0.0, point=0), Option(bytes=4, gain=1.0, point=1)]]
+    window = CopyWindow(held=8, next_forward=1.0, next_backward=1.0)
+    link = Link(to_host=4.0, to_device=4.0)
+    assert not too_slow(8, link, window) and too_slow(12, link, window)
+    offered = with_offload(menus, [window], link)
+    assert [(o.point, o.offload) for o in offered[0]] == [(0, False), (1, False), (0, True)]
+    assert refused_as_slow([window, None], link) == 0
+    slower = Link(to_host=2.0, to_device=2.0)
+    assert with_offload(menus, [window], slower) == menus
+    assert refused_as_slow([window, None], slower) == 1 and refused_as_slow([window], None) == 0
+
+
+def test_blocks_offload_in_forward_order_while_their_copies_fit_the_host_room() -> None:
+    menu = [Option(bytes=0, gain=0.0, point=0), Option(bytes=4, gain=1.0, point=1)]
+    window = CopyWindow(held=6, next_forward=1.0, next_backward=1.0)
+    link = Link(to_host=1e9, to_device=1e9)
+    most = POOL_ROUNDING * (4 + 6)  # the largest option offloaded, its buffers rounded up
+
+    def offloading(room):
+        offered = with_offload([menu] * 3, [window, window, None], link, room)
+        return [any(o.offload for o in m) for m in offered]
+
+    assert offloading(None) == [True, True, False]
+    assert offloading(2 * most) == [True, True, False]
+    assert offloading(2 * most - 1) == [True, False, False]
+    assert offloading(most - 1) == [False, False, False]
+    assert offloading(0) == [False, False, False]
 
 
 def test_solve_peak_with_offload_is_exact_against_brute_force() -> None:

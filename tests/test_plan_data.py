@@ -305,3 +305,11 @@ def test_offload_flags_must_name_recorded_blocks_one_each(change, match) -> None
     region = sample_plan().regions["DecoderLayer"]
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(region, **change)
+
+
+def test_the_host_limit_of_offloading_parses_as_a_limit_and_errors_name_it() -> None:
+    assert TapeSACConfig(memory_limit=0.9).parsed_offload_host_limit == MemoryLimit(fraction=0.5)
+    config = TapeSACConfig(memory_limit=0.9, offload_host_limit="64GiB")
+    assert config.parsed_offload_host_limit == MemoryLimit(bytes=64 * GiB)
+    with pytest.raises(ValueError, match="offload_host_limit 2.0 as a float"):
+        TapeSACConfig(memory_limit=0.9, offload_host_limit=2.0)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..config import TapeSACConfig
 from ..measure.memory import MemoryReading
+from ..plan.offload_choice import Link
 from ..plan.plan import Plan
 from ..units import format_bytes
 from .memory_model import MemoryModel
@@ -167,11 +168,16 @@ class MemoryBudget:
         return bool(correction)
 
     def say_unfit(
-        self, plan: Plan, capacity: int, edges: Mapping[str, int], memory: MemoryModel
+        self,
+        plan: Plan,
+        capacity: int,
+        edges: Mapping[str, int],
+        memory: MemoryModel,
+        link: Link | None = None,
     ) -> None:
         """No plan fits ``capacity`` at token counts ``edges``: said once while the memory outside
-        the blocks stays as it is, with by how much and what would fix it; at info level when
-        must-only was asked for."""
+        the blocks stays as it is, with by how much and what would fix it (where offloading was
+        refused, the ``link`` it was too slow on); at info level when must-only was asked for."""
         if self._said_unfit:
             return
         self._said_unfit = True
@@ -189,7 +195,7 @@ class MemoryBudget:
             "leaves after the margin and fragmentation; the must-only step alone needs %s. "
             "Memory in use when a step starts (outside the blocks: no plan gives it back) is %s, "
             "%s since memory was sampled. Training goes on with the lowest-peak plan and solves "
-            "again when that memory or the batch changes. Fix: a memory_limit of at least %s, "
+            "again when that memory or the batch changes.%s Fix: a memory_limit of at least %s, "
             "less memory outside the blocks, or a smaller batch",
             format_bytes(self.limit_bytes()),
             dict(edges),
@@ -201,6 +207,7 @@ class MemoryBudget:
             format_bytes(plan.base),
             format_bytes(static),
             ("+" if memory.static_growth >= 0 else "-") + format_bytes(abs(memory.static_growth)),
+            _offload_refusal(plan, link),
             format_bytes(self.limit_bytes() + missing),
         )
 
@@ -277,3 +284,15 @@ class MemoryBudget:
             format_bytes(raise_by),
         )
         return raise_by
+
+
+def _offload_refusal(plan: Plan, link: Link | None) -> str:
+    """What the no-fit warning says of offloading that the link was too slow for (or nothing)."""
+    if link is None or not plan.offload_refused:
+        return ""
+    return (
+        f" Offloading to host memory was refused for {plan.offload_refused} blocks: the link, "
+        f"measured at {format_bytes(round(link.to_host))}/s to the host and "
+        f"{format_bytes(round(link.to_device))}/s back, is too slow (their copies would wait "
+        "longer than the compute that hides them)."
+    )

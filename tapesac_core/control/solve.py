@@ -12,7 +12,13 @@ from ..measure.step_time import StepTime
 from ..plan import Point, RegionFrontier, replay_time, saved_bytes, solve_knapsack
 from ..plan.hysteresis import favour_previous, previous_points, with_previous_sets
 from ..plan.menus import RegionMenu, menus_of
-from ..plan.offload_choice import CopyWindow, Link, exposed_copy_time, with_offload
+from ..plan.offload_choice import (
+    CopyWindow,
+    Link,
+    exposed_copy_time,
+    refused_as_slow,
+    with_offload,
+)
 from ..plan.peak import Option, predict
 from ..plan.peak_dp import lowest_peak, solve_peak
 from ..plan.peak_timeline import Timeline
@@ -90,6 +96,7 @@ def solve_plan(
     torch_checkpoint_gains: Mapping[str, float] | None = None,
     previous: Plan | None = None,
     link: Link | None = None,
+    host_room: int | None = None,
 ) -> Plan:
     """The plan maximising replay time removed with its predicted step peak ≤ capacity.
 
@@ -138,17 +145,19 @@ def solve_plan(
             gains,
             previous,
             link,
+            host_room,
         )
         if timed is not None
         else None
     )
     choices: Mapping[str, tuple[int, ...]]
     offloaded: Mapping[str, tuple[bool, ...]] = {}
-    offloaded_bytes, copy_time = 0, 0.0
+    offloaded_bytes, copy_time, refused = 0, 0.0, 0
     if peak is not None:
         choices, saved_bytes, gain = peak.choices, peak.saved_bytes, peak.gain
         predicted, peak_at = peak.predicted, peak.peak_at
         offloaded, offloaded_bytes, copy_time = peak.offloaded, peak.offloaded_bytes, peak.copy_time
+        refused = peak.refused_as_slow
     else:
         choice = solve_knapsack(
             {r: RegionFrontier(points=f, blocks=profiles[r].blocks) for r, f in frontiers.items()},
@@ -190,6 +199,7 @@ def solve_plan(
         static=timeline.static if timeline is not None else 0,
         offloaded_bytes=offloaded_bytes,
         copy_time=copy_time,
+        offload_refused=refused if predicted > capacity else 0,
     )
 
 
@@ -359,6 +369,7 @@ class PeakChoice(NamedTuple):
     offloaded: dict[str, tuple[bool, ...]]
     offloaded_bytes: int
     copy_time: float
+    refused_as_slow: int  # blocks the link is too slow to offload even must-only
 
 
 def _peak_choice(
@@ -373,13 +384,14 @@ def _peak_choice(
     torch_checkpoint_gains: Mapping[str, float],
     previous: Plan | None,
     link: Link | None,
+    host_room: int | None,
 ) -> PeakChoice:
     """The plan under the timeline model, whose blocks match the profiles (``_matches``)."""
     scaled_timeline = timeline.scaled(base)
     regions = region_menus(profiles, frontiers, tokens, extras, torch_checkpoint_gains)
     windows = copy_windows(scaled_timeline, profiles, tokens)
     menus = _with_offload(
-        menus_of(scaled_timeline, regions), scaled_timeline, regions, windows, link
+        menus_of(scaled_timeline, regions), scaled_timeline, regions, windows, link, host_room
     )
     biased = menus
     if previous is not None:  # solved again: a change must beat the profiles' noise
@@ -417,6 +429,7 @@ def _peak_choice(
         offloaded={r: tuple(f) for r, f in offloaded.items() if any(f)},
         offloaded_bytes=copied,
         copy_time=copy_time,
+        refused_as_slow=refused_as_slow(windows, link),
     )
 
 
@@ -451,6 +464,7 @@ def _with_offload(
     regions: Mapping[str, RegionMenu],
     windows: list[CopyWindow | None],
     link: Link | None,
+    host_room: int | None,
 ) -> list[list[Option]]:
     """``menus`` with offloading options after each block's own (``with_offload``), of its
     recorded points only: a plain block or one under torch's checkpoint has no tape to offload
@@ -463,7 +477,7 @@ def _with_offload(
         ]
         for menu, b in zip(menus, timeline.blocks)
     ]
-    moved = with_offload(recorded, windows, link)
+    moved = with_offload(recorded, windows, link, host_room)
     return [menu + m[len(r) :] for menu, r, m in zip(menus, recorded, moved)]
 
 

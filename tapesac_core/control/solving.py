@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch
 
 from ..measure.link import measure_link
+from ..measure.memory import physical_memory
 from ..plan.offload_choice import Link
 from ..plan.plan import Plan
 from ..units import format_bytes
@@ -51,8 +52,10 @@ class BucketSolver:
         self.model_key = model_key
         self.device = device
         self.on_cpu = device.type == "cpu"
-        # Measured at the first solve (``measure_link``); None on CPU, where nothing offloads.
+        # Measured at the first solve (``measure_link``, with the host memory offloading may
+        # take); None on CPU, where nothing offloads.
         self.link: Link | None = None
+        self.host_room: int | None = None
         self._link_measured = self.on_cpu
 
     def plan(
@@ -93,6 +96,7 @@ class BucketSolver:
         must_only_seconds = self.must_only_seconds(key, edges)
         if not self._link_measured:
             self.link, self._link_measured = measure_link(self.device), True
+            self.host_room = budget.config.parsed_offload_host_limit.of(physical_memory()[1])
         plan = solve_plan(
             profiles,
             edges,
@@ -105,11 +109,12 @@ class BucketSolver:
             torch_checkpoint_gains=self.pricing.gains(key, profiles, edges, must_only_seconds),
             previous=previous,
             link=self.link,
+            host_room=self.host_room,
         )
         # Under the peak-aware model a must-only peak above the capacity is not the end: saving
         # removes replay temporaries, so only a plan predicted above it means nothing fits.
         if plan.predicted_peak > capacity:
-            budget.say_unfit(plan, capacity, edges, memory)
+            budget.say_unfit(plan, capacity, edges, memory, self.link)
         notes = (
             self.pricing.note(key),
             budget.near_limit_note(memory),

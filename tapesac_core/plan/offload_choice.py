@@ -73,37 +73,68 @@ OFFLOADED_POINTS = 4
 TIE_BREAK = 1e-9
 
 
+def too_slow(nbytes: int, link: Link, window: CopyWindow) -> bool:
+    """Whether copying ``nbytes`` out and back would leave the step waiting on the link longer
+    than the windows meant to hide the copies compute: such an offload is refused (the step
+    would more than double around the block)."""
+    return exposed_copy_time(nbytes, link, window) > window.next_forward + window.next_backward
+
+
+# Host bytes a copied byte may take in the pool, at most: its buffers are powers of two.
+POOL_ROUNDING = 2
+
+
 def with_offload(
     menus: Sequence[Sequence[Option]],
     windows: Sequence[CopyWindow | None],
     link: Link | None,
+    host_room: int | None = None,
 ) -> list[list[Option]]:
     """Each block's menu with, after its options, some of them offloaded (must-only and up to
     ``OFFLOADED_POINTS - 1`` more, spread over the menu up to its largest): the same bytes and
-    replay, the gain less the exposed copy time (and ``TIE_BREAK``). A block without a window (none after it in its
-    micro-batch to hide its copies) and every block without a link (no separate host memory,
-    as on CPU) keeps its menu as it is."""
+    replay, the gain less the exposed copy time (and ``TIE_BREAK``); not those ``too_slow``. A
+    block without a window (none after it in its micro-batch to hide its copies), and every
+    block without a link (no separate host memory, as on CPU), keeps its menu as it is. With
+    ``host_room`` (bytes of host memory offloading may take), blocks offload in forward order
+    while the most their options copy, at ``POOL_ROUNDING``, fits it all together: the earliest
+    blocks, whose values wait longest for their backward."""
     if len(windows) != len(menus):
         raise ValueError(f"one window per menu: {len(menus)} menus, {len(windows)} windows")
     if link is None:
         return [list(m) for m in menus]
     out = []
+    room = host_room
     for menu, window in zip(menus, windows):
         kept = [o for o in menu if not o.offload]
-        if window is None:
-            out.append(kept)
-            continue
-        moved = [
-            dataclasses.replace(
-                o,
-                offload=True,
-                held=window.held,
-                gain=o.gain - exposed_copy_time(o.bytes + window.held, link, window) - TIE_BREAK,
-            )
-            for o in _spread(kept, OFFLOADED_POINTS)
-        ]
+        moved = []
+        if window is not None:
+            moved = [
+                dataclasses.replace(
+                    o,
+                    offload=True,
+                    held=window.held,
+                    gain=o.gain
+                    - exposed_copy_time(o.bytes + window.held, link, window)
+                    - TIE_BREAK,
+                )
+                for o in _spread(kept, OFFLOADED_POINTS)
+                if not too_slow(o.bytes + window.held, link, window)
+            ]
+        if moved and room is not None:
+            most = POOL_ROUNDING * max(o.bytes + o.held for o in moved)
+            room = room - most if most <= room else -1
+            if room < 0:
+                moved = []
         out.append(kept + moved)
     return out
+
+
+def refused_as_slow(windows: Sequence[CopyWindow | None], link: Link | None) -> int:
+    """How many blocks could not offload even what they hold must-only: the link is
+    ``too_slow`` for it."""
+    if link is None:
+        return 0
+    return sum(w is not None and too_slow(w.held, link, w) for w in windows)
 
 
 def _spread(options: Sequence[Option], count: int) -> list[Option]:

@@ -98,6 +98,8 @@ class Plan:
     static: int = 0  # of the peak, what does not scale with tokens
     offloaded_bytes: int = 0  # bytes the offloading blocks copy to host memory, all blocks
     copy_time: float = 0.0  # modelled seconds their copies add to the step after overlap
+    # Where no plan fits: blocks that could not offload, the link too slow (``too_slow``).
+    offload_refused: int = 0
 
     def peak_at_tokens(self, base: int, factor: float) -> int:
         """The predicted peak for a step of the bucket whose must-only peak is ``base`` and whose
@@ -170,6 +172,7 @@ class Plan:
                     if self.offloaded_bytes
                     else {}
                 ),
+                **({"offload_refused": self.offload_refused} if self.offload_refused else {}),
                 "regions": {
                     r: {
                         "sequence": p.sequence,
@@ -236,6 +239,7 @@ class Plan:
             static=int(data.get("static", 0)),
             offloaded_bytes=int(data.get("offloaded_bytes", 0)),
             copy_time=float(data.get("copy_time", 0.0)),
+            offload_refused=int(data.get("offload_refused", 0)),
             regions={
                 r: RegionPlan(
                     sequence=p["sequence"],
@@ -298,6 +302,11 @@ class Plan:
             lines.append(
                 f"predicted step peak {format_bytes(self.predicted_peak)} ({how}), "
                 f"at {self.peak_at or 'the start of backward'}"
+            )
+        if self.offload_refused:
+            lines.append(
+                f"offloading refused for {self.offload_refused} blocks: the link to host memory "
+                "is too slow (their copies would wait longer than the compute that hides them)"
             )
         if self.offloaded_bytes:
             lines.append(
