@@ -12,6 +12,9 @@
 #   4 limit      allocator peaks of planned steps against the Controller's limit
 #   4b mixed     a plan mixing plain, torch-checkpoint, attention-saving and must-only blocks (~1B)
 #                (bf16): bitwise with dropout, timed against no checkpointing and torch checkpoint
+#   4c offload   the ~1B model (bf16) at a limit 0.7 of the way from a step's start to must-only's
+#                peak: the plan (offloading over the measured link) against full checkpointing
+#                under save_on_cpu(pin_memory=True); metered peaks, bandwidths, copy time hidden
 #   5 frontier   TapeSAC vs full checkpointing vs torchtitan's policy (and the others in those
 #                families) on a Qwen3-style ~1B model, seq 2048, bf16
 # Everything goes under one folder (first argument, default gpu_check_<date>), each stage's
@@ -38,9 +41,11 @@ export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"  # determin
 if [ "$SIZE" = tiny ]; then
   STAGE_SIZE=tiny
   FRONTIER=(--size tiny --steps 3 --warmup 1 --fractions 0.5,1)
+  OFFLOAD=(--fraction 1.0)  # the tiny model's peak is its loss: must-only's peak, where offload gains
 else
   STAGE_SIZE=small
   FRONTIER=(--size 1b --seq 2048 --batch 2 --dtype bf16 --steps 10 --warmup 2)
+  OFFLOAD=(--fraction 0.7)
 fi
 
 stage() {  # stage NAME COMMAND...: run, keep its output, record pass/fail
@@ -71,6 +76,7 @@ stage 3_timing "$PY" -m benchmarks.gpu_stages timing --device "$DEVICE" --size "
 stage 3b_host "$PY" -m benchmarks.gpu_stages host --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/3b_host.json"
 stage 4_limit "$PY" -m benchmarks.gpu_stages limit --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/4_limit.json"
 stage 4b_mixed "$PY" -m benchmarks.gpu_stages mixed --device "$DEVICE" --size "$STAGE_SIZE" --out "$OUT/4b_mixed.json"
+stage 4c_offload "$PY" -m benchmarks.gpu_stages offload --device "$DEVICE" --size "$STAGE_SIZE" "${OFFLOAD[@]}" --out "$OUT/4c_offload.json"
 stage 5_frontier "$PY" -m benchmarks.frontier --device "$DEVICE" "${FRONTIER[@]}" \
   --families none,full,torch_sac,tapesac_policy,tapesac --out-dir "$OUT/frontier" --markdown "$OUT/RESULTS.md"
 

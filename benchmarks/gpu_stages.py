@@ -14,6 +14,12 @@ Stages (``--device cuda`` on a GPU, ``cpu`` to test the script here):
                    no checkpointing: planned steps' metered peaks (allocator on GPU) stay under it.
 * ``mixed``        a plan mixing plain, torch-checkpoint, attention-saving and must-only blocks (~1B)
                    (bf16): bitwise, and timed against no checkpointing and torch's checkpoint.
+* ``offload``      the ~1B model (bf16) at a limit ``--fraction`` (0.7) of the way from the
+                   memory a step starts with to must-only's peak: the Controller's plan (offloading over the link it
+                   measured) timed, interleaved, against full checkpointing under
+                   ``save_on_cpu(pin_memory=True)``; planned steps' metered peaks against the
+                   limit, the measured bandwidths, and the share of copy time the plan models as
+                   hidden. On CPU (no host link) a link is set by hand, so the stage runs.
 * ``host``         host time per op of the ~1B model's forward (bf16) without checkpointing,
                    under torch's checkpoint, TapeSAC recorded and TapeSAC in steady state, beside
                    the blocks' kernel time per op (CUDA events): where host time per op exceeds
@@ -523,8 +529,105 @@ def host(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def offload(args: argparse.Namespace) -> dict[str, Any]:
+    import copy
+
+    import torch
+
+    import tapesac_core
+    from benchmarks.baselines import wrap_torch
+    from benchmarks.common import quartiles
+    from benchmarks.measure import interleaved_rounds, live_bytes
+    from benchmarks.method import Method
+    from tapesac_core.control.controller import PLANNED
+    from tapesac_core.plan.offload_choice import Link
+
+    device = torch.device(args.device)
+    base, block, ids = _frontier_model(args, dropout=0.0)
+    if device.type == "cpu":  # the tiny model's batch alone stays under the 1 MiB a limit needs
+        ids = ids.repeat(4, 8)
+    ours = copy.deepcopy(base)
+    tapesac_core.checkpoint_modules(ours, {block})
+    tokens = ids.numel()
+    static = live_bytes(device)  # both models' weights: what every step starts with
+    with tapesac_core.memory_meter(device) as meter:
+        ours.loss(ids).backward()
+    ours.zero_grad(set_to_none=True)
+    must_only = meter.reading().peak
+    limit = int(static + args.fraction * (must_only - static))
+    # Every planned step metered (on accelerators they all are: allocator statistics are free).
+    metering = {"meter_every": 1} if device.type == "cpu" else {}
+    controller = tapesac_core.Controller(
+        ours, limit, warmup_steps=1, profile_steps=1, control_steps=1, control_every=0,
+        near_limit=1.0, margin=0.0, **metering,
+    )  # fmt: skip
+    if device.type == "cpu":  # no separate host memory: a link set by hand runs the stage
+        controller.solver.link = Link(to_host=1e12, to_device=1e12)
+    reports = []
+    for _ in range(6):
+        with controller.step(tokens=tokens) as report:
+            ours.loss(ids).backward()
+        ours.zero_grad(set_to_none=True)
+        reports.append(report)
+    planned = [r for r in reports if r.mode == PLANNED]
+    plan = controller.plan
+    link = controller.solver.link
+    copies = (
+        plan.offloaded_bytes / link.to_host + plan.offloaded_bytes / link.to_device
+        if plan is not None and link is not None
+        else 0.0
+    )
+    out: dict[str, Any] = {
+        "device": args.device,
+        "static_bytes": static,
+        "must_only_peak": must_only,
+        "limit_bytes": limit,
+        "link_bytes_per_s": None
+        if link is None
+        else {
+            "to_host": link.to_host,
+            "to_device": link.to_device,
+            "set_by_hand": device.type == "cpu",
+        },
+        "offloaded_bytes": plan.offloaded_bytes if plan is not None else None,
+        "blocks_offloaded": sum(sum(f) for f in plan.offloading().values()) if plan else None,
+        "copy_time_s": plan.copy_time if plan is not None else None,
+        "hidden_share_modelled": 1 - plan.copy_time / copies
+        if plan is not None and copies
+        else None,
+        "planned_peaks": [r.peak for r in planned],
+        "predicted_peaks": [r.predicted_peak for r in planned],
+    }
+    pinned = device.type != "cpu"
+
+    def save_on_cpu() -> Any:
+        return torch.autograd.graph.save_on_cpu(pin_memory=pinned)
+
+    methods = [
+        Method("full_save_on_cpu", "full", wrap_torch(copy.deepcopy(base), block, early_stop=True),
+               context=save_on_cpu),
+        Method("tapesac", "tapesac", ours, context=lambda: controller.step(tokens=tokens)),
+    ]  # fmt: skip
+    rounds = interleaved_rounds(methods, ids, device, warmup=1, steps=8 if pinned else 3)
+    q1, median, q3 = quartiles([r["full_save_on_cpu"] / r["tapesac"] for r in rounds])
+    out["speedup_vs_full_save_on_cpu"] = {
+        "median": median,
+        "q1": q1,
+        "q3": q3,
+        "rounds": len(rounds),
+    }
+    out["errors"] = {m.name: m.error for m in methods if m.error}
+    out["ok"] = (
+        bool(planned)
+        and all(r.peak is not None and r.peak <= limit for r in planned)
+        and not out["errors"]
+    )
+    return out
+
+
 STAGES = {
     "versions": versions,
+    "offload": offload,
     "correctness": correctness,
     "timing": timing,
     "limit": limit,
@@ -542,6 +645,12 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--fraction",
+        type=float,
+        default=0.7,
+        help="offload: the limit, this share of the way from a step's start to must-only's peak",
+    )
     args = p.parse_args()
     try:
         result = STAGES[args.stage](args)

@@ -320,6 +320,7 @@ def test_gpu_check_script_passes_on_cpu_at_tiny_size(tmp_path: Path) -> None:
         "3b_host",
         "4_limit",
         "4b_mixed",
+        "4c_offload",
         "5_frontier",
     ):
         assert f"{stage}: PASS" in summary
@@ -346,6 +347,12 @@ def test_gpu_check_script_passes_on_cpu_at_tiny_size(tmp_path: Path) -> None:
     }
     assert all(v > 0 for v in host["host_us_per_op"].values()) and host["kernel_us_per_op"] > 0
     assert (tmp_path / "check" / "frontier" / "frontier_dense_tiny.json").is_file()
+    offload = json.loads((tmp_path / "check" / "4c_offload.json").read_text())
+    assert offload["link_bytes_per_s"]["set_by_hand"]  # CPU: no host link to measure
+    assert offload["planned_peaks"] and all(
+        p <= offload["limit_bytes"] for p in offload["planned_peaks"]
+    )
+    assert offload["speedup_vs_full_save_on_cpu"]["rounds"] == 3
 
 
 # ---------------------------------------------------------------------- the public API only
