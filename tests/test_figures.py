@@ -71,6 +71,23 @@ def test_frontier_figure_has_titled_axes_with_units_and_every_point() -> None:
     assert 0 <= legend.y0 and legend.y1 < frame.y0, (legend, frame)
 
 
+def test_where_plans_may_offload_the_figure_draws_both_frontiers() -> None:
+    frontier = dataclasses.replace(
+        FRONTIER,
+        kept_only=[(12 * MiB, 0.095), (15 * MiB, 0.090)],
+        with_offload=[(9 * MiB, 0.097), (12 * MiB, 0.092), (15 * MiB, 0.089)],
+    )
+    (axes,) = frontier_figure(frontier).axes
+    lines = {line.get_label(): line for line in axes.get_lines()}
+    kept = lines["best plan, values kept on the device (predicted)"]
+    offloaded = lines["best plan, with offload to host memory (predicted)"]
+    assert list(kept.get_xdata()) == [12.0, 15.0] and list(kept.get_ydata()) == [95.0, 90.0]
+    assert list(offloaded.get_xdata()) == [9.0, 12.0, 15.0]
+    # Without offload (CPU) neither is drawn.
+    (axes,) = frontier_figure(FRONTIER).axes
+    assert not any("best plan" in line.get_label() for line in axes.get_lines())
+
+
 class Writer:
     def __init__(self) -> None:
         self.texts, self.images = [], []

@@ -7,10 +7,12 @@ stand for host memory there, outside the meter.)"""
 import copy
 import warnings
 
+import pytest
 import torch
 from support import SHORT_SCHEDULE, SMALL, tiny_lm, token_ids
 
 import tapesac_core
+from benchmarks.measure import live_bytes
 from examples.models import DecoderLayer
 from tapesac_core import Controller
 from tapesac_core.control.solving import NO_HOST_MEMORY
@@ -151,6 +153,55 @@ def test_below_must_only_s_peak_a_link_too_slow_is_refused_with_a_clear_message(
     controller.replan(memory_limit=must_only * 96 // 100)
     plan = controller.plan_for(ids.numel())
     assert not plan.offloading() and not plan.offload_refused
+
+
+def test_a_failed_offloading_step_leaves_nothing_behind_and_training_goes_on() -> None:
+    reference, model = _models()
+    ids = token_ids(0, batch=2, seq=128)
+    controller = Controller(model, "1GiB", **(SHORT_SCHEDULE | METERED))
+    controller.solver.link = FAST
+    must_only = _must_only_peak(reference, model, controller, ids)
+    controller.replan(memory_limit=must_only * 105 // 100)
+    assert controller.plan_for(ids.numel()).offloading()
+    _bitwise_step(reference, model, controller, ids, 0)  # the pool's buffers made
+    before = live_bytes(torch.device("cpu"))
+
+    def fail(*_):
+        raise RuntimeError("a hook failed")
+
+    for where in ("forward", "backward"):
+        hook = (
+            model.layers[2].register_forward_hook(fail)
+            if where == "forward"
+            else model.layers[1].register_full_backward_hook(fail)
+        )
+        with pytest.raises(RuntimeError, match="a hook failed"):
+            with controller.step(tokens=ids.numel()):
+                model.loss(ids).backward()
+        hook.remove()
+        model.zero_grad(set_to_none=True)
+        assert controller._host_pool is not None and controller._host_pool.outstanding == 0
+        assert live_bytes(torch.device("cpu")) == before, where
+    report = _bitwise_step(reference, model, controller, ids, 1)
+    assert report.mode == PLANNED and report.offloaded_bytes > 0
+
+
+def test_the_step_frontier_with_offload_reaches_lower_peaks_than_without() -> None:
+    reference, model = _models(layers=6)
+    ids = token_ids(0, batch=2, seq=512)
+    controller = Controller(model, "1GiB", **(SHORT_SCHEDULE | METERED))
+    controller.solver.link = FAST
+    must_only = _must_only_peak(reference, model, controller, ids)
+    controller.replan(memory_limit=must_only * 105 // 100)
+    plan = controller.plan_for(ids.numel())
+    frontier = controller.step_frontier(controller.buckets.key({"DecoderLayer": ids.numel()}))
+    assert frontier.kept_only and frontier.with_offload
+    lowest = min(p for p, _ in frontier.with_offload)
+    assert lowest < min(p for p, _ in frontier.kept_only) and lowest < must_only
+    # Each curve is a frontier: slower only where it needs less memory.
+    for curve in (frontier.kept_only, frontier.with_offload):
+        assert all(a[0] < b[0] and a[1] > b[1] for a, b in zip(curve, curve[1:]))
+    assert plan.predicted_peak <= plan.capacity
 
 
 def test_only_the_blocks_the_plan_names_offload() -> None:

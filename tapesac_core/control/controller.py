@@ -61,7 +61,7 @@ from .repricing import TorchCheckpointPricing
 from .saved_state import check_model, saved_plans, saved_state
 from .schedule import StepSchedule
 from .solving import BucketSolver
-from .step_frontier import StepFrontier, step_frontier
+from .step_frontier import StepFrontier, offload_frontiers, step_frontier
 from .step_report import CONTROL, FULL, PLANNED, PROFILE, SAMPLE, WARMUP, Bucket, StepReport
 from .token_buckets import TokenBuckets
 
@@ -196,10 +196,22 @@ class Controller:
         return self.solver.peak_at(plan, tokens, self.memory) + self.memory.static_growth
 
     def step_frontier(self, key: Bucket) -> StepFrontier:
-        """Bucket ``key``'s predicted frontier of whole steps, with its plan on it (for plots)."""
+        """Bucket ``key``'s predicted frontier of whole steps, with its plan on it (for plots);
+        where plans may offload, the frontiers with and without offload beside each other."""
         edges, plan = self.buckets.edges(key), self.plans[key]
         seconds = self.solver.must_only_seconds(key, edges)
-        return step_frontier(plan, self.profiles, edges, seconds, self.config)
+        frontier = step_frontier(plan, self.profiles, edges, seconds, self.config)
+        link = self.solver.link
+        if link is None or plan.memory_model != "peak":
+            return frontier
+        kept, offloaded = offload_frontiers(
+            plan,
+            lambda capacity, over: self.solver.at_capacity(
+                key, capacity, self.memory, self.budget, over is not None
+            ),
+            link,
+        )
+        return dataclasses.replace(frontier, kept_only=kept, with_offload=offloaded)
 
     # ------------------------------------------------------------------ one step
 

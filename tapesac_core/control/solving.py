@@ -92,25 +92,10 @@ class BucketSolver:
         from a must-only step peak of ``base`` (``previous``: see ``plan``)."""
         if self.on_cpu:
             self.profiling.calibrate(edges)
-        profiles = self.profiling.of(edges)
-        must_only_seconds = self.must_only_seconds(key, edges)
         if not self._link_measured:
             self.link, self._link_measured = measure_link(self.device), True
             self.host_room = budget.config.parsed_offload_host_limit.of(physical_memory()[1])
-        plan = solve_plan(
-            profiles,
-            edges,
-            model=self.model_key.regions,
-            capacity=capacity,
-            base=base,
-            must_only_step_time=must_only_seconds,
-            config=budget.config,
-            timeline=memory.timeline(self.buckets.primary(edges)),
-            torch_checkpoint_gains=self.pricing.gains(key, profiles, edges, must_only_seconds),
-            previous=previous,
-            link=self.link,
-            host_room=self.host_room,
-        )
+        plan = self._solved(key, edges, capacity, base, memory, budget, previous, self.link)
         # Under the peak-aware model a must-only peak above the capacity is not the end: saving
         # removes replay temporaries, so only a plan predicted above it means nothing fits.
         if plan.predicted_peak > capacity:
@@ -121,6 +106,45 @@ class BucketSolver:
             NO_HOST_MEMORY if self.link is None and self.on_cpu else None,
         )
         return replace(plan, notes=(*plan.notes, *(n for n in notes if n is not None)))
+
+    def at_capacity(
+        self, key: Bucket, capacity: int, memory: MemoryModel, budget: MemoryBudget, link: bool
+    ) -> Plan:
+        """Bucket ``key``'s best plan at ``capacity`` (``link``: offloading over the measured
+        link), nothing said or kept: a point of its frontier, for plots."""
+        edges = self.buckets.edges(key)
+        base = memory.base(self.buckets.primary(edges))
+        over = self.link if link else None
+        return self._solved(key, edges, capacity, base, memory, budget, None, over)
+
+    def _solved(
+        self,
+        key: Bucket,
+        edges: dict[str, int],
+        capacity: int,
+        base: int,
+        memory: MemoryModel,
+        budget: MemoryBudget,
+        previous: Plan | None,
+        link: Link | None,
+    ) -> Plan:
+        """``solve_plan`` on the bucket's profiles, times and memory timeline."""
+        profiles = self.profiling.of(edges)
+        must_only_seconds = self.must_only_seconds(key, edges)
+        return solve_plan(
+            profiles,
+            edges,
+            model=self.model_key.regions,
+            capacity=capacity,
+            base=base,
+            must_only_step_time=must_only_seconds,
+            config=budget.config,
+            timeline=memory.timeline(self.buckets.primary(edges)),
+            torch_checkpoint_gains=self.pricing.gains(key, profiles, edges, must_only_seconds),
+            previous=previous,
+            link=link,
+            host_room=self.host_room,
+        )
 
     def must_only_seconds(self, key: Bucket, edges: dict[str, int]) -> float:
         """The modelled must-only step seconds of bucket ``key`` at ``edges``."""

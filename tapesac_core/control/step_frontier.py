@@ -3,11 +3,13 @@ region's frontier, with the chosen plan, must-only and full recomputation."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..config import TapeSACConfig
 from ..measure.step_time import StepTime
+from ..plan.offload_choice import Link
 from ..plan.plan import Plan
 from .profile import RegionProfile
 from .solve import full_recompute_extra, modelled_replay
@@ -25,6 +27,10 @@ class StepFrontier:
     chosen: Point  # the plan, at its memory model's predicted peak
     peak_at: str  # where in the step the chosen plan's peak falls ("" when not modelled)
     capacity: int
+    # Where plans may offload: the best plan's predicted (peak, seconds) at capacities across
+    # the chosen plan's, with values kept on the device only and with offload (empty: none).
+    kept_only: list[Point] = dataclasses.field(default_factory=list)
+    with_offload: list[Point] = dataclasses.field(default_factory=list)
 
 
 def step_frontier(
@@ -61,3 +67,38 @@ def step_frontier(
         peak_at=plan.peak_at,
         capacity=plan.capacity,
     )
+
+
+# Capacities the offload frontiers are solved at: shares of the way from the memory a step
+# starts with to the chosen plan's capacity, and beyond it.
+FRONTIER_SHARES = (0.6, 0.8, 0.9, 1.0, 1.2, 1.5)
+
+
+def offload_frontiers(
+    plan: Plan, solve: Callable[[int, Link | None], Plan], link: Link
+) -> tuple[list[Point], list[Point]]:
+    """The best plan's predicted (peak, seconds) at capacities around ``plan``'s, solved by
+    ``solve(capacity, link)`` without the link and with it: the frontier with values kept on
+    the device only, and with offload. A capacity no plan fits adds no point."""
+    seconds = plan.step_time
+    start = plan.static
+
+    def points(over: Link | None) -> list[Point]:
+        out: list[Point] = []
+        for share in FRONTIER_SHARES:
+            capacity = round(start + share * (plan.capacity - start))
+            solved = solve(capacity, over)
+            if solved.predicted_peak <= capacity:
+                out.append((solved.predicted_peak, seconds / solved.predicted_speedup))
+        return _pareto(out)
+
+    return points(None), points(link)
+
+
+def _pareto(points: Sequence[Point]) -> list[Point]:
+    """``points`` by peak, each faster than every one of lower peak."""
+    out: list[Point] = []
+    for peak, seconds in sorted(set(points)):
+        if not out or seconds < out[-1][1]:
+            out.append((peak, seconds))
+    return out

@@ -49,8 +49,9 @@ def frontier_figure(
     frontier: StepFrontier, measured: Sequence[MeasuredPoint] = (), title: str = "TapeSAC plan"
 ) -> Any:
     """Predicted step time against predicted step peak: one curve per region type, the chosen
-    plan, must-only, full recomputation and the capacity; measured steps drawn on top (a
-    measured point without a metered peak sits at its mode's predicted peak)."""
+    plan, must-only, full recomputation and the capacity; where plans may offload, the best
+    plans' frontier with values kept on the device beside the one with offload; measured steps
+    drawn on top (a measured point without a metered peak sits at its mode's predicted peak)."""
     figure, axes = new_axes()
     for region, curve in frontier.curves.items():
         xs, ys = zip(*curve)
@@ -62,6 +63,17 @@ def frontier_figure(
             markersize=3,
             label=f"frontier ({region})",
         )
+    offload_curves = (
+        (frontier.kept_only, "best plan, values kept on the device (predicted)", "tab:green", "-"),
+        (frontier.with_offload, "best plan, with offload to host memory (predicted)", "tab:purple", "--"),
+    )  # fmt: skip
+    for curve, label, color, style in offload_curves:
+        if curve:
+            xs, ys = zip(*curve)
+            axes.plot(
+                np.array(xs) / MiB, np.array(ys) * 1e3, style, marker="^", color=color,
+                markersize=5, label=label,
+            )  # fmt: skip
     marks = (
         ("full", "full recomputation (predicted)", "s", "black"),
         ("must_only", "must-only (predicted)", "o", "tab:blue"),
