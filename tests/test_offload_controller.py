@@ -9,11 +9,12 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from support import SHORT_SCHEDULE, SMALL, tiny_lm, token_ids
 
 import tapesac_core
 from benchmarks.measure import live_bytes
-from examples.models import DecoderLayer
+from examples.models import DecoderLayer, rotary_cos_sin
 from tapesac_core import Controller
 from tapesac_core.control.solving import NO_HOST_MEMORY
 from tapesac_core.control.step_report import PLANNED, PROFILE
@@ -202,6 +203,82 @@ def test_the_step_frontier_with_offload_reaches_lower_peaks_than_without() -> No
     for curve in (frontier.kept_only, frontier.with_offload):
         assert all(a[0] < b[0] and a[1] > b[1] for a, b in zip(curve, curve[1:]))
     assert plan.predicted_peak <= plan.capacity
+
+
+def _loss(model, ids, keep: bool):
+    """The examples' decoder loss, its caller keeping every layer's input until the loss where
+    ``keep`` (as a model returning all hidden states does)."""
+    h = model.embed_tokens(ids)
+    cos, sin = rotary_cos_sin(ids.shape[1], model.config.head_dim, model.config.rope_theta, h)
+    kept = []
+    for layer in model.layers:
+        if keep:
+            kept.append(h)
+        h = layer(h, cos, sin)
+    logits = model.lm_head(model.norm(h))[:, :-1].float()
+    loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    return loss + 0.0 * sum(k.sum() for k in kept) if kept else loss
+
+
+def test_inputs_a_caller_keeps_after_profiling_are_measured_and_plans_solved_again(caplog) -> None:
+    """Profiled with the caller letting go of each layer's input, then kept: the first planned
+    step finds them held outside the blocks, says so once, and the plans after it count on none
+    of them (metered within their prediction)."""
+    _, model = _models(layers=6)
+    ids = token_ids(0, batch=2, seq=512)
+    controller = Controller(model, "1GiB", **(SHORT_SCHEDULE | METERED))
+    controller.solver.link = FAST
+    keep, reports = False, []
+    for step in range(9):
+        if step == 4:
+            must_only = next(r.peak for r in reports if r.mode == PROFILE)
+            controller.replan(memory_limit=must_only * 105 // 100)
+            assert controller.profiles["DecoderLayer"].inputs_alone > 0
+            keep = True
+        with caplog.at_level("INFO", logger="tapesac_core"):
+            with controller.step(tokens=ids.numel()) as report:
+                _loss(model, ids, keep).backward()
+        model.zero_grad(set_to_none=True)
+        reports.append(report)
+    assert controller.profiles["DecoderLayer"].inputs_alone == 0
+    # The step that found them kept was planned counting them gone, and peaked above that.
+    assert reports[4].mode == PLANNED and reports[4].peak > reports[4].predicted_peak
+    said = [r for r in caplog.records if "inputs were still held outside" in r.getMessage()]
+    assert len(said) == 1
+    later = [r for r in reports[5:] if r.mode == PLANNED]
+    assert later and all(r.peak <= r.predicted_peak for r in later), [
+        (r.peak, r.predicted_peak) for r in later
+    ]
+
+
+class ReluLayer(DecoderLayer):
+    """A layer whose last op saves its result for backward, as ``relu(out + identity)`` in a
+    residual network: a plan may keep the block's output, which stays on the device with the
+    next block (nothing copies a storage the block does not hold alone)."""
+
+    def forward(self, h, cos, sin):
+        return torch.relu(super().forward(h, cos, sin))
+
+
+def test_blocks_whose_output_backward_reads_stay_within_the_prediction() -> None:
+    reference = tiny_lm(**dict(SMALL, num_layers=6))
+    for layer in reference.layers:
+        layer.__class__ = ReluLayer
+    model = copy.deepcopy(reference)
+    tapesac_core.checkpoint_modules(model, {ReluLayer})
+    ids = token_ids(0, batch=2, seq=512)
+    controller = Controller(model, "1GiB", **(SHORT_SCHEDULE | METERED))
+    controller.solver.link = FAST
+    must_only = _must_only_peak(reference, model, controller, ids)
+    for share in (96, 103, 110):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # where no plan fits, said once
+            controller.replan(memory_limit=must_only * share // 100)
+        for seed in range(2):
+            report = _bitwise_step(reference, model, controller, ids, seed)
+            assert report.mode == PLANNED and report.peak is not None
+            assert report.peak <= report.predicted_peak, (share, report.peak, report.predicted_peak)
+    assert controller.profiles["ReluLayer"].inputs_alone > 0
 
 
 def test_only_the_blocks_the_plan_names_offload() -> None:

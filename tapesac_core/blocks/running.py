@@ -381,15 +381,16 @@ def _learned_again(
 
 def _next_started(scope: TraceScope) -> None:
     """A block's forward starts: the block before it (its caller has let go of its inputs)
-    offloads what only it holds now, where the step offloads it; on profiling steps, the bytes
-    it could offload of its inputs are measured for the planner (``RegionProfile``)."""
-    if scope.offload is not None:
-        scope.offload.next_started()
-    if scope.time_nodes and scope.blocks:
+    offloads what only it holds now, where the step offloads it. On profiling and offloading
+    steps, the bytes of its inputs it alone held are measured first, for the planner
+    (``RegionProfile.inputs_alone``, checked again on every offloading step)."""
+    if (scope.time_nodes or scope.offload is not None) and scope.blocks:
         previous = scope.blocks[-1]
         block = previous.block() if previous.block is not None else None
         if block is not None and previous.inputs_alone is None:
             previous.inputs_alone = alone_bytes(block, (INPUT,))
+    if scope.offload is not None:
+        scope.offload.next_started()
 
 
 def _plan_key(plan: BlockPlan) -> tuple:

@@ -63,6 +63,7 @@ class MemoryBudget:
         self.total = total
         self._said_unfit = False
         self._said_over_budget = False
+        self._said_inputs_kept = False
         self._said_full_over = False
 
     def limit_bytes(self) -> int:
@@ -210,6 +211,17 @@ class MemoryBudget:
             _offload_refusal(plan, link),
             format_bytes(self.limit_bytes() + missing),
         )
+
+    def say_inputs_kept(self) -> None:
+        """An offloading step found a block's inputs held outside it when the next block
+        started, where profiling had found them the block's alone: said once."""
+        if not self._said_inputs_kept:
+            self._said_inputs_kept = True
+            logger.info(
+                "TapeSAC: a block's inputs were still held outside it when the next block "
+                "started (e.g. the caller keeps every layer's hidden states), so offloading took "
+                "less off the device than profiled; plans are solved again with what was measured"
+            )
 
     def say_over_budget(self, values: int) -> None:
         """``values`` planned values of a step were replayed, not kept: their bytes exceeded what

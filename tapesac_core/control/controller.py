@@ -316,6 +316,9 @@ class Controller:
         # A rank's tapes and replays are of its own batch, not of the agreed (largest) count.
         if mode == PROFILE and self.profiling.take(blocks, report.local_tokens):
             self.plan_cache.forget()
+        if report.offloaded_bytes and self.profiling.held_inputs_less(blocks, report.local_tokens):
+            self.budget.say_inputs_kept()
+            self.plan_cache.forget()
         if reading is not None and mode in (PROFILE, SAMPLE):
             # This rank's memory is that of its own batch: samples carry its own token count.
             self.memory.add(MemorySample.of(reading, tokens=primary, static=static))

@@ -4,6 +4,8 @@ must-only steps measured."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Container, Iterable, Mapping, Sequence
 
 from ..tape.block import BlockTrace
@@ -38,6 +40,22 @@ class Profiling:
             return False
         self.done = 0
         return True
+
+    def held_inputs_less(self, blocks: Iterable[BlockTrace], tokens: Mapping[str, int]) -> bool:
+        """Whether some block of a step (at ``tokens``) alone held fewer bytes of its inputs when
+        the next block started than its region's profile counts on (its caller kept them
+        longer: offloading took less off the device than planned); such a profile now counts
+        on that block's bytes, and every plan must be solved again."""
+        less = False
+        for b in blocks:
+            p = self.profiles.get(b.tape.region)
+            if p is None or b.inputs_alone is None:
+                continue
+            measured = math.floor(b.inputs_alone * p.tokens / tokens[p.region])
+            if measured < p.inputs_alone:
+                self.profiles[p.region] = dataclasses.replace(p, inputs_alone=measured)
+                less = True
+        return less
 
     def outgrown(self, tokens: Mapping[str, int], factor: float) -> bool:
         """Whether some region's count in ``tokens`` exceeds ``factor`` times its reference

@@ -391,7 +391,13 @@ def _peak_choice(
     regions = region_menus(profiles, frontiers, tokens, extras, torch_checkpoint_gains)
     windows = copy_windows(scaled_timeline, profiles, tokens)
     menus = _with_offload(
-        menus_of(scaled_timeline, regions), scaled_timeline, regions, windows, link, host_room
+        menus_of(scaled_timeline, regions),
+        scaled_timeline,
+        profiles,
+        regions,
+        windows,
+        link,
+        host_room,
     )
     biased = menus
     if previous is not None:  # solved again: a change must beat the profiles' noise
@@ -458,23 +464,38 @@ def copy_windows(
     return out
 
 
+def _offloadable_points(profile: RegionProfile, menu: RegionMenu) -> frozenset[int]:
+    """The points of ``menu`` a block may offload: recorded, their sets on no storage of the
+    block's outputs or of values backward takes alive."""
+    graph, tape = menu.graph, profile.tape
+    outside = {graph.value_storage[v] for v in tape.outputs | profile.alive}
+    return frozenset(
+        i
+        for i, saved in enumerate(menu.saved)
+        if menu.kind(i) is BlockKind.TAPE
+        and not any(graph.value_storage[v] in outside for v in saved)
+    )
+
+
 def _with_offload(
     menus: list[list[Option]],
     timeline: Timeline,
+    profiles: Mapping[str, RegionProfile],
     regions: Mapping[str, RegionMenu],
     windows: list[CopyWindow | None],
     link: Link | None,
     host_room: int | None,
 ) -> list[list[Option]]:
     """``menus`` with offloading options after each block's own (``with_offload``), of its
-    recorded points only: a plain block or one under torch's checkpoint has no tape to offload
-    from."""
+    recorded points only (a plain block or one under torch's checkpoint has no tape to offload
+    from) whose sets keep nothing on a storage that stays on the device: the block's outputs'
+    and those backward takes alive (``_offloadable_points``; the mechanism copies only what the block alone
+    holds)."""
+    offloadable = {
+        r: _offloadable_points(profiles[r], m) for r, m in regions.items() if r in profiles
+    }
     recorded = [
-        [
-            o
-            for o in menu
-            if b.region in regions and regions[b.region].kind(o.point) is BlockKind.TAPE
-        ]
+        [o for o in menu if b.region in offloadable and o.point in offloadable[b.region]]
         for menu, b in zip(menus, timeline.blocks)
     ]
     moved = with_offload(recorded, windows, link, host_room)
