@@ -8,10 +8,12 @@ import torch
 from support import assert_bitwise, reference_and_copy, step, token_ids
 
 import tapesac_core
+from examples.models import rotary_cos_sin
 from tapesac_core.errors import TapeSACError
 from tapesac_core.measure.memory import memory_meter
+from tapesac_core.plan.plan import Plan, RegionPlan
 from tapesac_core.tape.host_pool import HostPool
-from tapesac_core.tape.offload import Offload, alone_bytes
+from tapesac_core.tape.offload import Offload, State, alone_bytes
 from tapesac_core.tape.tape import INPUT, OP
 
 # Matrix products' outputs saved (every one of a dense layer, the attention's of a MoE layer,
@@ -104,6 +106,88 @@ def test_a_failed_backward_gives_every_buffer_back() -> None:
         _step(model, ids, 0, Offload(pool))
     handle.remove()
     assert pool.bytes > 0 and pool.outstanding == 0
+
+
+def _offloading(model, ids, flags):
+    """A plan of ``model``'s dense layers saving nothing beyond S0, the blocks of ``flags``
+    offloading."""
+    with tapesac_core.trace() as traces:
+        model.loss(ids)
+    tape = traces[0].tape
+    region = RegionPlan(
+        sequence=tape.fingerprint,
+        blocks=(frozenset(),) * len(flags),
+        tokens=ids.numel(),
+        offloaded=tuple(flags),
+    )
+    return Plan(
+        model=(tape.region,),
+        regions={tape.region: region},
+        capacity=0,
+        base=0,
+        saved_bytes=0,
+        predicted_speedup=1.0,
+        predicted_speedup_vs_full=1.0,
+    )
+
+
+def test_an_offloading_block_after_one_that_keeps_comes_back_at_its_own_backward() -> None:
+    """Blocks 0 and 2 of 4 offload: block 2 comes back as block 3's backward starts, one block
+    ahead, and block 0 at its own first unpack, not with block 2 (the peak model counts it on
+    the host through block 1's backward)."""
+    reference, model = reference_and_copy(moe=False)
+    ids = token_ids(0)
+    plan = _offloading(model, ids, [True, False, True, False])
+    states = {}
+
+    def seen(layer):
+        def hook(*_):
+            states[layer] = [b.offloaded.state if b.offloaded else None for b in blocks]
+
+        return hook
+
+    handles = [model.layers[i].register_full_backward_pre_hook(seen(i)) for i in (1, 0)]
+    pool = HostPool(CPU)
+    offload = Offload(pool, frozenset())  # no region forced: the plan's blocks
+    with tapesac_core.use_plan(plan), tapesac_core.trace(offload=offload) as traces:
+        torch.manual_seed(0)
+        loss = model.loss(ids)
+        blocks = [t.block() for t in traces]
+        assert [b.offloaded is not None for b in blocks] == [True, False, True, False]
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+    for h in handles:
+        h.remove()
+    torch.manual_seed(0)
+    reference.loss(ids).backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(reference.parameters(), grads))
+    # Block 1's backward: block 2 is back (one block ahead), block 0 still on the host.
+    assert states[1][0] is State.ON_HOST and states[1][2] is None
+    assert states[0][0] is State.ON_HOST  # still there as its own backward starts
+    assert pool.outstanding == 0
+
+
+def test_an_input_written_after_its_forward_stays_and_backward_refuses_it() -> None:
+    """The caller writes into a block's input after the block's forward and lets go of it: as
+    without offload, backward refuses the written value (it is not copied to the host)."""
+    _, model = reference_and_copy(moe=False)
+    ids = token_ids(0)
+    layers = model.layers
+
+    def loss():
+        h = model.embed_tokens(ids)
+        cos, sin = rotary_cos_sin(ids.shape[1], model.config.head_dim, model.config.rope_theta, h)
+        for layer in layers:
+            out = layer(h, cos, sin)
+            if layer is layers[1]:
+                h.mul_(2.0)  # written after layer 1's forward, then dropped
+            h = out
+        return model.lm_head(model.norm(h)).float().square().mean()
+
+    with tapesac_core.trace(offload=Offload(HostPool(CPU))):
+        value = loss()
+        with pytest.raises(TapeSACError, match="written in place after its forward"):
+            value.backward()
 
 
 def test_a_backward_after_its_step_ended_is_an_error_naming_the_fix() -> None:

@@ -501,6 +501,12 @@ class Block:
         watched = (self._watched[v][0] for v in vids if v in self._watched)
         return len({id(self.held[v]) for v in vids} | {id(t) for t in watched})
 
+    def written_since_forward(self, vid: int) -> bool:
+        """Whether code after the forward wrote into held value ``vid`` through a tensor the
+        block watches (``watch_writes``): backward will refuse it (``_unwritten``)."""
+        watched = self._watched.get(vid)
+        return watched is not None and watched[0]._version != watched[1]
+
     def let_go(self, vid: int) -> None:
         """Stop holding value ``vid`` (offloaded, ``offload.py``): where the block was its only
         holder, no code can write into it any more, so it is not watched either."""

@@ -20,8 +20,9 @@ bit, which a layout does not carry, stay too. At the block's first unpack in bac
 are back on the device, each
 value a view of its layout, bitwise what was copied; the block before it in forward order (the
 next in backward) starts its copy back then, so one block's copies run ahead of its backward. A
-block whose copy back did not start early (models whose backward does not run in reverse forward
-order) copies at its first unpack. The restored storages are the block's alone: they go with its
+block whose copy back did not start early (the block after it does not offload, or backward does
+not run in reverse forward order) copies at its first unpack. A value written after the forward
+(through the block's input or output) stays: backward refuses it, as without offload. The restored storages are the block's alone: they go with its
 held values. Host buffers return to the pool once copied back, when the block is freed without a
 backward, and, every buffer still out, when the step ends (``close``), a failed step included;
 an unpack after that is an error.
@@ -68,6 +69,8 @@ class Offload:
         self.regions = regions
         self.bytes = 0
         self._blocks: list[OffloadedBlock] = []  # in forward order
+        self._started = 0  # blocks whose forward started in the step, offloading or not
+        self._at: dict[int, OffloadedBlock] = {}  # by the block's position among them
         self._copies: dict[torch.device, _Copies] = {}
 
     def store(self, block: Block, *, planned: bool = False) -> None:
@@ -75,21 +78,25 @@ class Offload:
         offloads (``planned``) or its region is forced."""
         if not planned and self.regions is not None and block.region not in self.regions:
             return
-        record = OffloadedBlock(self, block, len(self._blocks))
+        record = OffloadedBlock(self, block, self._started - 1)
         # Known before any copy: a failed one leaves what was copied restorable and releasable.
         self._blocks.append(record)
+        self._at[record.position] = record
         block.offloaded = record
         weakref.finalize(block, record.release)  # a block freed without its backward
         record.copy_held(block, (OP,))
 
     def next_started(self) -> None:
-        """A block's forward starts: the block stored last offloads what only it holds now, its
-        inputs among them (its caller has let go of them: the next block has its output)."""
-        latest = self._blocks[-1] if self._blocks else None
-        if latest is not None and latest.state is State.ON_HOST:
-            block = latest.block()
+        """A block's forward starts (every block's, offloading or not): the block just before it
+        offloads what only it holds now, its inputs among them (its caller has let go of them:
+        this block has its output). Only that block: the peak model counts an offloading block
+        on the device until the next block's forward is done."""
+        before = self._at.get(self._started - 1)
+        self._started += 1
+        if before is not None and before.state is State.ON_HOST:
+            block = before.block()
             if block is not None:
-                latest.copy_held(block, (OP, INPUT))
+                before.copy_held(block, (OP, INPUT))
 
     def copies(self, device: torch.device) -> _Copies | None:
         """The side stream of ``device``'s copies; None on CPU (copies are synchronous)."""
@@ -99,20 +106,21 @@ class Offload:
             self._copies[device] = _Copies(device)
         return self._copies[device]
 
-    def started_backward(self, index: int) -> None:
-        """The block stored ``index``-th started its backward: the latest block stored before
-        it whose values are still on the host starts its copy back."""
-        for record in reversed(self._blocks[:index]):
-            if record.state is State.ON_HOST:
-                record.copy_back()
-                return
+    def started_backward(self, position: int) -> None:
+        """The block at ``position`` started its backward: the block just before it in forward
+        order, where it offloaded and its values are still on the host, starts its copy back
+        (one block ahead, as the peak model counts it; an offloading block after one that does
+        not offload copies back at its own first unpack)."""
+        record = self._at.get(position - 1)
+        if record is not None and record.state is State.ON_HOST:
+            record.copy_back()
 
     def close(self) -> None:
         """The step ended: every host buffer still out returns to the pool; a later unpack of
         an offloaded value is an error."""
         for record in self._blocks:
             record.release()
-        self._blocks = []
+        self._blocks, self._at = [], {}
 
 
 class State(Enum):
@@ -139,8 +147,8 @@ class OffloadedBlock:
     """What one block offloaded and where it is (``state``); coming back, the device storages
     and the copies' event."""
 
-    def __init__(self, offload: Offload, block: Block, index: int) -> None:
-        self.offload, self.index, self.name = offload, index, block.name
+    def __init__(self, offload: Offload, block: Block, position: int) -> None:
+        self.offload, self.position, self.name = offload, position, block.name
         self.block = weakref.ref(block)  # the block holds its record: no cycle
         self.state = State.ON_HOST
         self._stored: list[_Stored] = []
@@ -211,7 +219,7 @@ class OffloadedBlock:
                 block.held[vid] = view_on(storage, meta)
         block.offloaded = None
         self.state, self._stored, self._back = State.RESTORED, [], []
-        self.offload.started_backward(self.index)
+        self.offload.started_backward(self.position)
 
     def release(self) -> None:
         """The step ended, or the block was freed, before its values were taken back: host
@@ -260,7 +268,12 @@ def _storages(block: Block, kinds: tuple[ValueKind, ...]) -> list[list[int]]:
     values = block.values
     for vid, t in block.held.items():
         key = t.untyped_storage().data_ptr()
-        if values[vid].kind in kinds and not (t.is_conj() or t.is_neg()):
+        # A value written after the forward stays: backward's check of the write must see it.
+        if (
+            values[vid].kind in kinds
+            and not (t.is_conj() or t.is_neg())
+            and not block.written_since_forward(vid)
+        ):
             groups.setdefault(key, []).append(vid)
         else:
             stays.add(key)
