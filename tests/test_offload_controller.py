@@ -66,6 +66,19 @@ def _must_only_peak(reference, model, controller, ids) -> int:
     return peak
 
 
+def _planned_at(share: int, layers: int = 4, seq: int = 128):
+    """The examples' decoder of ``layers`` beside its copy under a controller with a fast link,
+    profiled on 2 x ``seq`` tokens, then at ``share`` percent of its must-only peak:
+    (reference, model, controller, ids, must-only peak)."""
+    reference, model = _models(layers)
+    ids = token_ids(0, batch=2, seq=seq)
+    controller = Controller(model, "1GiB", **(SHORT_SCHEDULE | METERED))
+    controller.solver.link = FAST
+    must_only = _must_only_peak(reference, model, controller, ids)
+    controller.replan(memory_limit=must_only * share // 100)
+    return reference, model, controller, ids, must_only
+
+
 def test_a_plan_offloads_where_that_gains_and_its_steps_are_bitwise_within_the_limit() -> None:
     reference, model = _models()
     ids = token_ids(0, batch=2, seq=128)
@@ -157,12 +170,7 @@ def test_below_must_only_s_peak_a_link_too_slow_is_refused_with_a_clear_message(
 
 
 def test_a_failed_offloading_step_leaves_nothing_behind_and_training_goes_on() -> None:
-    reference, model = _models()
-    ids = token_ids(0, batch=2, seq=128)
-    controller = Controller(model, "1GiB", **(SHORT_SCHEDULE | METERED))
-    controller.solver.link = FAST
-    must_only = _must_only_peak(reference, model, controller, ids)
-    controller.replan(memory_limit=must_only * 105 // 100)
+    reference, model, controller, ids, _ = _planned_at(105)
     assert controller.plan_for(ids.numel()).offloading()
     _bitwise_step(reference, model, controller, ids, 0)  # the pool's buffers made
     before = live_bytes(torch.device("cpu"))
@@ -188,12 +196,7 @@ def test_a_failed_offloading_step_leaves_nothing_behind_and_training_goes_on() -
 
 
 def test_the_step_frontier_with_offload_reaches_lower_peaks_than_without() -> None:
-    reference, model = _models(layers=6)
-    ids = token_ids(0, batch=2, seq=512)
-    controller = Controller(model, "1GiB", **(SHORT_SCHEDULE | METERED))
-    controller.solver.link = FAST
-    must_only = _must_only_peak(reference, model, controller, ids)
-    controller.replan(memory_limit=must_only * 105 // 100)
+    _, _, controller, ids, must_only = _planned_at(105, layers=6, seq=512)
     plan = controller.plan_for(ids.numel())
     frontier = controller.step_frontier(controller.buckets.key({"DecoderLayer": ids.numel()}))
     assert frontier.kept_only and frontier.with_offload
@@ -282,12 +285,7 @@ def test_blocks_whose_output_backward_reads_stay_within_the_prediction() -> None
 
 
 def test_only_the_blocks_the_plan_names_offload() -> None:
-    reference, model = _models()
-    ids = token_ids(0, batch=2, seq=128)
-    controller = Controller(model, "1GiB", **(SHORT_SCHEDULE | METERED))
-    controller.solver.link = FAST
-    must_only = _must_only_peak(reference, model, controller, ids)
-    controller.replan(memory_limit=must_only * 105 // 100)
+    _, model, controller, ids, _ = _planned_at(105)
     offloading = controller.plan_for(ids.numel()).offloading()["DecoderLayer"]
     assert any(offloading) and not all(offloading)
     with controller.step(tokens=ids.numel()) as report:

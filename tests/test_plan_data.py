@@ -285,7 +285,7 @@ def test_a_plan_that_offloads_round_trips_and_explains_what_it_copies() -> None:
     }
     assert not offloading.empty
     explained = offloading.explain()
-    assert "offloads 5.00 MiB a step to host memory; its copies add 1.500 ms" in explained
+    assert "offloads about 5.00 MiB a step to host memory; its copies add 1.500 ms" in explained
     assert "blocks offloaded: [0]" in explained
     # A plan that offloads nothing writes no offload fields: files written before stay the same.
     assert "offload" not in plan.to_json() and not plan.offloading()

@@ -79,9 +79,10 @@ def trace(
     blocks a plan ran plain or under torch.utils.checkpoint. ``record``: every block records,
     none runs from a cached tape (steady state); a tape that differs from the cached one under
     the same signature is said at warning level. Timing, verifying and probing record too.
-    ``offload`` (internal, until plans choose offload): every block copies the values it holds
-    to host memory at the end of its forward (``tapesac_core.tape.offload``); its host buffers
-    go back to their pool when the trace ends.
+    ``offload`` (internal: a controller's steps pass one where their plan offloads): blocks
+    whose plan offloads, and every block of the regions it forces, copy what they hold to host
+    memory after their forward (``tapesac_core.tape.offload``); its host buffers go back to
+    their pool when the trace ends.
     """
     scope = TraceScope(
         time_nodes, one_micro_batch, verify, probe, plain, torch_checkpointed, record, offload

@@ -9,7 +9,8 @@ the peak model takes the block's memory as gone (``peak.near``), so what it cann
 for there too. Each direction has its own bandwidth, measured (``Link``).
 
 What it saves is the peak model's (``peak.Option.away``): away from its segments, the block holds
-nothing on the device, not even what it holds must-only.
+nothing on the device of what it alone holds, not even must-only (its inputs among it once the
+next block has started); what something else holds too stays, and is counted so.
 
 Python, no torch: menus, windows and a link in, menus out.
 """
@@ -42,9 +43,9 @@ class Link:
 
 @dataclass(frozen=True, kw_only=True)
 class CopyWindow:
-    """What surrounds one block's copies: the bytes it holds must-only (S0, beyond its inputs and
-    parameters) and the seconds of the next block's forward and backward window, which hide
-    its copy out and its copy back."""
+    """What surrounds one block's copies: the bytes offloading takes off it must-only (its S0
+    and inputs that it alone holds, ``RegionProfile.offloaded_bytes``) and the seconds of the
+    next block's forward and backward window, which hide its copy out and its copy back."""
 
     held: int
     next_forward: float

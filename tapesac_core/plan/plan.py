@@ -310,8 +310,9 @@ class Plan:
             )
         if self.offloaded_bytes:
             lines.append(
-                f"offloads {format_bytes(self.offloaded_bytes)} a step to host memory; its copies "
-                f"add {self.copy_time * 1e3:.3f} ms after overlap with compute (modelled)"
+                f"offloads about {format_bytes(self.offloaded_bytes)} a step to host memory; its "
+                f"copies add {self.copy_time * 1e3:.3f} ms after overlap with compute (both "
+                "modelled; tapesac/offloaded_bytes is what a step copied)"
             )
         for region, p in sorted(self.regions.items()):
             offloaded = [str(i) for i, o in enumerate(p.offloaded) if o]
