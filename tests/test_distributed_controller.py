@@ -1,6 +1,6 @@
 """Two ranks (gloo) with different token counts and capacities end every step with one plan.
 
-The four scenarios run one after another on one pair of processes (starting a pair costs about
+The scenarios run one after another on one pair of processes (starting a pair costs about
 10 s): a module-scoped fixture spawns them once, and each test checks its own scenario's results.
 """
 
@@ -253,11 +253,47 @@ def _torch_checkpoint_scenario(rank: int) -> dict:
 
 # In this order: the scenario metering live tensors to 2% first, in a fresh process, and the
 # one that ends in an error on every rank last.
+def _solve_again_scenario(rank: int) -> dict:
+    """Rank 1 alone finds its profiles changed after a step (as an offloading step that finds a
+    block's inputs kept by the caller does): every rank solves again at the next step."""
+    model = _rank_model()
+    meter = RankMeter(BASE[0])
+    controller = Controller(model, LIMIT, meter=meter, margin=0.0, **SHORT_SCHEDULE)
+    solves = []
+    solve = controller.solver.plan
+
+    def counted(*args, **kwargs):
+        solves.append(controller.steps)
+        return solve(*args, **kwargs)
+
+    controller.solver.plan = counted
+    modes = []
+    for i in range(6):
+        ids = token_ids(32, batch=2, seq=32)
+        meter.tokens = ids.numel()
+        with controller.step(tokens=ids.numel()) as report:
+            model.loss(ids).backward()
+        model.zero_grad(set_to_none=True)
+        modes.append(report.mode)
+        if (rank, i) == (1, 3):
+            controller._solve_again = True
+    return {"modes": modes, "solves": solves}
+
+
+@pytest.mark.slow
+@pytest.mark.launch
+def test_a_solve_again_one_rank_asks_for_is_every_rank_s(scenarios) -> None:
+    ranks = results(scenarios, "again")
+    assert ranks[0] == ranks[1]  # the same steps, both solved at step 4: nothing waits alone
+    assert ranks[0]["solves"] == [3, 4]
+
+
 SCENARIOS = {
     "longer": _longer_rank_scenario,
     "ckpt": _torch_checkpoint_scenario,
     "agree": _agree_scenario,
     "flags": _flags_scenario,
+    "again": _solve_again_scenario,
 }
 
 

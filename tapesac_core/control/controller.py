@@ -128,6 +128,7 @@ class Controller:
             self.device,
         )
         self._reprofile = False  # measured speedups disagree with the model: profile again
+        self._solve_again = False  # this rank's profiles changed: plans solved again (agreed)
         self._pending = Correction()  # asked by this rank's last metered step; agreed at the next
         self._open: OpenStep | None = None  # the step between begin_step and end_step
         # Host buffers of offloading plans, reused from step to step (made at the first).
@@ -318,7 +319,7 @@ class Controller:
             self.plan_cache.forget()
         if report.offloaded_bytes and self.profiling.held_inputs_less(blocks, report.local_tokens):
             self.budget.say_inputs_kept()
-            self.plan_cache.forget()
+            self._solve_again = True
         if reading is not None and mode in (PROFILE, SAMPLE):
             # This rank's memory is that of its own batch: samples carry its own token count.
             self.memory.add(MemorySample.of(reading, tokens=primary, static=static))
@@ -379,11 +380,11 @@ class Controller:
         if needs_profile and not self.profiling.done:
             self.profiling.profiles = {}
         agreed = self.ranks.step_agreement(
-            needs_profile or self.profiling.done > 0, needs_sample, self._pending
+            needs_profile or self.profiling.done > 0, needs_sample, self._pending, self._solve_again
         )
-        self._pending = Correction()
-        # Every rank solves again if any rank's memory changed: solving takes all of them.
-        if self.budget.apply(agreed.correction, self.memory) or agreed.moved:
+        self._pending, self._solve_again = Correction(), False
+        # Every rank solves again if any rank's memory or profiles changed: solving takes all.
+        if self.budget.apply(agreed.correction, self.memory) or agreed.moved or agreed.solve_again:
             self.plan_cache.forget()
         if agreed.profile:
             self._reprofile = False

@@ -17,13 +17,14 @@ from .plan_cache import ModelKey
 
 class StepAgreement(NamedTuple):
     """What every rank runs a step with: whether it profiles and whether it samples memory (any
-    rank's need), the memory correction to apply and whether any rank's memory outside the blocks
-    moved."""
+    rank's need), the memory correction to apply, whether any rank's memory outside the blocks
+    moved, and whether any rank's profiles changed since the plans were solved."""
 
     profile: bool
     sample: bool
     correction: Correction
     moved: bool
+    solve_again: bool = False
 
 
 class RankAgreement:
@@ -61,22 +62,26 @@ class RankAgreement:
         """The smallest value of ``number`` over the ranks."""
         return -self.largest([-number])[0]
 
-    def step_agreement(self, profile: bool, sample: bool, pending: Correction) -> StepAgreement:
+    def step_agreement(
+        self, profile: bool, sample: bool, pending: Correction, solve_again: bool = False
+    ) -> StepAgreement:
         """Whether a step profiles and samples memory (``profile``, ``sample``: this rank's
         need), and the correction ``pending`` (what this rank's last metered step asked) with
-        the largest fragmentation and model error any rank's asked."""
-        profiled, sampled, fragmentation, model_error, moved = self.largest(
+        the largest fragmentation and model error any rank's asked; whether plans are solved
+        again (``solve_again``: this rank's profiles changed), any rank's need."""
+        profiled, sampled, fragmentation, model_error, moved, again = self.largest(
             [
                 int(profile),
                 int(sample),
                 pending.fragmentation,
                 pending.model_error,
                 int(pending.outside_growth is not None),
+                int(solve_again),
             ]
         )
         # The largest any rank asked; the memory outside the blocks stays this rank's own.
         agreed = dataclasses.replace(pending, fragmentation=fragmentation, model_error=model_error)
-        return StepAgreement(bool(profiled), bool(sampled), agreed, bool(moved))
+        return StepAgreement(bool(profiled), bool(sampled), agreed, bool(moved), bool(again))
 
     def plan_of_rank_0(self, solve: Callable[[], Plan], model: ModelKey) -> Plan:
         """Rank 0 solves; every rank gets the plan it broadcasts. A failure on rank 0 is raised on
