@@ -446,6 +446,8 @@ def copy_windows(
     copy out and, a lower bound on that block's backward window, for its copy back; and the
     bytes the block holds must-only that offloading takes off (``offloaded_bytes``). None for
     the last block and blocks of no profiled region."""
+    held = {r: p.offloaded_bytes(tokens[r]) for r, p in profiles.items()}
+    seconds = {r: p.forward_seconds(tokens[r]) for r, p in profiles.items()}
     blocks = timeline.blocks
     out: list[CopyWindow | None] = []
     for i, b in enumerate(blocks):
@@ -453,12 +455,9 @@ def copy_windows(
         if b.region not in profiles or after not in profiles:
             out.append(None)
             continue
-        seconds = profiles[after].forward_seconds(tokens[after])
         out.append(
             CopyWindow(
-                held=profiles[b.region].offloaded_bytes(tokens[b.region]),
-                next_forward=seconds,
-                next_backward=seconds,
+                held=held[b.region], next_forward=seconds[after], next_backward=seconds[after]
             )
         )
     return out

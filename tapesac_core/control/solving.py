@@ -56,7 +56,6 @@ class BucketSolver:
         # take); None on CPU, where nothing offloads.
         self.link: Link | None = None
         self.host_room: int | None = None
-        self._link_measured = self.on_cpu
 
     def plan(
         self,
@@ -92,8 +91,8 @@ class BucketSolver:
         from a must-only step peak of ``base`` (``previous``: see ``plan``)."""
         if self.on_cpu:
             self.profiling.calibrate(edges)
-        if not self._link_measured:
-            self.link, self._link_measured = measure_link(self.device), True
+        if self.link is None and not self.on_cpu:
+            self.link = measure_link(self.device)
             self.host_room = budget.config.parsed_offload_host_limit.of(physical_memory()[1])
         plan = self._solved(key, edges, capacity, base, memory, budget, previous, self.link)
         # Under the peak-aware model a must-only peak above the capacity is not the end: saving

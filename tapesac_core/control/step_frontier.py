@@ -4,13 +4,15 @@ region's frontier, with the chosen plan, must-only and full recomputation."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..config import TapeSACConfig
 from ..measure.step_time import StepTime
 from ..plan.offload_choice import Link
 from ..plan.plan import Plan
+from ..plan.points import Point as SetPoint
+from ..plan.points import pareto
 from .profile import RegionProfile
 from .solve import full_recompute_extra, modelled_replay
 
@@ -90,15 +92,10 @@ def offload_frontiers(
             solved = solve(capacity, over)
             if solved.predicted_peak <= capacity:
                 out.append((solved.predicted_peak, seconds / solved.predicted_speedup))
-        return _pareto(out)
+        # By peak, each faster than every one of lower peak (``pareto`` of save sets).
+        front: list[SetPoint[str]] = pareto(
+            SetPoint(bytes=b, time=t, saved=frozenset()) for b, t in out
+        )
+        return [(p.bytes, p.time) for p in front]
 
     return points(None), points(link)
-
-
-def _pareto(points: Sequence[Point]) -> list[Point]:
-    """``points`` by peak, each faster than every one of lower peak."""
-    out: list[Point] = []
-    for peak, seconds in sorted(set(points)):
-        if not out or seconds < out[-1][1]:
-            out.append((peak, seconds))
-    return out

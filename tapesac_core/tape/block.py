@@ -540,7 +540,7 @@ class Block:
         make: then a TapeSACError naming the fix, as autograd raises for the tensors it saves
         itself."""
         watched = self._watched.get(vid)
-        if watched is not None and watched[0]._version != watched[1]:
+        if watched is not None and self.written_since_forward(vid):
             seen, version = watched
             shown = f"{tuple(seen.shape)} {seen.dtype}"
             kind = self.values[vid].kind
