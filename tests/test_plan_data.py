@@ -287,6 +287,8 @@ def test_a_plan_that_offloads_round_trips_and_explains_what_it_copies() -> None:
     explained = offloading.explain()
     assert "offloads about 5.00 MiB a step to host memory; its copies add 1.500 ms" in explained
     assert "blocks offloaded: [0]" in explained
+    assert "MiB more (offloads about 5.00 MiB to host memory); predicted" in explained
+    assert "offloads" not in plan.explain()
     # A plan that offloads nothing writes no offload fields: files written before stay the same.
     assert "offload" not in plan.to_json() and not plan.offloading()
 

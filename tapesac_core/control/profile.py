@@ -53,9 +53,11 @@ class RegionProfile:
     # Values of the reference tape whose storage bytes differed between blocks that ran its op
     # sequence in one profiling step (same tokens): sized by the data (``_varied``).
     varied: frozenset[int] = frozenset()
-    # Bytes of a block's inputs that it alone held once the next block started, the least over
-    # the region's blocks measured (``BlockTrace.inputs_alone``; 0: none measured).
-    inputs_alone: int = 0
+    # Per block of the region, in forward order, the bytes of its inputs it alone held once the
+    # next block started (``BlockTrace.inputs_alone``): a caller may keep one block's input
+    # (Hugging Face models keep the first layer's, the embeddings) and not the others'. A block
+    # past the tuple, or not measured, counts 0.
+    inputs_alone: tuple[int, ...] = ()
 
     @property
     def forward_overhead(self) -> float:
@@ -158,13 +160,22 @@ class RegionProfile:
 
         return point
 
-    def offloaded_bytes(self, tokens: int) -> int:
-        """What offloading takes off the device of a must-only block at ``tokens``: S0's
-        storages that ops made, less those of the block's outputs and of values a must-only
-        backward found alive (``alive``), which stay on the device (``tape/offload.py`` copies
-        only storages nothing outside the block holds), scaled as ``bytes_at`` scales; and its
-        inputs it alone held when the next block started, as measured (``inputs_alone``), scaled
-        with tokens. Rounded down: a lower bound, as the peak model needs (it takes them off)."""
+    def offloaded_bytes(self, tokens: int, position: int) -> int:
+        """What offloading takes off the device of the region's ``position``-th must-only block
+        (in forward order) at ``tokens``: S0's storages that ops made, less those of the block's
+        outputs and of values a must-only backward found alive (``alive``), which stay on the
+        device (``tape/offload.py`` copies only storages nothing outside the block holds),
+        scaled as ``bytes_at`` scales; and its inputs it alone held when the next block started,
+        as measured (``inputs_alone``), scaled with tokens. Rounded down: a lower bound, as the
+        peak model needs (it takes them off)."""
+        alone = self.inputs_alone[position] if position < len(self.inputs_alone) else 0
+        fixed, grows = self._held_made
+        return fixed + math.floor((grows + alone) * tokens / self.tokens)
+
+    @functools.cached_property
+    def _held_made(self) -> tuple[int, int]:
+        """The bytes of S0's storages ops made that offloading takes off (see
+        ``offloaded_bytes``): those independent of tokens, and the others."""
         tape = self.tape
         outside = {tape.values[v].sid for v in tape.outputs | self.alive}
         held = {
@@ -173,8 +184,7 @@ class RegionProfile:
             if tape.values[v].kind is OP and tape.values[v].sid not in outside
         }
         fixed = tape.bytes_of(held & tape.token_independent)
-        grows = tape.bytes_of(held) - fixed + self.inputs_alone
-        return fixed + math.floor(grows * tokens / self.tokens)
+        return fixed, tape.bytes_of(held) - fixed
 
     def forward_seconds(self, tokens: int) -> float:
         """A block's forward as profiled (its ops' times), at ``tokens``."""
@@ -270,9 +280,7 @@ def region_profiles(
             alive=frozenset(reference.alive_taken),
             replay_spread=_spread(replayed),
             varied=_varied([b.tape for b in same]),
-            inputs_alone=min(
-                (b.inputs_alone for b in traces if b.inputs_alone is not None), default=0
-            ),
+            inputs_alone=tuple(b.inputs_alone or 0 for b in traces),
         )
     return profiles
 

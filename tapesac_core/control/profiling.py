@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Container, Iterable, Mapping, Sequence
 
 from ..tape.block import BlockTrace
@@ -47,13 +48,19 @@ class Profiling:
         longer: offloading took less off the device than planned); such a profile now counts
         on that block's bytes, and every plan must be solved again."""
         less = False
+        positions: Counter[str] = Counter()
         for b in blocks:
-            p = self.profiles.get(b.tape.region)
-            if p is None or b.inputs_alone is None:
+            region = b.tape.region
+            position = positions[region]
+            positions[region] += 1
+            p = self.profiles.get(region)
+            if p is None or b.inputs_alone is None or position >= len(p.inputs_alone):
                 continue
-            measured = math.floor(b.inputs_alone * p.tokens / tokens[p.region])
-            if measured < p.inputs_alone:
-                self.profiles[p.region] = dataclasses.replace(p, inputs_alone=measured)
+            measured = math.floor(b.inputs_alone * p.tokens / tokens[region])
+            if measured < p.inputs_alone[position]:
+                alone = list(p.inputs_alone)
+                alone[position] = measured
+                self.profiles[region] = dataclasses.replace(p, inputs_alone=tuple(alone))
                 less = True
         return less
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -446,20 +447,19 @@ def copy_windows(
     copy out and, a lower bound on that block's backward window, for its copy back; and the
     bytes the block holds must-only that offloading takes off (``offloaded_bytes``). None for
     the last block and blocks of no profiled region."""
-    held = {r: p.offloaded_bytes(tokens[r]) for r, p in profiles.items()}
     seconds = {r: p.forward_seconds(tokens[r]) for r, p in profiles.items()}
     blocks = timeline.blocks
+    positions: Counter[str] = Counter()  # each block's place in its region, forward order
     out: list[CopyWindow | None] = []
     for i, b in enumerate(blocks):
+        position = positions[b.region]
+        positions[b.region] += 1
         after = blocks[i + 1].region if i + 1 < len(blocks) else ""
         if b.region not in profiles or after not in profiles:
             out.append(None)
             continue
-        out.append(
-            CopyWindow(
-                held=held[b.region], next_forward=seconds[after], next_backward=seconds[after]
-            )
-        )
+        held = profiles[b.region].offloaded_bytes(tokens[b.region], position)
+        out.append(CopyWindow(held=held, next_forward=seconds[after], next_backward=seconds[after]))
     return out
 
 

@@ -287,10 +287,16 @@ class Plan:
             if self.step_time > 0
             else ""
         )
+        # Offloaded blocks' saved values count among those saved, on the host between copies.
+        offloads = (
+            f" (offloads about {format_bytes(self.offloaded_bytes)} to host memory)"
+            if self.offloaded_bytes
+            else ""
+        )
         lines = [
             f"TapeSAC plan for up to {tokens} tokens: capacity {format_bytes(self.capacity)}, "
             f"must-only peak {format_bytes(self.base)}, saves {format_bytes(self.saved_bytes)} "
-            f"more; predicted speedup {self.predicted_speedup:.3f}x vs must-only, "
+            f"more{offloads}; predicted speedup {self.predicted_speedup:.3f}x vs must-only, "
             f"{self.predicted_speedup_vs_full:.3f}x vs full recomputation{measured}{model}"
         ]
         if self.predicted_peak:
