@@ -188,6 +188,9 @@ class Block:
         # What the step's ``Offload`` copied to host memory (``offload.py``): back at the first
         # unpack.
         self.offloaded: OffloadedBlock | None = None
+        # A block of such a step that keeps its values tells the ``Offload`` at its first unpack
+        # instead: the block before it starts its copy back then, one block ahead.
+        self.backward_started: Callable[[], None] | None = None
         # Per held value on a storage the block's outputs or inputs are on, or read from
         # outside, one of those tensors and its version at the end of forward
         # (``watch_writes``), checked as backward reads the value.
@@ -569,6 +572,9 @@ class Block:
         gid = graph_task_id()
         if self.offloaded is not None:
             self.offloaded.restore(self)
+        elif self.backward_started is not None:
+            started, self.backward_started = self.backward_started, None
+            started()
         if self.recompute is not None:
             return self.recompute.take(handle, self)
         if self._droppable:

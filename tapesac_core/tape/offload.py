@@ -20,8 +20,10 @@ bit, which a layout does not carry, stay too. At the block's first unpack in bac
 are back on the device, each
 value a view of its layout, bitwise what was copied; the block before it in forward order (the
 next in backward) starts its copy back then, so one block's copies run ahead of its backward. A
-block whose copy back did not start early (the block after it does not offload, or backward does
-not run in reverse forward order) copies at its first unpack. A value written after the forward
+block that keeps its values tells the step at its first unpack all the same (``store``), so the
+block before it starts its copy back then too. A block whose copy back did not start early (the
+block after it ran plain or under torch's checkpoint, or backward does not run in reverse forward
+order) copies at its own first unpack. A value written after the forward
 (through the block's input or output) stays: backward refuses it, as without offload. The restored storages are the block's alone: they go with its
 held values. Host buffers return to the pool once copied back, when the block is freed without a
 backward, and, every buffer still out, when the step ends (``close``), a failed step included;
@@ -40,6 +42,7 @@ mechanism runs, and is tested, there; plans on CPU will never offload).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from enum import Enum
@@ -75,8 +78,10 @@ class Offload:
 
     def store(self, block: Block, *, planned: bool = False) -> None:
         """End of ``block``'s forward: offload the values it holds that ops made, where its plan
-        offloads (``planned``) or its region is forced."""
+        offloads (``planned``) or its region is forced; elsewhere its first unpack starts the
+        copy back of the block before it."""
         if not planned and self.regions is not None and block.region not in self.regions:
+            block.backward_started = functools.partial(self.started_backward, self._started - 1)
             return
         record = OffloadedBlock(self, block, self._started - 1)
         # Known before any copy: a failed one leaves what was copied restorable and releasable.
@@ -107,10 +112,9 @@ class Offload:
         return self._copies[device]
 
     def started_backward(self, position: int) -> None:
-        """The block at ``position`` started its backward: the block just before it in forward
-        order, where it offloaded and its values are still on the host, starts its copy back
-        (one block ahead, as the peak model counts it; an offloading block after one that does
-        not offload copies back at its own first unpack)."""
+        """The block at ``position`` started its backward (its first unpack), offloading or not:
+        the block just before it in forward order, where it offloaded and its values are still
+        on the host, starts its copy back (one block ahead, as the peak model counts it)."""
         record = self._at.get(position - 1)
         if record is not None and record.state is State.ON_HOST:
             record.copy_back()
