@@ -12,9 +12,14 @@ from support import SHORT_SCHEDULE, WIDE, assert_bitwise, reference_and_copy, st
 from torch.utils._pytree import tree_flatten
 
 import tapesac_core
+from benchmarks.host_overhead import SIZE, TinyOps
 from examples.models import DecoderLM
 from tapesac_core import TORCH_CHECKPOINT
-from tapesac_core.control.solve import torch_checkpoint_gains, torch_checkpoint_peak
+from tapesac_core.control.solve import (
+    full_faster_notes,
+    torch_checkpoint_gains,
+    torch_checkpoint_peak,
+)
 from tapesac_core.plan.plan import BlockKind
 from tapesac_core.units import KiB
 
@@ -237,3 +242,32 @@ def test_a_plan_is_solved_again_once_twice_the_full_checkpointing_steps_are_meas
     assert report.plan is controller.plans[key] is second
     torch.manual_seed(20)
     assert_bitwise(step(reference, lambda: reference.loss(ids)), got)
+
+
+def test_explain_says_where_full_recomputation_is_predicted_faster_and_the_option_is_off() -> None:
+    """Beyond the band predictions are trusted within, explain() names the option that lets
+    plans run blocks under torch's checkpoint, with its risk; not within it, nor when it is on."""
+    config = tapesac_core.TapeSACConfig(memory_limit=0.9, speedup_band=0.15)
+    (note,) = full_faster_notes(0.7, config)
+    assert "predicted 1.43x faster than this plan" in note
+    assert "torch_checkpoint_blocks=True" in note and "side effects" in note
+    assert full_faster_notes(0.86, config) == ()
+    on = dataclasses.replace(config, torch_checkpoint_blocks=True)
+    assert full_faster_notes(0.7, on) == ()
+
+
+def test_a_host_bound_stack_at_must_only_says_full_recomputation_is_predicted_faster() -> None:
+    """Blocks of 200 ops on 16 elements: the host's work per op is all there is, and checking
+    each steady-state call costs more of it than torch's checkpoint spends (the option is off)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(TinyOps() for _ in range(4)))
+    tapesac_core.checkpoint_modules(model, {TinyOps})
+    x = torch.randn(SIZE, requires_grad=True)
+    controller = tapesac_core.Controller(model, 0.0, **SHORT_SCHEDULE)
+    report = None
+    while report is None or report.mode != "planned":
+        with controller.step(tokens=SIZE) as report:
+            model(x).sum().backward()
+    plan = report.plan
+    assert plan is not None and plan.predicted_speedup_vs_full < 0.85, plan.explain()
+    assert "torch_checkpoint_blocks=True lets plans run blocks under it" in plan.explain()

@@ -182,7 +182,10 @@ def solve_plan(
     full = full_recompute_extra(profiles, tokens)
     step = StepTime.of_step(must_only_step_time, modelled_replay(profiles, tokens))
     planned_time = step.planned(gain)
-    notes = _capacity_notes(base, capacity, predicted, saved_bytes)
+    speedup_vs_full = (step.must_only + full) / planned_time
+    notes = _capacity_notes(base, capacity, predicted, saved_bytes) + full_faster_notes(
+        speedup_vs_full, config
+    )
     return Plan(
         model=model,
         regions=regions,
@@ -190,7 +193,7 @@ def solve_plan(
         base=base,
         saved_bytes=saved_bytes,
         predicted_speedup=step.speedup(gain),
-        predicted_speedup_vs_full=(step.must_only + full) / planned_time,
+        predicted_speedup_vs_full=speedup_vs_full,
         notes=notes,
         step_time=step.must_only,
         replay_time=step.replay,
@@ -221,6 +224,22 @@ def _capacity_notes(base: int, capacity: int, predicted: int, saved: int) -> tup
         )
     return (
         f"{head}: this plan fits, its saved values remove more replay temporaries than they keep",
+    )
+
+
+def full_faster_notes(speedup_vs_full: float, config: TapeSACConfig) -> tuple[str, ...]:
+    """What explain() says where full recomputation under torch's checkpoint is predicted
+    faster than the plan, beyond the band predictions are trusted within (``speedup_band``),
+    and plans may not run blocks so: how to let them, and at what risk."""
+    if config.torch_checkpoint_blocks or speedup_vs_full >= 1 - config.speedup_band:
+        return ()
+    return (
+        f"torch.utils.checkpoint on every block (full recomputation) is predicted "
+        f"{1 / speedup_vs_full:.2f}x faster than this plan: checking each steady-state call's "
+        "ops, or recording them, costs host time per op that torch's checkpoint does not. "
+        "torch_checkpoint_blocks=True lets plans run blocks under it where measured faster "
+        "and within the capacity (it runs a block's forward again in backward: a forward with "
+        "side effects gets other gradients, docs/how-it-works.md)",
     )
 
 
