@@ -3,6 +3,8 @@ end of its forward and back at its backward, forced by ``trace(offload=...)`` (p
 in ``test_offload_controller.py``). On CPU the copies are synchronous: bitwise, nothing outliving its step, the
 host pool reused."""
 
+import dataclasses
+
 import pytest
 import torch
 from support import assert_bitwise, reference_and_copy, step, token_ids
@@ -11,7 +13,7 @@ import tapesac_core
 from examples.models import rotary_cos_sin
 from tapesac_core.errors import TapeSACError
 from tapesac_core.measure.memory import memory_meter
-from tapesac_core.plan.plan import Plan, RegionPlan
+from tapesac_core.plan.plan import BlockKind, Plan, RegionPlan
 from tapesac_core.tape.host_pool import HostPool
 from tapesac_core.tape.offload import Offload, State, alone_bytes
 from tapesac_core.tape.tape import INPUT, OP
@@ -165,6 +167,90 @@ def test_an_offloading_block_after_one_that_keeps_comes_back_one_block_ahead_too
     assert states[1][0] is State.ON_HOST and states[1][2] is None
     assert states[0][0] is State.COMING_BACK  # since block 1's first unpack
     assert pool.outstanding == 0
+
+
+@pytest.mark.parametrize("after", [BlockKind.PLAIN, BlockKind.TORCH_CHECKPOINT])
+def test_an_offloading_block_before_one_run_plain_or_under_torch_s_checkpoint_comes_back_ahead(
+    after,
+) -> None:
+    """Block 0 offloads, block 1 runs plain or under torch's checkpoint (no unpack hook of
+    TapeSAC's): block 1's backward start (its outputs' first gradient) starts block 0's copy
+    back, as a recorded block's first unpack does."""
+    reference, model = reference_and_copy(moe=False)
+    ids = token_ids(0)
+    plan = _offloading(model, ids, [True, False, False, False])
+    (name, region), *_ = plan.regions.items()
+    kinds = (BlockKind.TAPE, after, BlockKind.TAPE, BlockKind.TAPE)
+    plan = dataclasses.replace(plan, regions={name: dataclasses.replace(region, kinds=kinds)})
+    states = []
+    handle = model.layers[0].register_full_backward_pre_hook(
+        lambda *_: states.append(blocks[0].offloaded.state)
+    )
+    with tapesac_core.use_plan(plan), tapesac_core.trace(offload=Offload(HostPool(CPU))) as traces:
+        torch.manual_seed(0)
+        loss = model.loss(ids)
+        blocks = [t.block() for t in traces]
+        assert len(blocks) == 3 and blocks[0].offloaded is not None
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+    handle.remove()
+    torch.manual_seed(0)
+    reference.loss(ids).backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(reference.parameters(), grads))
+    assert states == [State.COMING_BACK]  # on the host before
+
+
+class _Kept(torch.nn.Module):
+    """A block whose forward runs under autocast where ``cast`` is set: a steady-state call
+    with it set departs from its tape (``diverged``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.cast = False
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cast):
+            h = self.proj(x).tanh()
+        return h.float().sin()
+
+
+class _Offloaded(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.proj(x).tanh().sin()
+
+
+def test_a_diverged_call_after_an_offloading_block_starts_its_copy_back_and_measures_nothing(
+    caplog,
+) -> None:
+    """The middle block's steady-state call diverges (it holds nothing: its backward runs its
+    forward again): its first unpack still starts the copy back of the block before it, and
+    its inputs are not measured (0 bytes alone would be counted against later plans)."""
+    torch.manual_seed(0)
+    first, kept, last = _Offloaded(), _Kept(), _Offloaded()
+    for m in (first, kept, last):
+        tapesac_core.checkpoint_module(m)
+    x = torch.randn(4, 16, requires_grad=True)
+    pool = HostPool(CPU)
+    for call in range(3):
+        kept.cast = call == 2
+        states = []
+        handle = first.register_full_backward_pre_hook(
+            lambda *_: states.append(blocks[0].offloaded.state)
+        )
+        offload = Offload(pool, regions=frozenset({"_Offloaded"}))
+        with caplog.at_level("ERROR"), tapesac_core.trace(offload=offload) as traces:
+            loss = last(kept(first(x))).sum()
+            blocks = [t.block() for t in traces]
+            loss.backward()
+        handle.remove()
+        assert states == [State.COMING_BACK], call
+    assert traces[1].diverged is not None and traces[1].inputs_alone is None
+    assert traces[0].inputs_alone is not None
 
 
 def test_an_input_written_after_its_forward_stays_and_backward_refuses_it() -> None:

@@ -16,9 +16,13 @@ import tapesac_core
 from benchmarks.measure import live_bytes
 from examples.models import DecoderLayer, rotary_cos_sin
 from tapesac_core import Controller
+from tapesac_core.control.profiling import Profiling
 from tapesac_core.control.solving import NO_HOST_MEMORY
 from tapesac_core.control.step_report import PLANNED, PROFILE
 from tapesac_core.plan.offload_choice import Link
+from tapesac_core.plan.plan import BlockKind
+from tapesac_core.tape.host_pool import HostPool
+from tapesac_core.tape.offload import Offload
 from tapesac_lightning.tracking import step_metrics
 
 FAST = Link(to_host=1e12, to_device=1e12)  # every copy hidden
@@ -289,6 +293,40 @@ def test_a_caller_keeping_the_first_layer_s_input_leaves_the_others_to_offload()
     assert all(r.peak <= r.predicted_peak <= must_only * 96 // 100 for r in planned), [
         (r.peak, r.predicted_peak) for r in planned
     ]
+
+
+def test_blocks_run_plain_keep_their_place_in_the_region_s_measured_inputs() -> None:
+    """The caller keeps layer 2's input. An offloading step whose plan runs layer 0 plain (it
+    has no trace) measures each later layer at its own place: nothing is lowered (counted by
+    trace, layer 1's entry took layer 2's 0)."""
+    _, model = _models(layers=6)
+    ids = token_ids(0, batch=2, seq=64)
+    tokens = {"DecoderLayer": ids.numel()}
+
+    def kept_third():
+        h = model.embed_tokens(ids)
+        cos, sin = rotary_cos_sin(ids.shape[1], model.config.head_dim, model.config.rope_theta, h)
+        kept = []
+        for i, layer in enumerate(model.layers):
+            if i == 2:
+                kept.append(h)
+            h = layer(h, cos, sin)
+        return model.lm_head(model.norm(h)).float().mean() + 0.0 * kept[0].sum()
+
+    with tapesac_core.trace(time_nodes=True) as profiled:
+        kept_third().backward()
+    profiling = Profiling(steps=1, tolerance=0.5)
+    profiling.take(list(profiled), tokens)
+    alone = 2 * 64 * 32 * 4
+    measured = (alone, alone, 0, alone, alone, 0)
+    assert profiling.profiles["DecoderLayer"].inputs_alone == measured
+    plan = {"DecoderLayer": [BlockKind.PLAIN] + [set()] * 5}
+    offload = Offload(HostPool(torch.device("cpu")), regions=frozenset({"DecoderLayer"}))
+    with tapesac_core.use_plan(plan), tapesac_core.trace(offload=offload) as step:
+        kept_third().backward()
+    assert [t.position for t in step] == [1, 2, 3, 4, 5]
+    assert not profiling.held_inputs_less(list(step), tokens)
+    assert profiling.profiles["DecoderLayer"].inputs_alone == measured
 
 
 class ReluLayer(DecoderLayer):

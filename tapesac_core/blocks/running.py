@@ -184,17 +184,16 @@ def run_block(
     plan = PLAN.get()
     block_plan = plan.block_plan(region) if plan else BlockPlan()
     scope = TRACE.get()
-    if scope is not None:
-        _next_started(scope)
+    position = _next_started(scope, region) if scope is not None else 0
     # Not recorded, nothing to check: as without checkpointing, or as full checkpointing does.
     if block_plan.kind is BlockKind.PLAIN:
         if scope is not None:
             scope.plain.append(name)
-        return fn(*args, **kwargs)
+        return _backward_watched(scope, fn(*args, **kwargs))
     if block_plan.kind is BlockKind.TORCH_CHECKPOINT:
         if scope is not None:
             scope.torch_checkpointed.append(name)
-        return _torch_checkpoint(fn, args, kwargs)
+        return _backward_watched(scope, _torch_checkpoint(fn, args, kwargs))
     submodules = list(module.modules()) if module is not None else []
     if module is not None:
         refuse_sharded_inside(module, name, submodules)
@@ -209,6 +208,7 @@ def run_block(
         RECORDING.get,
         config.hidden_writes if config is not None else HiddenWrites(),
     )
+    block.trace.position = position
     if scope is not None:
         scope.blocks.append(block.trace)
     if config is not None:
@@ -379,18 +379,32 @@ def _learned_again(
     return run
 
 
-def _next_started(scope: TraceScope) -> None:
-    """A block's forward starts: the block before it (its caller has let go of its inputs)
-    offloads what only it holds now, where the step offloads it. On profiling and offloading
-    steps, the bytes of its inputs it alone held are measured first, for the planner
-    (``RegionProfile.inputs_alone``, checked again on every offloading step)."""
+def _next_started(scope: TraceScope, region: str) -> int:
+    """A block of ``region`` starts its forward: the block before it (its caller has let go of
+    its inputs) offloads what only it holds now, where the step offloads it. On profiling and
+    offloading steps, the bytes of its inputs it alone held are measured first, for the planner
+    (``RegionProfile.inputs_alone``, checked again on every offloading step), unless its call
+    diverged (it holds nothing). Returns the block's place among its region's blocks started in
+    the trace."""
     if (scope.time_nodes or scope.offload is not None) and scope.blocks:
         previous = scope.blocks[-1]
         block = previous.block() if previous.block is not None else None
-        if block is not None and previous.inputs_alone is None:
+        if block is not None and previous.inputs_alone is None and previous.diverged is None:
             previous.inputs_alone = alone_bytes(block, (INPUT,))
     if scope.offload is not None:
         scope.offload.next_started()
+    position = scope.started[region]
+    scope.started[region] = position + 1
+    return position
+
+
+def _backward_watched(scope: TraceScope | None, out: Any) -> Any:
+    """``out``, of a block a plan ran plain or under torch's checkpoint: where the step
+    offloads, its backward's start (its outputs' first gradient) starts the copy back of the
+    block before it, as a recorded block's first unpack does (``Offload.kept``)."""
+    if scope is not None and scope.offload is not None:
+        scope.offload.watch_outputs(_tensors_out(out))
+    return out
 
 
 def _plan_key(plan: BlockPlan) -> tuple:
@@ -448,6 +462,9 @@ def _run_steady(
     else:
         cache.diverged(signature, entry, block.name, diverged)
         block.held.clear()
+        scope = TRACE.get()
+        if scope is not None and scope.offload is not None:
+            scope.offload.kept(block)  # holds nothing: its backward runs its forward again
         block.trace.diverged, block.trace.steady = diverged, False
         block.recompute = Recompute(
             block.name,

@@ -4,6 +4,7 @@ runs blocks under torch's own checkpoint instead and names them."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -40,6 +41,7 @@ class TraceScope:
         # verified or memory probed, nor where the caller asks every block to record.
         self.steady = not (time_nodes or verify or probe is not None or record)
         self.blocks: list[BlockTrace] = []
+        self.started: Counter[str] = Counter()  # per region, blocks whose forward started
         self.plain = plain if plain is not None else []  # blocks run plain (not recorded)
         # Blocks a plan ran under torch.utils.checkpoint (not recorded).
         self.torch_checkpointed = torch_checkpointed if torch_checkpointed is not None else []

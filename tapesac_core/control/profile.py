@@ -280,9 +280,18 @@ def region_profiles(
             alive=frozenset(reference.alive_taken),
             replay_spread=_spread(replayed),
             varied=_varied([b.tape for b in same]),
-            inputs_alone=tuple(b.inputs_alone or 0 for b in traces),
+            inputs_alone=_inputs_alone(traces),
         )
     return profiles
+
+
+def _inputs_alone(traces: Sequence[BlockTrace]) -> tuple[int, ...]:
+    """Per block of a region, by its place among the region's blocks in the step, the bytes of
+    its inputs it alone held once the next block started (0 where not measured)."""
+    alone = [0] * (max(b.position for b in traces) + 1)
+    for b in traces:
+        alone[b.position] = b.inputs_alone or 0
+    return tuple(alone)
 
 
 def _varied(tapes: Sequence[Tape]) -> frozenset[int]:

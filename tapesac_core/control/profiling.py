@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from collections.abc import Container, Iterable, Mapping, Sequence
 
 from ..tape.block import BlockTrace
@@ -48,11 +47,8 @@ class Profiling:
         longer: offloading took less off the device than planned); such a profile now counts
         on that block's bytes, and every plan must be solved again."""
         less = False
-        positions: Counter[str] = Counter()
         for b in blocks:
-            region = b.tape.region
-            position = positions[region]
-            positions[region] += 1
+            region, position = b.tape.region, b.position
             p = self.profiles.get(region)
             if p is None or b.inputs_alone is None or position >= len(p.inputs_alone):
                 continue

@@ -69,6 +69,9 @@ class BlockTrace:
     # Bytes of its held inputs that nothing else held when the next block's forward started
     # (profiling steps; None: not measured): what offloading can take off beyond its own values.
     inputs_alone: int | None = None
+    # Its place among the blocks of its region whose forward started in the trace, in order,
+    # those a plan ran plain or under torch's checkpoint (no trace) included.
+    position: int = 0
     # Its block, weakly: autograd's saved tensors hold the block until it frees the graph.
     block: weakref.ReferenceType[Block] | None = field(default=None, repr=False)
 

@@ -20,10 +20,12 @@ bit, which a layout does not carry, stay too. At the block's first unpack in bac
 are back on the device, each
 value a view of its layout, bitwise what was copied; the block before it in forward order (the
 next in backward) starts its copy back then, so one block's copies run ahead of its backward. A
-block that keeps its values tells the step at its first unpack all the same (``store``), so the
-block before it starts its copy back then too. A block whose copy back did not start early (the
-block after it ran plain or under torch's checkpoint, or backward does not run in reverse forward
-order) copies at its own first unpack. A value written after the forward
+block that keeps its values tells the step at its first unpack all the same (``kept``; a block
+run plain or under torch's checkpoint, at its outputs' first gradient, ``watch_outputs``), so the
+block before it starts its copy back then too. Backward is taken to run in reverse forward order:
+a step that runs a later model's backward first (two backward calls, ``autograd.grad`` of an
+intermediate) brings the block before back all the same, and it stays on the device until its
+own backward, above what the peak model counts. A value written after the forward
 (through the block's input or output) stays: backward refuses it, as without offload. The restored storages are the block's alone: they go with its
 held values. Host buffers return to the pool once copied back, when the block is freed without a
 backward, and, every buffer still out, when the step ends (``close``), a failed step included;
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -81,7 +84,7 @@ class Offload:
         offloads (``planned``) or its region is forced; elsewhere its first unpack starts the
         copy back of the block before it."""
         if not planned and self.regions is not None and block.region not in self.regions:
-            block.backward_started = functools.partial(self.started_backward, self._started - 1)
+            self.kept(block)
             return
         record = OffloadedBlock(self, block, self._started - 1)
         # Known before any copy: a failed one leaves what was copied restorable and releasable.
@@ -90,6 +93,20 @@ class Offload:
         block.offloaded = record
         weakref.finalize(block, record.release)  # a block freed without its backward
         record.copy_held(block, (OP,))
+
+    def kept(self, block: Block) -> None:
+        """``block``, the latest started, offloads nothing: its first unpack starts the copy
+        back of the block before it."""
+        block.backward_started = functools.partial(self.started_backward, self._started - 1)
+
+    def watch_outputs(self, outputs: Sequence[Tensor]) -> None:
+        """The latest started block ran plain or under torch's checkpoint (no unpack of ours):
+        the first gradient of its ``outputs`` in backward starts the copy back of the block
+        before it."""
+        started = functools.partial(self.started_backward, self._started - 1)
+        needing = [t for t in outputs if t.requires_grad]
+        if needing:
+            torch.autograd.graph.register_multi_grad_hook(needing, lambda _: started(), mode="any")
 
     def next_started(self) -> None:
         """A block's forward starts (every block's, offloading or not): the block just before it
