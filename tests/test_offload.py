@@ -200,6 +200,43 @@ def test_an_offloading_block_before_one_run_plain_or_under_torch_s_checkpoint_co
     assert states == [State.COMING_BACK]  # on the host before
 
 
+class _Passing(torch.nn.Module):
+    """A block returning its output and a parameter of its own (a leaf) unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.prefix = torch.nn.Parameter(torch.randn(2, 16))
+
+    def forward(self, x):
+        return self.proj(x).relu(), self.prefix
+
+
+def test_a_block_run_plain_hooks_only_its_own_nodes_and_only_for_its_step() -> None:
+    """Run plain between two offloading blocks, it returns a parameter (a leaf: no hook may stay
+    on it past the step); a gradient asked of its output alone runs neither its backward nor
+    the one before, and brings nothing back; its backward does."""
+    torch.manual_seed(0)
+    first, middle, last = _Offloaded(), _Passing(), _Offloaded()
+    for m in (first, middle, last):
+        tapesac_core.checkpoint_module(m)
+    x = torch.randn(4, 16)
+    pool = HostPool(CPU)
+    for _ in range(3):
+        offload = Offload(pool, regions=frozenset({"_Offloaded"}))
+        with (
+            tapesac_core.use_plan({"_Passing": [BlockKind.PLAIN]}),
+            tapesac_core.trace(offload=offload) as traces,
+        ):
+            h, prefix = middle(first(x))
+            loss = last(h).sum() + prefix.sum()
+            torch.autograd.grad(loss, [h], retain_graph=True)
+            assert traces[0].block().offloaded.state is State.ON_HOST
+            loss.backward()
+        assert not middle.prefix._backward_hooks and not offload._hooks
+    assert pool.outstanding == 0
+
+
 class _Kept(torch.nn.Module):
     """A block whose forward runs under autocast where ``cast`` is set: a steady-state call
     with it set departs from its tape (``diverged``)."""

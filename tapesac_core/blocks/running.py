@@ -400,8 +400,9 @@ def _next_started(scope: TraceScope, region: str) -> int:
 
 def _backward_watched(scope: TraceScope | None, out: Any) -> Any:
     """``out``, of a block a plan ran plain or under torch's checkpoint: where the step
-    offloads, its backward's start (its outputs' first gradient) starts the copy back of the
-    block before it, as a recorded block's first unpack does (``Offload.kept``)."""
+    offloads, its backward's start (the first of its outputs' autograd nodes to run) starts
+    the copy back of the block before it, as a recorded block's first unpack does
+    (``Offload.kept``)."""
     if scope is not None and scope.offload is not None:
         scope.offload.watch_outputs(_tensors_out(out))
     return out

@@ -17,17 +17,17 @@ The block's own tensors on a storage are those it holds and those it watches for
 its forward (``Block.own_tensors``); nothing else can write into a storage only they hold, so an
 offloaded value is not watched any more (``Block.let_go``). Values with the conjugate or negative
 bit, which a layout does not carry, stay too. At the block's first unpack in backward its storages
-are back on the device, each
-value a view of its layout, bitwise what was copied; the block before it in forward order (the
-next in backward) starts its copy back then, so one block's copies run ahead of its backward. A
-block that keeps its values tells the step at its first unpack all the same (``kept``; a block
-run plain or under torch's checkpoint, at its outputs' first gradient, ``watch_outputs``), so the
-block before it starts its copy back then too. Backward is taken to run in reverse forward order:
-a step that runs a later model's backward first (two backward calls, ``autograd.grad`` of an
-intermediate) brings the block before back all the same, and it stays on the device until its
-own backward, above what the peak model counts. A value written after the forward
-(through the block's input or output) stays: backward refuses it, as without offload. The restored storages are the block's alone: they go with its
-held values. Host buffers return to the pool once copied back, when the block is freed without a
+are back on the device, each value a view of its layout, bitwise what was copied; the block
+before it in forward order (the next in backward) starts its copy back then, so one block's
+copies run ahead of its backward. A block that keeps its values tells the step at its first
+unpack all the same (``kept``; a block run plain or under torch's checkpoint, as the first of its
+outputs' nodes runs, ``watch_outputs``), so the block before it starts its copy back then too.
+Backward is taken to run in reverse forward order: a step that runs a later model's backward
+first (two backward calls, ``autograd.grad`` of an intermediate) brings the block before back all
+the same, and it stays on the device until its own backward, above what the peak model counts.
+A value written after the forward (through the block's input or output) stays: backward refuses
+it, as without offload. The restored storages are the block's alone: they go with its held
+values. Host buffers return to the pool once copied back, when the block is freed without a
 backward, and, every buffer still out, when the step ends (``close``), a failed step included;
 an unpack after that is an error.
 
@@ -38,8 +38,8 @@ memory allocated on the compute stream after that stream's event, and the comput
 on the copy's event before the block's backward reads it. Each device storage a copy reads or
 writes is marked used by the side stream (``record_stream``), so the allocator does not hand it
 out again before the copy completes, whenever the block lets go of it. Nothing waits on a
-whole-device synchronize. On CPU there is no separate host memory and no stream: copies are synchronous (the
-mechanism runs, and is tested, there; plans on CPU will never offload).
+whole-device synchronize. On CPU there is no separate host memory and no stream: copies are
+synchronous (the mechanism runs, and is tested, there; plans on CPU will never offload).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .._compat import storage_use_count
 from ..errors import TapeSACError
@@ -78,6 +79,7 @@ class Offload:
         self._started = 0  # blocks whose forward started in the step, offloading or not
         self._at: dict[int, OffloadedBlock] = {}  # by the block's position among them
         self._copies: dict[torch.device, _Copies] = {}
+        self._hooks: list[RemovableHandle] = []  # on nodes of blocks run plain: gone at close
 
     def store(self, block: Block, *, planned: bool = False) -> None:
         """End of ``block``'s forward: offload the values it holds that ops made, where its plan
@@ -101,12 +103,15 @@ class Offload:
 
     def watch_outputs(self, outputs: Sequence[Tensor]) -> None:
         """The latest started block ran plain or under torch's checkpoint (no unpack of ours):
-        the first gradient of its ``outputs`` in backward starts the copy back of the block
-        before it."""
+        its backward's start (the first of its outputs' autograd nodes to run) starts the copy
+        back of the block before it. A hook on the node, not on the tensor: a tensor's hook would
+        stay on a leaf for good, and fire for ``autograd.grad`` of the output, where the block's
+        backward does not run. An output written in place after (its node replaced) or returned
+        unchanged (the node is not the block's) starts nothing: that block copies back at its own
+        first unpack."""
         started = functools.partial(self.started_backward, self._started - 1)
-        needing = [t for t in outputs if t.requires_grad]
-        if needing:
-            torch.autograd.graph.register_multi_grad_hook(needing, lambda _: started(), mode="any")
+        nodes = {t.grad_fn for t in outputs if t.grad_fn is not None}
+        self._hooks.extend(node.register_prehook(lambda _: started()) for node in nodes)
 
     def next_started(self) -> None:
         """A block's forward starts (every block's, offloading or not): the block just before it
@@ -141,7 +146,9 @@ class Offload:
         an offloaded value is an error."""
         for record in self._blocks:
             record.release()
-        self._blocks, self._at = [], {}
+        for hook in self._hooks:
+            hook.remove()
+        self._blocks, self._at, self._hooks = [], {}, []
 
 
 class State(Enum):
