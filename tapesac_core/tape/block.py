@@ -19,6 +19,7 @@ from ..plan.coords import Anchor, Coord
 from ..plan.plan import BlockKind
 from ..tensors import detached, is_subclass_with_dispatch
 from .lifetimes import StorageLifetimes
+from .op_checks import submodule_at
 from .replay import Replay
 from .tape import (
     BUFFER,
@@ -175,7 +176,9 @@ class Block:
         self.memo: ReplayMemo | None = None  # a steady-state call's: its cached tape's closures
         # Some node writes in place: only then must replay guard what it must not write into.
         self.writes_in_place = False
-        self._owners: dict[str, tuple[torch.nn.Module, str]] = {}  # leaf -> (submodule, attribute)
+        self._owners: dict[
+            str, tuple[torch.nn.Module | None, str]
+        ] = {}  # leaf -> (submodule, attribute)
         # The parameters and buffers backward fetches by name, as the forward used them and
         # with their versions then (``note_leaves``), for the forward's own where the module
         # holds another at backward; and, while a recording runs, each as the forward first
@@ -263,12 +266,14 @@ class Block:
         owner = self._owners.get(value.name)
         if owner is None:
             path, _, attr = value.name.rpartition(".")
-            owner = self._owners[value.name] = (self.module.get_submodule(path), attr)
+            owner = self._owners[value.name] = (submodule_at(self.module, path), attr)
         module, attr = owner
         # The registry first: Module.__getattr__ is a Python frame per unpack of a parameter.
-        t = (module._parameters if value.kind == PARAM else module._buffers).get(attr)
-        if t is None:
-            t = getattr(module, attr, None)
+        t = None
+        if module is not None:
+            t = (module._parameters if value.kind == PARAM else module._buffers).get(attr)
+            if t is None:
+                t = getattr(module, attr, None)
         if t is None:
             raise TapeSACError(
                 f"block {self.name!r}: {value.kind} {value.name!r}, which its forward read, is "

@@ -85,6 +85,18 @@ def leaf_names(module: torch.nn.Module) -> dict[int, str]:
     return names
 
 
+def submodule_at(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    """The registered submodule at dotted ``path`` (``""``: ``module``), as ``leaf_names`` walks
+    them, or None: a dict lookup per part, where ``Module.get_submodule`` takes two Python
+    attribute lookups through ``Module.__getattr__`` (per pack of a parameter in steady state)."""
+    for part in path.split(".") if path else ():
+        found = module._modules.get(part)
+        if found is None:
+            return None
+        module = found
+    return module
+
+
 def _without_layout(key: Any) -> Any:
     """A source key as a pack compares it: an alias's or an external's, ``(kind, which,
     layout)``, without the layout."""
@@ -172,11 +184,8 @@ class Sources:
         """Whether ``t`` is the module's parameter or buffer ``name`` now: the key of a leaf,
         without listing every leaf of the module (``_unseen``)."""
         path, _, leaf = name.rpartition(".")
-        try:
-            module = self._module.get_submodule(path)
-        except AttributeError:
-            return False
-        if getattr(module, leaf, None) is not t:
+        module = submodule_at(self._module, path)
+        if module is None or getattr(module, leaf, None) is not t:
             return False
         self.read.setdefault(name, t)
         return True
