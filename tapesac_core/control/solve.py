@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -468,16 +467,13 @@ def copy_windows(
     the last block and blocks of no profiled region."""
     seconds = {r: p.forward_seconds(tokens[r]) for r, p in profiles.items()}
     blocks = timeline.blocks
-    positions: Counter[str] = Counter()  # each block's place in its region, forward order
     out: list[CopyWindow | None] = []
     for i, b in enumerate(blocks):
-        position = positions[b.region]
-        positions[b.region] += 1
         after = blocks[i + 1].region if i + 1 < len(blocks) else ""
         if b.region not in profiles or after not in profiles:
             out.append(None)
             continue
-        held = profiles[b.region].offloaded_bytes(tokens[b.region], position)
+        held = profiles[b.region].offloaded_bytes(tokens[b.region], b.index)
         out.append(CopyWindow(held=held, next_forward=seconds[after], next_backward=seconds[after]))
     return out
 

@@ -176,9 +176,8 @@ class Block:
         self.memo: ReplayMemo | None = None  # a steady-state call's: its cached tape's closures
         # Some node writes in place: only then must replay guard what it must not write into.
         self.writes_in_place = False
-        self._owners: dict[
-            str, tuple[torch.nn.Module | None, str]
-        ] = {}  # leaf -> (submodule, attribute)
+        # leaf -> (its submodule, None where no longer registered; its attribute)
+        self._owners: dict[str, tuple[torch.nn.Module | None, str]] = {}
         # The parameters and buffers backward fetches by name, as the forward used them and
         # with their versions then (``note_leaves``), for the forward's own where the module
         # holds another at backward; and, while a recording runs, each as the forward first

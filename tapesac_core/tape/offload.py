@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -99,7 +99,7 @@ class Offload:
     def kept(self, block: Block) -> None:
         """``block``, the latest started, offloads nothing: its first unpack starts the copy
         back of the block before it."""
-        block.backward_started = functools.partial(self.started_backward, self._started - 1)
+        block.backward_started = self._latest_started_backward()
 
     def watch_outputs(self, outputs: Sequence[Tensor]) -> None:
         """The latest started block ran plain or under torch's checkpoint (no unpack of ours):
@@ -109,9 +109,13 @@ class Offload:
         backward does not run. An output written in place after (its node replaced) or returned
         unchanged (the node is not the block's) starts nothing: that block copies back at its own
         first unpack."""
-        started = functools.partial(self.started_backward, self._started - 1)
+        started = self._latest_started_backward()
         nodes = {t.grad_fn for t in outputs if t.grad_fn is not None}
         self._hooks.extend(node.register_prehook(lambda _: started()) for node in nodes)
+
+    def _latest_started_backward(self) -> Callable[[], None]:
+        """``started_backward`` for the block whose forward started last."""
+        return functools.partial(self.started_backward, self._started - 1)
 
     def next_started(self) -> None:
         """A block's forward starts (every block's, offloading or not): the block just before it
