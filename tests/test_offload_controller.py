@@ -6,6 +6,7 @@ stand for host memory there, outside the meter.)"""
 
 import copy
 import warnings
+from collections.abc import Container
 
 import pytest
 import torch
@@ -213,15 +214,15 @@ def test_the_step_frontier_with_offload_reaches_lower_peaks_than_without() -> No
     assert plan.predicted_peak <= plan.capacity
 
 
-def _loss(model, ids, keep: int):
-    """The examples' decoder loss, its caller keeping the first ``keep`` layers' inputs until
+def _loss(model, ids, keep: Container[int]):
+    """The examples' decoder loss, its caller keeping the inputs of the layers in ``keep`` until
     the loss (all: as a model returning all hidden states does; the first: as Hugging Face
     models keep the embeddings)."""
     h = model.embed_tokens(ids)
     cos, sin = rotary_cos_sin(ids.shape[1], model.config.head_dim, model.config.rope_theta, h)
     kept = []
     for i, layer in enumerate(model.layers):
-        if i < keep:
+        if i in keep:
             kept.append(h)
         h = layer(h, cos, sin)
     logits = model.lm_head(model.norm(h))[:, :-1].float()
@@ -237,13 +238,13 @@ def test_inputs_a_caller_keeps_after_profiling_are_measured_and_plans_solved_aga
     ids = token_ids(0, batch=2, seq=512)
     controller = Controller(model, "1GiB", **(SHORT_SCHEDULE | METERED))
     controller.solver.link = FAST
-    keep, reports = 0, []
+    keep, reports = range(0), []
     for step in range(9):
         if step == 4:
             must_only = next(r.peak for r in reports if r.mode == PROFILE)
             controller.replan(memory_limit=must_only * 105 // 100)
             assert any(controller.profiles["DecoderLayer"].inputs_alone)
-            keep = len(model.layers)
+            keep = range(len(model.layers))
         with caplog.at_level("INFO", logger="tapesac_core"):
             with controller.step(tokens=ids.numel()) as report:
                 _loss(model, ids, keep).backward()
@@ -276,10 +277,10 @@ def test_a_caller_keeping_the_first_layer_s_input_leaves_the_others_to_offload()
         for m in (reference, model):
             m.zero_grad(set_to_none=True)
         torch.manual_seed(step)
-        expected = _loss(reference, ids, 1)
+        expected = _loss(reference, ids, {0})
         expected.backward()
         with controller.step(tokens=ids.numel()) as report:
-            loss = _loss(model, ids, 1)
+            loss = _loss(model, ids, {0})
             loss.backward()
         assert torch.equal(loss, expected)
         for (name, p), q in zip(reference.named_parameters(), model.parameters()):
@@ -303,18 +304,8 @@ def test_blocks_run_plain_keep_their_place_in_the_region_s_measured_inputs() -> 
     ids = token_ids(0, batch=2, seq=64)
     tokens = {"DecoderLayer": ids.numel()}
 
-    def kept_third():
-        h = model.embed_tokens(ids)
-        cos, sin = rotary_cos_sin(ids.shape[1], model.config.head_dim, model.config.rope_theta, h)
-        kept = []
-        for i, layer in enumerate(model.layers):
-            if i == 2:
-                kept.append(h)
-            h = layer(h, cos, sin)
-        return model.lm_head(model.norm(h)).float().mean() + 0.0 * kept[0].sum()
-
     with tapesac_core.trace(time_nodes=True) as profiled:
-        kept_third().backward()
+        _loss(model, ids, {2}).backward()
     profiling = Profiling(steps=1, tolerance=0.5)
     profiling.take(list(profiled), tokens)
     alone = 2 * 64 * 32 * 4
@@ -323,7 +314,7 @@ def test_blocks_run_plain_keep_their_place_in_the_region_s_measured_inputs() -> 
     plan = {"DecoderLayer": [BlockKind.PLAIN] + [set()] * 5}
     offload = Offload(HostPool(torch.device("cpu")), regions=frozenset({"DecoderLayer"}))
     with tapesac_core.use_plan(plan), tapesac_core.trace(offload=offload) as step:
-        kept_third().backward()
+        _loss(model, ids, {2}).backward()
     assert [t.position for t in step] == [1, 2, 3, 4, 5]
     assert not profiling.held_inputs_less(list(step), tokens)
     assert profiling.profiles["DecoderLayer"].inputs_alone == measured
